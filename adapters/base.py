@@ -1,0 +1,113 @@
+"""The Adapter contract every broker implements, and the description of what a broker can do.
+
+The core talks to brokers only through this protocol. Every method that takes deliveries takes a
+batch and should cost one broker round trip per batch where the broker allows it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from ..message import Delivery
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a broker offers; the conformance suite and the core read it, never the adapter's type.
+
+    Attributes:
+        min_ack_deadline: shortest ack deadline (seconds) the broker accepts.
+        max_ack_deadline: longest ack deadline (seconds) one extension may set.
+        native_dead_letter: the broker can dead-letter by itself.
+        native_retry_backoff: the broker can delay redelivery by itself.
+        exactly_once: the broker can confirm acks (a failed ack means a redelivery will come).
+        seek: the broker can replay retained messages.
+        ordering: ordering keys are delivered in order.
+        delivery_attempt_exact: ``delivery_attempt`` is kept by the broker (not per process).
+    """
+
+    min_ack_deadline: float = 0.0
+    max_ack_deadline: float = math.inf
+    native_dead_letter: bool = False
+    native_retry_backoff: bool = False
+    exactly_once: bool = False
+    seek: bool = False
+    ordering: bool = False
+    delivery_attempt_exact: bool = True
+
+    def clamp_deadline(self, seconds: float) -> float:
+        """``seconds`` limited to the broker's accepted range."""
+        return min(self.max_ack_deadline, max(self.min_ack_deadline, seconds))
+
+
+@runtime_checkable
+class Adapter(Protocol):
+    """An async message broker, as the core sees it."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this broker supports."""
+        ...
+
+    async def ensure_subscription(self, topic: str, subscription: str, **options: Any) -> None:
+        """Create ``topic`` and ``subscription`` if missing; a no-op when both exist."""
+        ...
+
+    async def publish(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        """Publish one message and return its broker message id."""
+        ...
+
+    async def receive(
+        self, subscription: str, max_messages: int, timeout: float
+    ) -> list[Delivery]:
+        """Wait up to ``timeout`` seconds for messages; return at most ``max_messages``.
+
+        Returns an empty list when the timeout passes with nothing to deliver.
+        """
+        ...
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Acknowledge; returns the deliveries the broker refused (stale ack ids)."""
+        ...
+
+    async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
+        """Give the deliveries back for redelivery after ``delay`` seconds (0: at once)."""
+        ...
+
+    async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
+        """Set each delivery's ack deadline to ``seconds`` from now.
+
+        Returns the deliveries the broker refused (stale ack ids); they are no longer ours.
+        """
+        ...
+
+    async def subscription_ack_deadline(self, subscription: str) -> float:
+        """The deadline (seconds) a fresh delivery of ``subscription`` gets from the broker."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections; the adapter is unusable afterwards."""
+        ...
+
+    def publish_sync(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        """Blocking twin of :meth:`publish`, safe from any thread while a Subscriber runs."""
+        ...
+
+    def ensure_subscription_sync(self, topic: str, subscription: str, **options: Any) -> None:
+        """Blocking twin of :meth:`ensure_subscription`."""
+        ...

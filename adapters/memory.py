@@ -1,0 +1,396 @@
+"""An in-process broker: the reference implementation of the Adapter contract.
+
+Not a mock. It behaves the way Pub/Sub does as a consumer observes it: topics fan out to
+subscriptions; each delivery has an ack deadline; a delivery whose deadline passes unacked comes
+back with ``delivery_attempt + 1``; ``nack(delay)`` brings it back after the delay; ordering keys
+deliver one message per key at a time, in publish order. Time comes from an injectable clock, so
+tests move a ten-second deadline with ``ManualClock.advance``.
+
+Thread-safe: one lock guards all state, and no await happens while it is held. ``publish_sync``
+and ``ensure_subscription_sync`` may be called from any thread while Subscribers on other threads
+or loops receive; waiting receivers are woken on their own loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from ..clock import Clock, SystemClock, sleep_or_event
+from ..errors import ConfigurationError, UnknownSubscriptionError
+from ..message import Delivery, Message
+from .base import Capabilities
+
+DEFAULT_ACK_DEADLINE = 10.0
+# Pub/Sub's default retention of unacked messages; acked ones are kept this long only when the
+# subscription asks for it (retain_acked_messages=True), for seek.
+DEFAULT_MESSAGE_RETENTION = 7 * 24 * 3600.0
+
+CAPABILITIES = Capabilities(
+    min_ack_deadline=0.0,
+    max_ack_deadline=float("inf"),
+    native_dead_letter=False,
+    native_retry_backoff=True,
+    exactly_once=True,
+    seek=False,
+    ordering=True,
+    delivery_attempt_exact=True,
+)
+
+
+@dataclass(eq=False)
+class _Entry:
+    """One message as stored in one subscription."""
+
+    id: str
+    data: bytes
+    attributes: dict[str, str]
+    publish_time: datetime
+    ordering_key: str | None
+    attempts: int = 0
+
+
+@dataclass(eq=False)
+class _Lease:
+    entry: _Entry
+    deadline: float
+
+
+@dataclass(eq=False)
+class _Subscription:
+    name: str
+    topic: str
+    ack_deadline: float
+    retain_acked_messages: bool
+    message_retention: float
+    ready: deque[_Entry] = field(default_factory=deque)
+    delayed: list[tuple[float, int, _Entry]] = field(default_factory=list)
+    leased: dict[str, _Lease] = field(default_factory=dict)
+    lease_heap: list[tuple[float, int, str]] = field(default_factory=list)
+    waiting_by_key: dict[str, deque[_Entry]] = field(default_factory=dict)
+    busy_keys: set[str] = field(default_factory=set)
+    acked: deque[tuple[float, _Entry]] = field(default_factory=deque)
+    waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=set)
+
+
+class MemoryAdapter:
+    """An in-process, thread-safe broker with ack deadlines, redelivery, fan-out and ordering.
+
+    Args:
+        clock: the time source for deadlines and delays (default: the system clock).
+    """
+
+    def __init__(self, *, clock: Clock | None = None) -> None:
+        self._clock: Clock = clock or SystemClock()
+        self._lock = threading.Lock()
+        self._topics: dict[str, list[_Subscription]] = {}
+        self._subscriptions: dict[str, _Subscription] = {}
+        self._message_ids = itertools.count(1)
+        self._ack_ids = itertools.count(1)
+        self._sequence = itertools.count()
+        self._closed = False
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
+    @property
+    def clock(self) -> Clock:
+        """The clock this broker's deadlines run on."""
+        return self._clock
+
+    # -- administration -------------------------------------------------------------------
+
+    def ensure_topic_sync(self, topic: str) -> None:
+        """Create ``topic`` if it does not exist."""
+        with self._lock:
+            self._topics.setdefault(topic, [])
+
+    async def ensure_topic(self, topic: str) -> None:
+        """Create ``topic`` if it does not exist."""
+        self.ensure_topic_sync(topic)
+
+    def ensure_subscription_sync(
+        self,
+        topic: str,
+        subscription: str,
+        *,
+        ack_deadline: float = DEFAULT_ACK_DEADLINE,
+        retain_acked_messages: bool = False,
+        message_retention: float = DEFAULT_MESSAGE_RETENTION,
+        **options: Any,
+    ) -> None:
+        """Create ``topic`` and ``subscription`` (idempotent).
+
+        Args:
+            ack_deadline: seconds a fresh delivery may stay unacked before redelivery (> 0).
+            retain_acked_messages: keep acked messages for ``message_retention`` seconds.
+            message_retention: how long retained acked messages are kept (> 0).
+        """
+        if options:
+            raise ConfigurationError(
+                f"MemoryAdapter.ensure_subscription got unknown options {sorted(options)}; "
+                "allowed: ack_deadline, retain_acked_messages, message_retention"
+            )
+        if not ack_deadline > 0:
+            raise ConfigurationError(
+                f"ensure_subscription: ack_deadline must be in (0, inf), got {ack_deadline!r}"
+            )
+        if not message_retention > 0:
+            raise ConfigurationError(
+                "ensure_subscription: message_retention must be in (0, inf), "
+                f"got {message_retention!r}"
+            )
+        with self._lock:
+            existing = self._subscriptions.get(subscription)
+            if existing is not None:
+                if existing.topic != topic:
+                    raise ConfigurationError(
+                        f"subscription {subscription!r} already exists on topic "
+                        f"{existing.topic!r}, not {topic!r}"
+                    )
+                return
+            state = _Subscription(
+                name=subscription,
+                topic=topic,
+                ack_deadline=ack_deadline,
+                retain_acked_messages=retain_acked_messages,
+                message_retention=message_retention,
+            )
+            self._subscriptions[subscription] = state
+            self._topics.setdefault(topic, []).append(state)
+
+    async def ensure_subscription(self, topic: str, subscription: str, **options: Any) -> None:
+        self.ensure_subscription_sync(topic, subscription, **options)
+
+    async def subscription_ack_deadline(self, subscription: str) -> float:
+        with self._lock:
+            return self._subscription(subscription).ack_deadline
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def publish_sync(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise TypeError(f"publish: data must be bytes, got {type(data).__name__}")
+        attrs = dict(attributes or {})
+        for key, value in attrs.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(
+                    f"publish: attributes must map str to str, got {key!r}: {value!r}"
+                )
+        payload = bytes(data)
+        with self._lock:
+            subscriptions = self._topics.get(topic)
+            if subscriptions is None:
+                raise UnknownSubscriptionError(
+                    f"topic {topic!r} does not exist; create it with ensure_subscription or "
+                    f"ensure_topic (known topics: {sorted(self._topics)})"
+                )
+            message_id = str(next(self._message_ids))
+            published = datetime.fromtimestamp(self._clock.wall(), tz=timezone.utc)
+            for sub in subscriptions:
+                entry = _Entry(message_id, payload, dict(attrs), published, ordering_key or None)
+                self._enqueue(sub, entry)
+        return message_id
+
+    async def publish(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        return self.publish_sync(topic, data, attributes, ordering_key)
+
+    # -- consuming -------------------------------------------------------------------------
+
+    async def receive(
+        self, subscription: str, max_messages: int, timeout: float
+    ) -> list[Delivery]:
+        if max_messages < 1:
+            raise ValueError(f"receive: max_messages must be >= 1, got {max_messages}")
+        give_up_at = self._clock.now() + max(0.0, timeout)
+        loop = asyncio.get_running_loop()
+        while True:
+            event = asyncio.Event()
+            with self._lock:
+                sub = self._subscription(subscription)
+                now = self._clock.now()
+                batch = self._take(sub, max_messages, now)
+                if batch or self._closed or now >= give_up_at:
+                    return batch
+                wake_at = min(give_up_at, self._next_due(sub))
+                waiter = (loop, event)
+                sub.waiters.add(waiter)
+            try:
+                await sleep_or_event(self._clock, event, wake_at - now)
+            finally:
+                with self._lock:
+                    sub.waiters.discard(waiter)
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        refused: list[Delivery] = []
+        with self._lock:
+            now = self._clock.now()
+            for delivery in deliveries:
+                sub = self._subscription(delivery.message.subscription)
+                lease = sub.leased.pop(delivery.ack_id, None)
+                if lease is None:
+                    refused.append(delivery)
+                    continue
+                if sub.retain_acked_messages:
+                    sub.acked.append((now, lease.entry))
+                    self._prune_acked(sub, now)
+                self._release_key(sub, lease.entry)
+        return refused
+
+    async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
+        with self._lock:
+            available_at = self._clock.now() + max(0.0, delay)
+            for delivery in deliveries:
+                sub = self._subscription(delivery.message.subscription)
+                lease = sub.leased.pop(delivery.ack_id, None)
+                if lease is None:
+                    continue
+                if delay <= 0:
+                    sub.ready.appendleft(lease.entry)
+                    self._notify(sub)
+                else:
+                    heapq.heappush(sub.delayed, (available_at, next(self._sequence), lease.entry))
+                    self._notify(sub)  # a waiting receiver must learn of the new due time
+
+    async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
+        refused: list[Delivery] = []
+        with self._lock:
+            deadline = self._clock.now() + max(0.0, seconds)
+            for delivery in deliveries:
+                sub = self._subscription(delivery.message.subscription)
+                lease = sub.leased.get(delivery.ack_id)
+                if lease is None:
+                    refused.append(delivery)
+                    continue
+                lease.deadline = deadline
+                heapq.heappush(sub.lease_heap, (deadline, next(self._sequence), delivery.ack_id))
+                self._notify(sub)
+        return refused
+
+    async def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for sub in self._subscriptions.values():
+                self._notify(sub)
+
+    # -- inspection, for tests and examples ---------------------------------------------------
+
+    def backlog(self, subscription: str) -> int:
+        """Messages of ``subscription`` not yet acked (ready, leased, delayed or queued by key)."""
+        with self._lock:
+            sub = self._subscription(subscription)
+            queued = sum(len(q) for q in sub.waiting_by_key.values())
+            return len(sub.ready) + len(sub.delayed) + len(sub.leased) + queued
+
+    def retained(self, subscription: str) -> list[Message]:
+        """Acked messages still retained by ``subscription`` (retain_acked_messages=True)."""
+        with self._lock:
+            sub = self._subscription(subscription)
+            self._prune_acked(sub, self._clock.now())
+            return [self._message(sub, entry) for _, entry in sub.acked]
+
+    # -- internals (call with the lock held) ------------------------------------------------
+
+    def _subscription(self, name: str) -> _Subscription:
+        try:
+            return self._subscriptions[name]
+        except KeyError:
+            raise UnknownSubscriptionError(
+                f"subscription {name!r} does not exist; known: {sorted(self._subscriptions)}"
+            ) from None
+
+    def _enqueue(self, sub: _Subscription, entry: _Entry) -> None:
+        key = entry.ordering_key
+        if key is not None:
+            if key in sub.busy_keys:
+                sub.waiting_by_key.setdefault(key, deque()).append(entry)
+                return
+            sub.busy_keys.add(key)
+        sub.ready.append(entry)
+        self._notify(sub)
+
+    def _release_key(self, sub: _Subscription, entry: _Entry) -> None:
+        """After an ack, let the next message of the same ordering key go."""
+        key = entry.ordering_key
+        if key is None:
+            return
+        queue = sub.waiting_by_key.get(key)
+        if queue:
+            sub.ready.append(queue.popleft())
+            if not queue:
+                del sub.waiting_by_key[key]
+            self._notify(sub)
+        else:
+            sub.busy_keys.discard(key)
+
+    def _promote(self, sub: _Subscription, now: float) -> None:
+        """Move expired leases and elapsed nack delays back to the ready queue."""
+        while sub.lease_heap and sub.lease_heap[0][0] <= now:
+            deadline, _, ack_id = heapq.heappop(sub.lease_heap)
+            lease = sub.leased.get(ack_id)
+            if lease is not None and lease.deadline == deadline:
+                del sub.leased[ack_id]
+                sub.ready.append(lease.entry)
+        while sub.delayed and sub.delayed[0][0] <= now:
+            sub.ready.append(heapq.heappop(sub.delayed)[2])
+
+    def _take(self, sub: _Subscription, max_messages: int, now: float) -> list[Delivery]:
+        self._promote(sub, now)
+        batch: list[Delivery] = []
+        deadline = now + sub.ack_deadline
+        while sub.ready and len(batch) < max_messages:
+            entry = sub.ready.popleft()
+            entry.attempts += 1
+            ack_id = str(next(self._ack_ids))
+            sub.leased[ack_id] = _Lease(entry, deadline)
+            heapq.heappush(sub.lease_heap, (deadline, next(self._sequence), ack_id))
+            batch.append(Delivery(self._message(sub, entry), ack_id, now))
+        return batch
+
+    def _message(self, sub: _Subscription, entry: _Entry) -> Message:
+        return Message(
+            id=entry.id,
+            data=entry.data,
+            attributes=dict(entry.attributes),
+            delivery_attempt=max(1, entry.attempts),
+            publish_time=entry.publish_time,
+            ordering_key=entry.ordering_key,
+            subscription=sub.name,
+        )
+
+    def _next_due(self, sub: _Subscription) -> float:
+        due = float("inf")
+        if sub.lease_heap:
+            due = sub.lease_heap[0][0]
+        if sub.delayed:
+            due = min(due, sub.delayed[0][0])
+        return due
+
+    def _prune_acked(self, sub: _Subscription, now: float) -> None:
+        while sub.acked and sub.acked[0][0] + sub.message_retention <= now:
+            sub.acked.popleft()
+
+    def _notify(self, sub: _Subscription) -> None:
+        for loop, event in sub.waiters:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(event.set)

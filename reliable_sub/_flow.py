@@ -1,0 +1,50 @@
+"""Flow control: how many messages may be in flight, and how many payload bytes may run at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+from .policy import FlowControl
+
+
+class FlowGate:
+    """Backpressure for one Subscriber (all its subscriptions share it).
+
+    A message is *in flight* from the receive that returned it until its ack or nack is queued;
+    receive asks for no more than the free slots. Its payload bytes count while its handler runs.
+    """
+
+    def __init__(self, limits: FlowControl) -> None:
+        self._limits = limits
+        self._in_flight = 0
+        self._running_bytes = 0
+        self._changed = asyncio.Event()
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def free_slots(self) -> int:
+        """Wait until at least one message slot is free; return how many are."""
+        while self._in_flight >= self._limits.max_messages:
+            self._changed.clear()
+            await self._changed.wait()
+        return self._limits.max_messages - self._in_flight
+
+    def taken(self, count: int) -> None:
+        self._in_flight += count
+
+    def settled(self) -> None:
+        self._in_flight -= 1
+        self._changed.set()
+
+    async def acquire_bytes(self, size: int) -> None:
+        """Wait until a handler of ``size`` payload bytes may start (alone, if it is huge)."""
+        while self._running_bytes and self._running_bytes + size > self._limits.max_bytes:
+            self._changed.clear()
+            await self._changed.wait()
+        self._running_bytes += size
+
+    def release_bytes(self, size: int) -> None:
+        self._running_bytes -= size
+        self._changed.set()

@@ -1,0 +1,136 @@
+"""Time, injectable: every timer in reliable-sub reads and sleeps through a Clock.
+
+Production code uses :class:`SystemClock`. Tests and simulations use :class:`ManualClock`, whose
+time only moves when ``advance`` is called, so a ten-minute ack deadline is tested in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import threading
+import time
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """A monotonic time source in float seconds, and a way to sleep on it."""
+
+    def now(self) -> float:
+        """Seconds on a monotonic scale; only differences are meaningful."""
+        ...
+
+    def wall(self) -> float:
+        """Seconds since the Unix epoch, for publish times."""
+        ...
+
+    async def sleep(self, seconds: float) -> None:
+        """Suspend the calling task for ``seconds`` of this clock's time."""
+        ...
+
+
+class SystemClock:
+    """The real clock: ``time.monotonic`` and ``asyncio.sleep``."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wall(self) -> float:
+        return time.time()
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds))
+
+
+class ManualClock:
+    """A clock that only moves when told to; safe to advance from any thread.
+
+    Sleepers may live on any event loop: ``advance`` wakes each one on its own loop.
+    """
+
+    def __init__(self, start: float = 0.0, wall_offset: float = 1_700_000_000.0) -> None:
+        self._now = start
+        self._wall_offset = wall_offset
+        self._lock = threading.Lock()
+        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._sequence = itertools.count()
+
+    def now(self) -> float:
+        return self._now
+
+    def wall(self) -> float:
+        return self._wall_offset + self._now
+
+    async def sleep(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            if seconds <= 0:
+                future.set_result(None)
+            else:
+                heapq.heappush(self._sleepers, (self._now + seconds, next(self._sequence), future))
+        await future
+
+    def next_wakeup(self) -> float | None:
+        """The earliest time a sleeper is waiting for, or None when nobody sleeps."""
+        with self._lock:
+            self._drop_cancelled()
+            return self._sleepers[0][0] if self._sleepers else None
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward and wake every sleeper whose time has come."""
+        if seconds < 0:
+            raise ValueError(f"ManualClock.advance: seconds must be >= 0, got {seconds}")
+        self.set(self._now + seconds)
+
+    def set(self, when: float) -> None:
+        """Move time forward to ``when`` (never backwards) and wake due sleepers."""
+        with self._lock:
+            self._now = max(self._now, when)
+            due: list[asyncio.Future[None]] = []
+            while self._sleepers and self._sleepers[0][0] <= self._now:
+                due.append(heapq.heappop(self._sleepers)[2])
+        for future in due:
+            _resolve_threadsafe(future)
+
+    def _drop_cancelled(self) -> None:
+        while self._sleepers and self._sleepers[0][2].done():
+            heapq.heappop(self._sleepers)
+
+
+def _resolve_threadsafe(future: asyncio.Future[None]) -> None:
+    def resolve() -> None:
+        if not future.done():
+            future.set_result(None)
+
+    loop = future.get_loop()
+    if loop.is_closed():
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        resolve()
+    else:
+        loop.call_soon_threadsafe(resolve)
+
+
+async def sleep_or_event(clock: Clock, event: asyncio.Event, seconds: float) -> None:
+    """Return when ``event`` is set or ``seconds`` of ``clock`` time have passed."""
+    if event.is_set():
+        return
+    if isinstance(clock, SystemClock):
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(event.wait(), timeout=max(0.0, seconds))
+        return
+    sleeper = asyncio.ensure_future(clock.sleep(seconds))
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait({sleeper, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sleeper.cancel()
+        waiter.cancel()

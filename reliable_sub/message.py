@@ -1,0 +1,54 @@
+"""What a handler sees (Message) and what an adapter hands the core (Delivery)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+IDEMPOTENCY_KEY_ATTRIBUTE = "idempotency-key"
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One delivery of a broker message, as a handler receives it.
+
+    Attributes:
+        id: the broker's message id (stable across redeliveries).
+        data: the payload.
+        attributes: string key/value metadata set by the publisher.
+        delivery_attempt: 1 on first delivery, counting up on every redelivery.
+        publish_time: when the broker accepted the message (UTC).
+        ordering_key: the publisher's ordering key, or None.
+        subscription: the subscription this delivery came from.
+    """
+
+    id: str
+    data: bytes
+    attributes: dict[str, str] = field(default_factory=dict)
+    delivery_attempt: int = 1
+    publish_time: datetime | None = None
+    ordering_key: str | None = None
+    subscription: str = ""
+
+    @property
+    def idempotency_key(self) -> str:
+        """The ``idempotency-key`` attribute when the publisher set one, else the message id."""
+        return self.attributes.get(IDEMPOTENCY_KEY_ATTRIBUTE) or self.id
+
+
+@dataclass(slots=True, eq=False)
+class Delivery:
+    """A message handed out by an adapter, with the handle used to ack, nack or extend it.
+
+    ``ack_id`` identifies this one delivery: after a redelivery the old ``ack_id`` is stale.
+    ``received_at`` is the Subscriber's clock reading when the receive call returned.
+    """
+
+    message: Message
+    ack_id: str
+    received_at: float = 0.0
+
+    @property
+    def size(self) -> int:
+        """Payload bytes, for flow control."""
+        return len(self.message.data)

@@ -1,0 +1,39 @@
+"""What became of one delivery, and the counters a Subscriber keeps of it."""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+class Outcome(str, enum.Enum):
+    """The end of one delivery attempt."""
+
+    ACKED = "acked"
+    """The handler succeeded; the message was acked."""
+    DUPLICATE = "duplicate"
+    """The dedup store had it as completed; acked without calling the handler."""
+    DEFERRED = "deferred"
+    """A live peer holds its dedup claim; nacked to come back after the peer is done."""
+    RETRY = "retry"
+    """The handler (or a store it needs) failed; nacked for redelivery after a backoff."""
+    DEAD_LETTERED = "dead_lettered"
+    """Failed at the last allowed attempt; published to the dead-letter topic, then acked."""
+    STOPPED = "stopped"
+    """The Subscriber stopped before the handler finished; nacked for immediate redelivery."""
+
+
+@dataclass
+class SubscriberStats:
+    """Counts of outcomes and of errors the Subscriber recovered from."""
+
+    outcomes: Counter[Outcome] = field(default_factory=Counter)
+    handler_errors: int = 0
+    receive_errors: int = 0
+    ack_errors: int = 0
+    store_errors: int = 0
+    acks_refused: int = 0
+
+    def __getitem__(self, outcome: Outcome | str) -> int:
+        return self.outcomes[Outcome(outcome)]

@@ -1,0 +1,164 @@
+"""Policies: small frozen values that validate themselves on construction.
+
+Every invalid value raises :class:`~reliable_sub.errors.ConfigurationError` (a ``ValueError``)
+naming the field, the value given and the allowed range.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+from .errors import ConfigurationError
+
+# Redelivery delays are spread upward by up to this fraction so that a burst of failures does not
+# come back as a burst; the upper bound is what the dedup window check has to cover.
+BACKOFF_JITTER = 0.25
+
+
+def _check_range(
+    owner: str,
+    name: str,
+    value: float,
+    low: float,
+    high: float = math.inf,
+    *,
+    low_inclusive: bool = True,
+) -> None:
+    ok_low = value >= low if low_inclusive else value > low
+    if not (ok_low and value <= high) or math.isnan(value):
+        bracket = "[" if low_inclusive else "("
+        upper = "inf)" if math.isinf(high) else f"{high:g}]"
+        raise ConfigurationError(
+            f"{owner}.{name} must be in {bracket}{low:g}, {upper}, got {value!r}"
+        )
+
+
+@dataclass(frozen=True)
+class LeasePolicy:
+    """How the lease manager keeps in-flight messages' ack deadlines ahead of their handlers.
+
+    Attributes:
+        min_extension: shortest extension in seconds (> 0); adapters clamp further to what their
+            broker accepts (Pub/Sub: 10..600).
+        max_extension: longest extension in seconds (>= min_extension).
+        max_lease_duration: seconds after receipt when extension stops and the message is nacked
+            for redelivery (> 0).
+        percentile: the percentile of observed processing time used as the extension (0, 100].
+    """
+
+    min_extension: float = 10.0
+    max_extension: float = 600.0
+    max_lease_duration: float = 3600.0
+    percentile: float = 99.0
+
+    def __post_init__(self) -> None:
+        _check_range("LeasePolicy", "min_extension", self.min_extension, 0, low_inclusive=False)
+        _check_range("LeasePolicy", "max_extension", self.max_extension, self.min_extension)
+        _check_range(
+            "LeasePolicy", "max_lease_duration", self.max_lease_duration, 0, low_inclusive=False
+        )
+        _check_range("LeasePolicy", "percentile", self.percentile, 0, 100, low_inclusive=False)
+
+
+def _default_retry_on() -> tuple[type[BaseException], ...]:
+    return (ConnectionError, TimeoutError)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries: first in process (tenacity), then by redelivery with exponential backoff.
+
+    Attributes:
+        min_backoff: redelivery delay in seconds after the first failed attempt (>= 0).
+        max_backoff: cap on the redelivery delay in seconds (>= min_backoff).
+        in_process_attempts: handler calls per delivery before it counts as failed (>= 1); only
+            exceptions in ``retry_on`` are retried in process.
+        retry_on: exception types treated as transient and retried in process.
+        in_process_wait: seconds between in-process attempts, doubled each time (>= 0).
+    """
+
+    min_backoff: float = 10.0
+    max_backoff: float = 600.0
+    in_process_attempts: int = 1
+    retry_on: tuple[type[BaseException], ...] = field(default_factory=_default_retry_on)
+    in_process_wait: float = 0.1
+
+    def __post_init__(self) -> None:
+        _check_range("RetryPolicy", "min_backoff", self.min_backoff, 0)
+        _check_range("RetryPolicy", "max_backoff", self.max_backoff, self.min_backoff)
+        if not isinstance(self.in_process_attempts, int) or self.in_process_attempts < 1:
+            raise ConfigurationError(
+                "RetryPolicy.in_process_attempts must be an int in [1, inf), "
+                f"got {self.in_process_attempts!r}"
+            )
+        _check_range("RetryPolicy", "in_process_wait", self.in_process_wait, 0)
+        if not isinstance(self.retry_on, tuple) or not all(
+            isinstance(t, type) and issubclass(t, BaseException) for t in self.retry_on
+        ):
+            raise ConfigurationError(
+                f"RetryPolicy.retry_on must be a tuple of exception types, got {self.retry_on!r}"
+            )
+
+    def _base_backoff(self, attempt: int) -> float:
+        exponent = min(max(attempt, 1) - 1, 64)
+        return min(self.max_backoff, self.min_backoff * 2.0**exponent)
+
+    def backoff(self, attempt: int, rng: random.Random | None = None) -> float:
+        """Redelivery delay after failed delivery ``attempt`` (1-based), jittered upward."""
+        spread = (rng or random).uniform(1.0, 1.0 + BACKOFF_JITTER)
+        return min(self.max_backoff, self._base_backoff(attempt) * spread)
+
+    def max_backoff_for(self, attempt: int) -> float:
+        """The largest delay :meth:`backoff` can return for ``attempt``."""
+        return min(self.max_backoff, self._base_backoff(attempt) * (1.0 + BACKOFF_JITTER))
+
+
+@dataclass(frozen=True)
+class DeadLetterPolicy:
+    """Where a message goes after ``max_delivery_attempts`` failed deliveries.
+
+    The dead-letter copy carries the original data and attributes plus ``original-message-id``,
+    ``original-subscription``, ``delivery-attempts``, ``error-type`` and ``error-message``; the
+    original is acked only after that publish succeeded.
+    """
+
+    topic: str
+    max_delivery_attempts: int = 5
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.topic, str) or not self.topic.strip():
+            raise ConfigurationError(
+                f"DeadLetterPolicy.topic must be a non-empty topic name, got {self.topic!r}"
+            )
+        if not isinstance(self.max_delivery_attempts, int) or not (
+            1 <= self.max_delivery_attempts <= 1000
+        ):
+            raise ConfigurationError(
+                "DeadLetterPolicy.max_delivery_attempts must be an int in [1, 1000], "
+                f"got {self.max_delivery_attempts!r}"
+            )
+
+
+@dataclass(frozen=True)
+class FlowControl:
+    """Bounds on work in flight (received and not yet acked or nacked) per Subscriber.
+
+    Attributes:
+        max_messages: messages in flight (>= 1). Receive asks the broker for no more than the
+            free slots, so a slow handler backs pressure up to the broker.
+        max_bytes: payload bytes whose handlers run at once (>= 1). A single message larger than
+            this still runs, alone.
+    """
+
+    max_messages: int = 1000
+    max_bytes: int = 100 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for name in ("max_messages", "max_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigurationError(
+                    f"FlowControl.{name} must be an int in [1, inf), got {value!r}"
+                )

@@ -1,0 +1,663 @@
+"""The Subscriber: receives, leases, deduplicates, runs handlers, retries, dead-letters, acks.
+
+The path of one delivery reads top to bottom in :meth:`Subscriber._handle`::
+
+    claim in the dedup store ── completed before ──► ack (duplicate)
+        │  claimed by a live peer ──► nack until the peer is done (deferred)
+        ▼
+    handler (in-process retries) ── ok ──► complete in the store ► ack (acked)
+        │ failed
+        ▼
+    release the claim ► last attempt ? publish to the dead-letter topic ► ack (dead_lettered)
+                                     : nack with exponential backoff (retry)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import logging
+import random
+import signal
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+    wait_exponential_jitter,
+)
+
+from ._flow import FlowGate
+from ._settler import Settler
+from .adapters.base import Adapter
+from .clock import Clock, SystemClock
+from .dedup import Completed, DedupStore, InProgress, scoped_key
+from .errors import ConfigurationError, ResultNotSerializableError
+from .lease import LeaseManager
+from .message import Delivery, Message
+from .outcome import Outcome, SubscriberStats
+from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
+
+logger = logging.getLogger(__name__)
+
+# Pub/Sub keeps unacked messages 7 days by default; a dedup record should outlive any copy.
+DEFAULT_DEDUP_TTL = 7 * 24 * 3600.0
+# At most this many messages per receive call: large enough to amortise a round trip, small
+# enough that one call does not take a whole flow-control budget from other subscriptions.
+RECEIVE_BATCH = 100
+# Seconds one receive call waits for messages before it returns empty and is made again.
+RECEIVE_TIMEOUT = 5.0
+# Backoff between failed receive calls (broker unreachable): from 0.1 s up to 10 s, jittered.
+RECEIVE_RETRY_INITIAL = 0.1
+RECEIVE_RETRY_MAX = 10.0
+# Pub/Sub's own client runs callbacks on 10 threads by default; so do we for sync handlers.
+DEFAULT_SYNC_WORKERS = 10
+# A message a live peer is handling comes back after at least this long.
+DEFER_MIN_DELAY = 1.0
+# Pub/Sub attribute values are limited to 1024 bytes; the error message is cut to fit.
+ERROR_MESSAGE_LIMIT = 1000
+DEFAULT_STOP_TIMEOUT = 30.0
+
+_ACKING = frozenset({Outcome.ACKED, Outcome.DUPLICATE, Outcome.DEAD_LETTERED})
+
+HandlerT = TypeVar("HandlerT", bound=Callable[..., Any])
+
+
+@dataclass(eq=False)
+class _Route:
+    """One subscription and its handler."""
+
+    subscription: str
+    handler: Callable[[Message], Any]
+    is_async: bool
+    namespace: str
+    lease: LeaseManager | None = None
+    receiver: asyncio.Task[None] | None = None
+
+
+class _Attempt:
+    """What one delivery holds, so a stop can give back exactly that."""
+
+    __slots__ = ("claim_key", "in_thread")
+
+    def __init__(self) -> None:
+        self.claim_key: str | None = None
+        self.in_thread = False
+
+
+class Subscriber:
+    """Runs handlers for one or more subscriptions of one broker, with the full guarantees.
+
+    Args:
+        adapter: the broker (``MemoryAdapter``, ``RedisStreamsAdapter``, ``PubSubAdapter``).
+        dedup: the idempotent-consumer store; None handles every delivery (no dedup).
+        lease: lease extension policy.
+        retry: in-process retries and redelivery backoff.
+        dead_letter: where poison messages go; None retries them forever with backoff.
+        flow_control: bounds on messages and bytes in flight.
+        dedup_ttl: seconds a completed record is kept. It must cover the longest redelivery span
+            (backoffs up to ``max_delivery_attempts`` plus ``max_lease_duration``).
+        clock: time source for leases, backoff and retries (tests pass a ``ManualClock``).
+        sync_workers: threads that run sync handlers.
+        on_outcome: called in the event loop with each delivery's message and outcome.
+        rng: random source for backoff jitter.
+    """
+
+    def __init__(
+        self,
+        adapter: Adapter,
+        *,
+        dedup: DedupStore | None = None,
+        lease: LeasePolicy | None = None,
+        retry: RetryPolicy | None = None,
+        dead_letter: DeadLetterPolicy | None = None,
+        flow_control: FlowControl | None = None,
+        dedup_ttl: float = DEFAULT_DEDUP_TTL,
+        clock: Clock | None = None,
+        sync_workers: int = DEFAULT_SYNC_WORKERS,
+        on_outcome: Callable[[Message, Outcome], None] | None = None,
+        rng: random.Random | None = None,
+        receive_batch: int = RECEIVE_BATCH,
+        receive_timeout: float = RECEIVE_TIMEOUT,
+    ) -> None:
+        self._adapter = adapter
+        self._dedup = dedup
+        self._lease_policy = lease or LeasePolicy()
+        self._retry = retry or RetryPolicy()
+        self._dead_letter = dead_letter
+        self._flow_control = flow_control or FlowControl()
+        self._dedup_ttl = dedup_ttl
+        self._clock: Clock = clock or SystemClock()
+        self._on_outcome = on_outcome
+        self._rng = rng or random.Random()
+        _check_positive("dedup_ttl", dedup_ttl)
+        _check_positive("receive_timeout", receive_timeout)
+        if not isinstance(sync_workers, int) or sync_workers < 1:
+            raise ConfigurationError(
+                f"Subscriber.sync_workers must be an int in [1, inf), got {sync_workers!r}"
+            )
+        if not isinstance(receive_batch, int) or receive_batch < 1:
+            raise ConfigurationError(
+                f"Subscriber.receive_batch must be an int in [1, inf), got {receive_batch!r}"
+            )
+        self._sync_workers = sync_workers
+        self._receive_batch = receive_batch
+        self._receive_timeout = receive_timeout
+        self._check_dedup_window()
+
+        self.stats = SubscriberStats()
+        self._routes: dict[str, _Route] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop_event: asyncio.Event | None = None
+        self._closed: asyncio.Event | None = None
+        self._stop_timeout = DEFAULT_STOP_TIMEOUT
+        self._done = threading.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._flow: FlowGate | None = None
+        self._settler: Settler | None = None
+        self._executor: ThreadPoolExecutor | None = None
+
+    def _check_dedup_window(self) -> None:
+        """Every dedup mechanism has a window, and the window is the bug: refuse a short one."""
+        if self._dedup is None or self._dead_letter is None:
+            return
+        attempts = self._dead_letter.max_delivery_attempts
+        backoffs = sum(self._retry.max_backoff_for(a) for a in range(1, attempts))
+        span = backoffs + self._lease_policy.max_lease_duration
+        if self._dedup_ttl < span:
+            raise ConfigurationError(
+                f"Subscriber.dedup_ttl={self._dedup_ttl:g}s is shorter than the longest "
+                f"redelivery span {span:g}s (backoffs for {attempts} attempts, {backoffs:g}s, "
+                f"plus max_lease_duration {self._lease_policy.max_lease_duration:g}s): a "
+                "duplicate could arrive after its record expired; raise dedup_ttl to at least "
+                f"{span:g}"
+            )
+
+    # -- registration ----------------------------------------------------------------------
+
+    def handler(
+        self, subscription: str, *, namespace: str | None = None
+    ) -> Callable[[HandlerT], HandlerT]:
+        """Register the decorated function as the handler of ``subscription``.
+
+        Sync functions run in a worker thread, coroutine functions are awaited. The return value
+        is stored (as JSON) in the dedup store. ``namespace`` scopes dedup keys (default: the
+        subscription name).
+        """
+        if not isinstance(subscription, str) or not subscription:
+            raise ConfigurationError(
+                f"handler: subscription must be a non-empty str, got {subscription!r}"
+            )
+
+        def register(function: HandlerT) -> HandlerT:
+            if not callable(function):
+                raise ConfigurationError(f"handler: {function!r} is not callable")
+            if subscription in self._routes:
+                raise ConfigurationError(
+                    f"subscription {subscription!r} already has a handler "
+                    f"({self._routes[subscription].handler!r})"
+                )
+            if self._loop is not None:
+                raise ConfigurationError("register handlers before the Subscriber starts")
+            self._routes[subscription] = _Route(
+                subscription=subscription,
+                handler=function,
+                is_async=_is_async_callable(function),
+                namespace=namespace or subscription,
+            )
+            return function
+
+        return register
+
+    def lease_manager(self, subscription: str) -> LeaseManager:
+        """The running lease manager of ``subscription`` (for stats and inspection)."""
+        route = self._routes[subscription]
+        if route.lease is None:
+            raise RuntimeError(f"subscription {subscription!r} is not running")
+        return route.lease
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        """True between a successful start and the end of a stop."""
+        return self._loop is not None
+
+    def start(self) -> None:
+        """Run in a background thread; returns once receiving has begun (or raises why not)."""
+        if self._loop is not None:
+            raise RuntimeError("Subscriber is already running")
+        started = threading.Event()
+        failure: list[BaseException] = []
+
+        def main() -> None:
+            try:
+                asyncio.run(self._serve(started))
+            except BaseException as error:
+                failure.append(error)
+                if started.is_set():
+                    logger.exception("Subscriber background thread failed")
+            finally:
+                started.set()
+
+        self._done.clear()
+        self._thread = threading.Thread(target=main, name="reliable-sub", daemon=True)
+        self._thread.start()
+        started.wait()
+        if failure:
+            self._thread.join()
+            self._thread = None
+            raise failure[0]
+
+    def stop(self, timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
+        """Stop gracefully from any thread but the Subscriber's own loop.
+
+        Receiving stops; in-flight handlers get ``timeout`` seconds (wall clock) to finish; the
+        rest are nacked for immediate redelivery; queued acks are flushed. Nothing is lost.
+        """
+        loop, stop_event = self._loop, self._stop_event
+        if loop is None or stop_event is None:
+            return
+        if _running_loop() is loop:
+            raise RuntimeError(
+                "Subscriber.stop() blocks; inside its event loop use: await sub.shutdown(timeout)"
+            )
+        self._stop_timeout = timeout
+        loop.call_soon_threadsafe(stop_event.set)
+        self._done.wait()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    async def shutdown(self, timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
+        """The same as :meth:`stop`, awaited from inside the Subscriber's event loop."""
+        if self._stop_event is None:
+            return
+        self._stop_timeout = timeout
+        self._stop_event.set()
+        if self._closed is not None:
+            await self._closed.wait()
+
+    def run(self) -> None:
+        """Block until SIGINT or SIGTERM (or :meth:`stop` from another thread), then stop."""
+
+        async def main() -> None:
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                try:
+                    loop.add_signal_handler(sig, self._request_stop)
+                except (NotImplementedError, RuntimeError, ValueError):
+                    logger.debug("cannot install a handler for %s outside the main thread", sig)
+            await self.serve()
+
+        asyncio.run(main())
+
+    async def serve(self) -> None:
+        """Run inside the current event loop until stopped (or cancelled, which also stops)."""
+        await self._serve(None)
+
+    def _request_stop(self) -> None:
+        if self._stop_event is not None:
+            self._stop_event.set()
+
+    async def _serve(self, started: threading.Event | None) -> None:
+        if self._loop is not None:
+            raise RuntimeError("Subscriber is already running")
+        if not self._routes:
+            raise ConfigurationError(
+                "Subscriber has no handlers; register one with @sub.handler(subscription)"
+            )
+        self._loop = asyncio.get_running_loop()
+        self._stop_event = asyncio.Event()
+        self._closed = asyncio.Event()
+        self._done.clear()
+        try:
+            await self._open()
+            if started is not None:
+                started.set()
+            try:
+                await self._stop_event.wait()
+            finally:
+                await asyncio.shield(self._close(self._stop_timeout))
+        finally:
+            self._closed.set()
+            self._loop = None
+            self._stop_event = None
+            self._closed = None
+            self._done.set()
+
+    async def _open(self) -> None:
+        self._flow = FlowGate(self._flow_control)
+        self._settler = Settler(
+            self._adapter,
+            sleep=self._clock.sleep,
+            on_refused=self._count_refused,
+            on_error=self._count_ack_errors,
+        )
+        self._settler.start()
+        self._executor = ThreadPoolExecutor(self._sync_workers, thread_name_prefix="reliable-sub")
+        try:
+            for route in self._routes.values():
+                deadline = await self._adapter.subscription_ack_deadline(route.subscription)
+                route.lease = LeaseManager(
+                    self._adapter,
+                    self._lease_policy,
+                    clock=self._clock,
+                    initial_deadline=deadline,
+                    dedup=self._dedup,
+                )
+        except BaseException:
+            await self._settler.stop()
+            self._executor.shutdown(wait=False)
+            raise
+        loop = asyncio.get_running_loop()
+        for route in self._routes.values():
+            assert route.lease is not None
+            route.lease.start()
+            route.receiver = loop.create_task(
+                self._receive_loop(route), name=f"receive {route.subscription}"
+            )
+
+    async def _close(self, timeout: float) -> None:
+        receivers = [r.receiver for r in self._routes.values() if r.receiver is not None]
+        for task in receivers:
+            task.cancel()
+        await asyncio.gather(*receivers, return_exceptions=True)
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=max(0.0, timeout))
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+        for route in self._routes.values():
+            route.receiver = None
+            if route.lease is not None:
+                await route.lease.stop()
+        if self._settler is not None:
+            await self._settler.stop()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    async def _receive_loop(self, route: _Route) -> None:
+        assert self._flow is not None and route.lease is not None
+        flow, lease = self._flow, route.lease
+        loop = asyncio.get_running_loop()
+        while True:
+            free = await flow.free_slots()
+            deliveries = await self._receive(route, min(free, self._receive_batch))
+            if not deliveries:
+                continue
+            now = self._clock.now()
+            for delivery in deliveries:
+                delivery.received_at = now  # the lease clock starts when receive returns
+            flow.taken(len(deliveries))
+            lease.add(deliveries)
+            for delivery in deliveries:
+                task = loop.create_task(self._process(route, delivery))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def _receive(self, route: _Route, max_messages: int) -> list[Delivery]:
+        """One receive call, retried with jittered exponential backoff while the broker fails."""
+
+        def log_failure(state: Any) -> None:
+            self.stats.receive_errors += 1
+            logger.warning(
+                "receive from %r failed (attempt %d): %r; retrying",
+                route.subscription,
+                state.attempt_number,
+                state.outcome.exception() if state.outcome else None,
+            )
+
+        async for attempt in AsyncRetrying(
+            wait=wait_exponential_jitter(initial=RECEIVE_RETRY_INITIAL, max=RECEIVE_RETRY_MAX),
+            retry=retry_if_exception_type(Exception),
+            before_sleep=log_failure,
+            sleep=self._clock.sleep,
+        ):
+            with attempt:
+                return await self._adapter.receive(
+                    route.subscription, max_messages, self._receive_timeout
+                )
+        raise AssertionError("unreachable: AsyncRetrying without stop never gives up")
+
+    # -- one delivery --------------------------------------------------------------------------
+
+    async def _process(self, route: _Route, delivery: Delivery) -> None:
+        attempt = _Attempt()
+        try:
+            outcome, delay = await self._handle(route, delivery, attempt)
+        except asyncio.CancelledError:
+            await self._give_back(route, delivery, attempt)
+            raise
+        except Exception:  # a bug of ours must not lose the message
+            logger.exception("processing message %s failed unexpectedly", delivery.message.id)
+            assert route.lease is not None
+            route.lease.drop(delivery)
+            outcome = Outcome.RETRY
+            delay = self._retry.backoff(delivery.message.delivery_attempt, self._rng)
+        self._settle(delivery, outcome, delay)
+
+    async def _handle(
+        self, route: _Route, delivery: Delivery, attempt: _Attempt
+    ) -> tuple[Outcome, float]:
+        assert route.lease is not None and self._flow is not None
+        lease, message = route.lease, delivery.message
+        if self._dedup is not None:
+            key = scoped_key(route.namespace, message.idempotency_key)
+            ttl = lease.claim_ttl(delivery)
+            try:
+                claim = await self._dedup.claim(key, ttl)
+            except Exception:
+                self.stats.store_errors += 1
+                logger.warning("dedup claim for message %s failed; redelivering later",
+                               message.id, exc_info=True)
+                lease.drop(delivery)
+                return Outcome.RETRY, self._retry.backoff(message.delivery_attempt, self._rng)
+            if isinstance(claim, Completed):
+                lease.drop(delivery)
+                return Outcome.DUPLICATE, 0.0
+            if isinstance(claim, InProgress):
+                lease.drop(delivery)
+                delay = min(self._retry.max_backoff, max(DEFER_MIN_DELAY, claim.expires_in))
+                return Outcome.DEFERRED, delay
+            attempt.claim_key = key
+            lease.attach_claim(delivery, key, ttl)
+
+        size = delivery.size
+        await self._flow.acquire_bytes(size)
+        try:
+            lease.started(delivery)
+            try:
+                result = await self._invoke(route, message, attempt)
+            except Exception as error:
+                lease.finish(delivery)
+                return await self._failed(delivery, attempt, error)
+            lease.finish(delivery)
+        finally:
+            self._flow.release_bytes(size)
+        if attempt.claim_key is not None:
+            await self._complete(attempt.claim_key, result, message)
+            attempt.claim_key = None
+        return Outcome.ACKED, 0.0
+
+    async def _invoke(self, route: _Route, message: Message, attempt: _Attempt) -> Any:
+        """Call the handler, retrying in process the exceptions the RetryPolicy names."""
+        call = self._call_async if route.is_async else self._call_in_thread
+        retry = self._retry
+        if retry.in_process_attempts == 1:
+            return await call(route, message, attempt)
+        async for try_ in AsyncRetrying(
+            stop=stop_after_attempt(retry.in_process_attempts),
+            wait=wait_exponential(multiplier=retry.in_process_wait),
+            retry=retry_if_exception_type(retry.retry_on),
+            reraise=True,
+            sleep=self._clock.sleep,
+        ):
+            with try_:
+                return await call(route, message, attempt)
+        raise AssertionError("unreachable: reraise=True re-raises the last error")
+
+    async def _call_async(self, route: _Route, message: Message, attempt: _Attempt) -> Any:
+        result = route.handler(message)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    async def _call_in_thread(self, route: _Route, message: Message, attempt: _Attempt) -> Any:
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+        call = functools.partial(context.run, route.handler, message)
+        attempt.in_thread = True
+        try:
+            result = await loop.run_in_executor(self._executor, call)
+        except asyncio.CancelledError:
+            raise  # the thread runs on: its claim must not be released under it
+        except BaseException:
+            attempt.in_thread = False
+            raise
+        attempt.in_thread = False
+        return result
+
+    async def _failed(
+        self, delivery: Delivery, attempt: _Attempt, error: Exception
+    ) -> tuple[Outcome, float]:
+        message = delivery.message
+        self.stats.handler_errors += 1
+        if attempt.claim_key is not None:
+            await self._release(attempt.claim_key)
+            attempt.claim_key = None
+        policy = self._dead_letter
+        if policy is not None and message.delivery_attempt >= policy.max_delivery_attempts:
+            logger.warning(
+                "message %s failed delivery attempt %d of %d (%s: %s); dead-lettering to %r",
+                message.id, message.delivery_attempt, policy.max_delivery_attempts,
+                type(error).__name__, error, policy.topic,
+            )
+            try:
+                await self._adapter.publish(
+                    policy.topic, message.data, _dead_letter_attributes(message, error)
+                )
+            except Exception:
+                logger.error(
+                    "publishing message %s to dead-letter topic %r failed; it stays on %r and "
+                    "is retried", message.id, policy.topic, message.subscription, exc_info=True,
+                )
+                return Outcome.RETRY, self._retry.backoff(message.delivery_attempt, self._rng)
+            return Outcome.DEAD_LETTERED, 0.0
+        delay = self._retry.backoff(message.delivery_attempt, self._rng)
+        logger.info(
+            "message %s failed delivery attempt %d (%s: %s); redelivering in %.1fs",
+            message.id, message.delivery_attempt, type(error).__name__, error, delay,
+        )
+        return Outcome.RETRY, delay
+
+    async def _complete(self, key: str, result: Any, message: Message) -> None:
+        assert self._dedup is not None
+        try:
+            await self._dedup.complete(key, result, self._dedup_ttl)
+            return
+        except ResultNotSerializableError as error:
+            logger.error("message %s: %s; storing null instead", message.id, error)
+            result = None
+        except Exception:
+            self.stats.store_errors += 1
+            logger.error(
+                "recording message %s as completed failed; acking anyway (its effects are done, "
+                "a redelivery would repeat them)", message.id, exc_info=True,
+            )
+            return
+        try:
+            await self._dedup.complete(key, result, self._dedup_ttl)
+        except Exception:
+            self.stats.store_errors += 1
+            logger.error("recording message %s as completed failed", message.id, exc_info=True)
+
+    async def _release(self, key: str) -> None:
+        assert self._dedup is not None
+        try:
+            await self._dedup.release(key)
+        except Exception:
+            self.stats.store_errors += 1
+            logger.warning("releasing dedup claim %r failed; it expires with its lease", key,
+                           exc_info=True)
+
+    async def _give_back(self, route: _Route, delivery: Delivery, attempt: _Attempt) -> None:
+        """On stop: nack for immediate redelivery; free the claim unless a thread still runs."""
+        assert route.lease is not None
+        route.lease.drop(delivery)
+        if attempt.claim_key is not None and not attempt.in_thread:
+            await self._release(attempt.claim_key)
+        self._settle(delivery, Outcome.STOPPED, 0.0)
+
+    def _settle(self, delivery: Delivery, outcome: Outcome, delay: float) -> None:
+        assert self._settler is not None and self._flow is not None
+        if outcome in _ACKING:
+            self._settler.ack(delivery)
+        else:
+            self._settler.nack(delivery, delay)
+        self._flow.settled()
+        self.stats.outcomes[outcome] += 1
+        if self._on_outcome is not None:
+            try:
+                self._on_outcome(delivery.message, outcome)
+            except Exception:
+                logger.exception("on_outcome callback failed")
+
+    def _count_refused(self, refused: list[Delivery]) -> None:
+        self.stats.acks_refused += len(refused)
+        logger.info("broker refused %d acks (stale ack ids); those messages come back and are "
+                    "deduplicated", len(refused))
+
+    def _count_ack_errors(self, count: int) -> None:
+        self.stats.ack_errors += count
+
+
+def _dead_letter_attributes(message: Message, error: BaseException) -> dict[str, str]:
+    attributes = dict(message.attributes)
+    attributes.update(
+        {
+            "original-message-id": message.id,
+            "original-subscription": message.subscription,
+            "delivery-attempts": str(message.delivery_attempt),
+            "error-type": f"{type(error).__module__}.{type(error).__qualname__}",
+            "error-message": str(error)[:ERROR_MESSAGE_LIMIT],
+        }
+    )
+    return attributes
+
+
+def _is_async_callable(function: Callable[..., Any]) -> bool:
+    while isinstance(function, functools.partial):
+        function = function.func
+    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
+        getattr(function, "__call__", None)  # noqa: B004
+    )
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not isinstance(value, int | float) or not value > 0:
+        raise ConfigurationError(f"Subscriber.{name} must be in (0, inf), got {value!r}")
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+__all__ = ["Subscriber"]
+
