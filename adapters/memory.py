@@ -70,6 +70,7 @@ class _Subscription:
     ack_deadline: float
     retain_acked_messages: bool
     message_retention: float
+    ordering: bool
     ready: deque[_Entry] = field(default_factory=deque)
     delayed: list[tuple[float, int, _Entry]] = field(default_factory=list)
     leased: dict[str, _Lease] = field(default_factory=dict)
@@ -125,6 +126,7 @@ class MemoryAdapter:
         ack_deadline: float = DEFAULT_ACK_DEADLINE,
         retain_acked_messages: bool = False,
         message_retention: float = DEFAULT_MESSAGE_RETENTION,
+        ordering: bool = False,
         **options: Any,
     ) -> None:
         """Create ``topic`` and ``subscription`` (idempotent).
@@ -133,11 +135,13 @@ class MemoryAdapter:
             ack_deadline: seconds a fresh delivery may stay unacked before redelivery (> 0).
             retain_acked_messages: keep acked messages for ``message_retention`` seconds.
             message_retention: how long retained acked messages are kept (> 0).
+            ordering: deliver messages of one ordering key one at a time, in publish order
+                (as Pub/Sub's ``enable_message_ordering``); off, ordering keys are ignored.
         """
         if options:
             raise ConfigurationError(
                 f"MemoryAdapter.ensure_subscription got unknown options {sorted(options)}; "
-                "allowed: ack_deadline, retain_acked_messages, message_retention"
+                "allowed: ack_deadline, retain_acked_messages, message_retention, ordering"
             )
         if not ack_deadline > 0:
             raise ConfigurationError(
@@ -163,6 +167,7 @@ class MemoryAdapter:
                 ack_deadline=ack_deadline,
                 retain_acked_messages=retain_acked_messages,
                 message_retention=message_retention,
+                ordering=ordering,
             )
             self._subscriptions[subscription] = state
             self._topics.setdefault(topic, []).append(state)
@@ -321,7 +326,7 @@ class MemoryAdapter:
 
     def _enqueue(self, sub: _Subscription, entry: _Entry) -> None:
         key = entry.ordering_key
-        if key is not None:
+        if key is not None and sub.ordering:
             if key in sub.busy_keys:
                 sub.waiting_by_key.setdefault(key, deque()).append(entry)
                 return
@@ -332,7 +337,7 @@ class MemoryAdapter:
     def _release_key(self, sub: _Subscription, entry: _Entry) -> None:
         """After an ack, let the next message of the same ordering key go."""
         key = entry.ordering_key
-        if key is None:
+        if key is None or not sub.ordering:
             return
         queue = sub.waiting_by_key.get(key)
         if queue:

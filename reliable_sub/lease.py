@@ -42,6 +42,8 @@ SAFETY_FRACTION = 0.2
 BATCH_FRACTION = 0.2
 # After a failed extend call (broker unreachable), try again this fraction of a lease later.
 RETRY_FRACTION = 0.05
+# The loop never spins faster than this, whatever the leases say (a guard, not a schedule).
+MIN_TICK_INTERVAL = 0.01
 
 
 @dataclass(eq=False, slots=True)
@@ -195,7 +197,8 @@ class LeaseManager:
                 await self._wakeup.wait()
                 continue
             self._wakeup.clear()
-            await sleep_or_event(self._clock, self._wakeup, next_due - self._clock.now())
+            delay = max(MIN_TICK_INTERVAL, next_due - self._clock.now())
+            await sleep_or_event(self._clock, self._wakeup, delay)
 
     async def tick(self) -> float | None:
         """Extend what is due, renew due claims, release expired leases.

@@ -32,7 +32,7 @@ from tenacity import (
     retry_if_exception_type,
     stop_after_attempt,
     wait_exponential,
-    wait_exponential_jitter,
+    wait_random_exponential,
 )
 
 from ._flow import FlowGate
@@ -422,7 +422,9 @@ class Subscriber:
             )
 
         async for attempt in AsyncRetrying(
-            wait=wait_exponential_jitter(initial=RECEIVE_RETRY_INITIAL, max=RECEIVE_RETRY_MAX),
+            wait=wait_random_exponential(
+                multiplier=RECEIVE_RETRY_INITIAL, max=RECEIVE_RETRY_MAX
+            ),
             retry=retry_if_exception_type(Exception),
             before_sleep=log_failure,
             sleep=self._clock.sleep,

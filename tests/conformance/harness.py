@@ -1,0 +1,127 @@
+"""What the conformance suite needs from an adapter, and one implementation per adapter.
+
+Tests speak in units of the harness: ``ack_deadline`` (the subscription's deadline) and ``tick``
+(a short delay, well under the deadline). A harness with a ManualClock moves virtual time; a real
+broker's harness lets real time pass. A new adapter joins by adding a harness here, nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from reliable_sub import LeasePolicy, RetryPolicy, Subscriber
+from reliable_sub.adapters.base import Adapter, Capabilities
+from reliable_sub.clock import Clock, ManualClock
+from reliable_sub.message import Delivery
+from tests.timing import drive_until, pass_time, run_driven
+
+T = TypeVar("T")
+_names = itertools.count(1)
+
+
+@dataclass
+class Harness:
+    """One adapter under test, and how time passes for it."""
+
+    name: str
+    clock: Clock
+    ack_deadline: float
+    tick: float
+    new_adapter: Callable[[], Awaitable[Adapter]]
+    prefix: str = "conf"
+    adapters: list[Adapter] = field(default_factory=list)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.adapters[0].capabilities if self.adapters else Capabilities()
+
+    def name_for(self, kind: str) -> str:
+        return f"{self.prefix}-{kind}-{next(_names)}"
+
+    async def adapter(self) -> Adapter:
+        """A connection to the broker (several may coexist, as separate consumers)."""
+        adapter = await self.new_adapter()
+        self.adapters.append(adapter)
+        return adapter
+
+    async def topic_and_subscription(self, **options: Any) -> tuple[str, str]:
+        topic, subscription = self.name_for("topic"), self.name_for("sub")
+        adapter = self.adapters[0] if self.adapters else await self.adapter()
+        await adapter.ensure_subscription(
+            topic, subscription, ack_deadline=self.ack_deadline, **options
+        )
+        return topic, subscription
+
+    def lease_policy(self, **overrides: Any) -> LeasePolicy:
+        values: dict[str, Any] = {"min_extension": self.ack_deadline}
+        values.update(overrides)
+        return LeasePolicy(**values)
+
+    def retry_policy(self, **overrides: Any) -> RetryPolicy:
+        values: dict[str, Any] = {"min_backoff": self.tick, "max_backoff": 4 * self.tick}
+        values.update(overrides)
+        return RetryPolicy(**values)
+
+    def subscriber(self, adapter: Adapter, **options: Any) -> Subscriber:
+        options.setdefault("clock", self.clock)
+        options.setdefault("lease", self.lease_policy())
+        options.setdefault("retry", self.retry_policy())
+        options.setdefault("receive_timeout", self.tick)
+        return Subscriber(adapter, **options)
+
+    async def wait_until(self, predicate: Callable[[], bool], within: float, what: str) -> None:
+        await drive_until(self.clock, predicate, within, what=what)
+
+    async def pass_time(self, seconds: float) -> None:
+        await pass_time(self.clock, seconds)
+
+    async def call(self, awaitable: Awaitable[T], within: float | None = None) -> T:
+        """Await a call that may sleep on the harness clock (a receive with a timeout)."""
+        budget = within if within is not None else 10 * self.ack_deadline
+        return await run_driven(self.clock, awaitable, budget)
+
+    async def receive(
+        self, adapter: Adapter, subscription: str, timeout: float, max_messages: int = 100
+    ) -> list[Delivery]:
+        return await self.call(
+            adapter.receive(subscription, max_messages, timeout), within=timeout + self.tick
+        )
+
+    @asynccontextmanager
+    async def serving(self, subscriber: Subscriber) -> AsyncIterator[Subscriber]:
+        """Run ``subscriber`` in this loop for the duration of the block, then stop it."""
+        task = asyncio.ensure_future(subscriber.serve())
+        await drive_until(self.clock, lambda: subscriber.running or task.done(), 1.0,
+                          what="subscriber to start")
+        if task.done():
+            task.result()
+        try:
+            yield subscriber
+        finally:
+            await subscriber.shutdown(timeout=0.5)
+            await task
+
+    async def close(self) -> None:
+        for adapter in self.adapters:
+            await adapter.close()
+
+
+def memory_harness() -> Harness:
+    from reliable_sub.adapters.memory import MemoryAdapter
+
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+
+    async def new_adapter() -> Adapter:
+        return broker  # one in-process broker; each Subscriber on it is a separate consumer
+
+    return Harness(name="memory", clock=clock, ack_deadline=10.0, tick=1.0,
+                   new_adapter=new_adapter)
+
+
+HARNESSES: dict[str, Callable[[], Harness]] = {"memory": memory_harness}

@@ -1,0 +1,158 @@
+"""The adapter contract itself: receive, ack, nack, deadlines, fan-out, ordering."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conformance.harness import Harness
+
+pytestmark = pytest.mark.conformance
+
+
+async def test_ack_removes_the_message(harness: Harness) -> None:
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    await adapter.publish(topic, b"one")
+    [delivery] = await harness.receive(adapter, sub, timeout=harness.tick)
+    assert delivery.message.data == b"one"
+    assert await adapter.ack([delivery]) == []
+
+    assert await harness.receive(adapter, sub, timeout=2 * harness.ack_deadline) == []
+
+
+async def test_expired_deadline_redelivers_with_the_next_attempt(harness: Harness) -> None:
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    message_id = await adapter.publish(topic, b"forgotten", {"k": "v"})
+    [first] = await harness.receive(adapter, sub, timeout=harness.tick)
+    received_at = harness.clock.now()
+    assert first.message.delivery_attempt == 1
+
+    [again] = await harness.receive(adapter, sub, timeout=3 * harness.ack_deadline)
+
+    assert again.message.id == message_id == first.message.id
+    assert again.message.delivery_attempt == 2
+    assert again.message.attributes == {"k": "v"}
+    assert harness.clock.now() - received_at >= harness.ack_deadline * 0.99
+    assert again.ack_id != first.ack_id
+    assert await adapter.ack([first]) == [first], "a redelivered message's old ack id is stale"
+    assert await adapter.ack([again]) == []
+
+
+async def test_nack_redelivers_after_the_delay(harness: Harness) -> None:
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    await adapter.publish(topic, b"later")
+    [delivery] = await harness.receive(adapter, sub, timeout=harness.tick)
+    delay = 3 * harness.tick
+    nacked_at = harness.clock.now()
+    await adapter.nack([delivery], delay)
+
+    assert await harness.receive(adapter, sub, timeout=harness.tick) == []
+    [again] = await harness.receive(adapter, sub, timeout=2 * delay)
+
+    assert again.message.id == delivery.message.id
+    assert again.message.delivery_attempt == 2
+    assert harness.clock.now() - nacked_at >= delay * 0.99
+
+
+async def test_nack_without_delay_redelivers_at_once(harness: Harness) -> None:
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    await adapter.publish(topic, b"again")
+    [delivery] = await harness.receive(adapter, sub, timeout=harness.tick)
+    nacked_at = harness.clock.now()
+    await adapter.nack([delivery], 0.0)
+
+    [again] = await harness.receive(adapter, sub, timeout=harness.ack_deadline)
+
+    assert again.message.id == delivery.message.id
+    assert harness.clock.now() - nacked_at < harness.ack_deadline / 2
+
+
+async def test_extend_moves_the_deadline_and_stale_ids_are_refused(harness: Harness) -> None:
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    await adapter.publish(topic, b"long")
+    [delivery] = await harness.receive(adapter, sub, timeout=harness.tick)
+
+    for _ in range(3):
+        await harness.pass_time(harness.ack_deadline * 0.6)
+        assert await adapter.extend([delivery], harness.ack_deadline) == []
+    assert await harness.receive(adapter, sub, timeout=harness.ack_deadline * 0.5) == []
+    assert await adapter.ack([delivery]) == []
+    assert await adapter.extend([delivery], harness.ack_deadline) == [delivery]
+
+
+async def test_receive_respects_max_messages(harness: Harness) -> None:
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    for i in range(7):
+        await adapter.publish(topic, f"m{i}".encode())
+    first = await harness.receive(adapter, sub, timeout=harness.tick, max_messages=5)
+    assert 1 <= len(first) <= 5
+    rest: list = []
+    while len(first) + len(rest) < 7:
+        batch = await harness.receive(adapter, sub, timeout=harness.tick, max_messages=5)
+        assert batch, "messages went missing"
+        rest.extend(batch)
+    await adapter.ack(first + rest)
+    assert sorted(d.message.data for d in first + rest) == [f"m{i}".encode() for i in range(7)]
+
+
+async def test_fan_out_to_two_subscriptions(harness: Harness) -> None:
+    adapter = await harness.adapter()
+    topic, sub_a = await harness.topic_and_subscription()
+    sub_b = harness.name_for("sub")
+    await adapter.ensure_subscription(topic, sub_b, ack_deadline=harness.ack_deadline)
+    ids = [await adapter.publish(topic, f"e{i}".encode()) for i in range(5)]
+
+    for sub in (sub_a, sub_b):
+        got: list = []
+        while len(got) < 5:
+            batch = await harness.receive(adapter, sub, timeout=harness.tick)
+            assert batch, f"{sub} is missing messages"
+            got.extend(batch)
+        assert sorted(d.message.id for d in got) == sorted(ids)
+        assert {d.message.subscription for d in got} == {sub}
+        await adapter.ack(got)
+
+
+async def test_ensure_subscription_is_idempotent(harness: Harness) -> None:
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    await adapter.publish(topic, b"kept")
+    await adapter.ensure_subscription(topic, sub, ack_deadline=harness.ack_deadline)
+    [delivery] = await harness.receive(adapter, sub, timeout=harness.tick)
+    assert delivery.message.data == b"kept"
+    await adapter.ack([delivery])
+
+
+async def test_ordering_keys_deliver_in_order(harness: Harness) -> None:
+    adapter = await harness.adapter()
+    if not harness.capabilities.ordering:
+        pytest.skip(f"{harness.name} declares no ordering capability")
+    topic, sub = await harness.topic_and_subscription(ordering=True)
+    for i in range(6):
+        await adapter.publish(topic, f"a{i}".encode(), ordering_key="A")
+        await adapter.publish(topic, f"b{i}".encode(), ordering_key="B")
+
+    seen: dict[str, list[bytes]] = {"A": [], "B": []}
+    while sum(map(len, seen.values())) < 12:
+        batch = await harness.receive(adapter, sub, timeout=harness.ack_deadline)
+        assert batch, "ordered messages went missing"
+        keys = [d.message.ordering_key for d in batch]
+        assert len(keys) == len(set(keys)), "two messages of one key outstanding at once"
+        for delivery in batch:
+            seen[delivery.message.ordering_key or ""].append(delivery.message.data)
+        # nack the first of key A once: it must come back before anything after it
+        if len(seen["A"]) == 1 and batch[0].message.ordering_key == "A" and (
+            batch[0].message.delivery_attempt == 1
+        ):
+            seen["A"].pop()
+            await adapter.nack([batch[0]], 0.0)
+            await adapter.ack(batch[1:])
+            continue
+        await adapter.ack(batch)
+    assert seen["A"] == [f"a{i}".encode() for i in range(6)]
+    assert seen["B"] == [f"b{i}".encode() for i in range(6)]

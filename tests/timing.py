@@ -1,0 +1,102 @@
+"""Driving time in tests: a ManualClock that jumps ahead only when the event loop is idle.
+
+No sleeps as synchronization. With a ManualClock, ``drive_until`` lets the loop run every ready
+callback, then moves the clock to the earliest pending sleeper (a lease tick, a nack delay, a
+handler's own ``clock.sleep``), like trio's autojump clock. Virtual hours pass in milliseconds
+and the order of events is deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from reliable_sub.clock import Clock, ManualClock
+
+T = TypeVar("T")
+
+# Upper bound on loop turns while settling; a loop that never goes idle is a bug in the test.
+_MAX_SETTLE_TURNS = 10_000
+# Wall-clock guard so a broken test fails instead of hanging.
+WALL_LIMIT = 30.0
+
+
+async def settle() -> None:
+    """Run the event loop until no callback is ready (only timers, I/O or the clock remain)."""
+    loop = asyncio.get_running_loop()
+    ready = getattr(loop, "_ready", None)
+    for _ in range(_MAX_SETTLE_TURNS):
+        await asyncio.sleep(0)
+        if ready is not None and not ready:
+            # one more turn: callbacks scheduled by the last ones may be pending
+            await asyncio.sleep(0)
+            if not ready:
+                return
+        elif ready is None:
+            continue
+    if ready is None:
+        return
+    raise AssertionError("event loop never went idle")
+
+
+async def drive_until(
+    clock: Clock,
+    predicate: Callable[[], bool],
+    within: float,
+    *,
+    what: str = "condition",
+    poll: float = 0.005,
+) -> None:
+    """Wait until ``predicate()`` holds, allowing ``within`` seconds of ``clock`` time.
+
+    A ManualClock is advanced by jumps to its next sleeper; a real clock is polled.
+    """
+    wall_deadline = time.monotonic() + WALL_LIMIT
+    start = clock.now()
+    while True:
+        if isinstance(clock, ManualClock):
+            await settle()
+        if predicate():
+            return
+        if clock.now() - start > within or time.monotonic() > wall_deadline:
+            raise AssertionError(
+                f"timed out waiting for {what} after {clock.now() - start:.2f}s of clock time"
+            )
+        if isinstance(clock, ManualClock):
+            wake = clock.next_wakeup()
+            if wake is None:
+                # nothing sleeps on the clock: something runs outside the loop (a thread); wait
+                await asyncio.sleep(poll)
+            else:
+                clock.set(min(wake, start + within + 1e-6))
+        else:
+            await asyncio.sleep(poll)
+
+
+async def pass_time(clock: Clock, seconds: float) -> None:
+    """Let ``seconds`` of clock time pass, waking every sleeper on the way in order."""
+    if not isinstance(clock, ManualClock):
+        await asyncio.sleep(seconds)
+        return
+    target = clock.now() + seconds
+    while True:
+        await settle()
+        wake = clock.next_wakeup()
+        if wake is None or wake > target:
+            clock.set(target)
+            await settle()
+            return
+        clock.set(wake)
+
+
+async def run_driven(clock: Clock, awaitable: Awaitable[T], within: float) -> T:
+    """Await ``awaitable`` while driving ``clock`` (needed when it sleeps on a ManualClock)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        await drive_until(clock, task.done, within, what="call to finish")
+    finally:
+        if not task.done():
+            task.cancel()
+    return task.result()
