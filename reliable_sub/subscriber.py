@@ -109,6 +109,10 @@ class Subscriber:
         sync_workers: threads that run sync handlers.
         on_outcome: called in the event loop with each delivery's message and outcome.
         rng: random source for backoff jitter.
+        receive_batch: most messages asked for in one receive call.
+        receive_timeout: seconds one receive call waits for messages.
+        stop_timeout: seconds in-flight handlers get to finish when a stop comes from a signal
+            (``run``), a cancelled ``serve()``, or ``stop()``/``shutdown()`` without a timeout.
     """
 
     def __init__(
@@ -127,6 +131,7 @@ class Subscriber:
         rng: random.Random | None = None,
         receive_batch: int = RECEIVE_BATCH,
         receive_timeout: float = RECEIVE_TIMEOUT,
+        stop_timeout: float = DEFAULT_STOP_TIMEOUT,
     ) -> None:
         self._adapter = adapter
         self._dedup = dedup
@@ -140,6 +145,10 @@ class Subscriber:
         self._rng = rng or random.Random()
         _check_positive("dedup_ttl", dedup_ttl)
         _check_positive("receive_timeout", receive_timeout)
+        if not isinstance(stop_timeout, int | float) or not stop_timeout >= 0:
+            raise ConfigurationError(
+                f"Subscriber.stop_timeout must be in [0, inf), got {stop_timeout!r}"
+            )
         if not isinstance(sync_workers, int) or sync_workers < 1:
             raise ConfigurationError(
                 f"Subscriber.sync_workers must be an int in [1, inf), got {sync_workers!r}"
@@ -159,7 +168,8 @@ class Subscriber:
         self._thread: threading.Thread | None = None
         self._stop_event: asyncio.Event | None = None
         self._closed: asyncio.Event | None = None
-        self._stop_timeout = DEFAULT_STOP_TIMEOUT
+        self._default_stop_timeout = float(stop_timeout)
+        self._stop_timeout = self._default_stop_timeout
         self._done = threading.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._flow: FlowGate | None = None
@@ -258,7 +268,7 @@ class Subscriber:
             self._thread = None
             raise failure[0]
 
-    def stop(self, timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """Stop gracefully from any thread but the Subscriber's own loop.
 
         Receiving stops; in-flight handlers get ``timeout`` seconds (wall clock) to finish; the
@@ -271,18 +281,18 @@ class Subscriber:
             raise RuntimeError(
                 "Subscriber.stop() blocks; inside its event loop use: await sub.shutdown(timeout)"
             )
-        self._stop_timeout = timeout
+        self._stop_timeout = self._default_stop_timeout if timeout is None else timeout
         loop.call_soon_threadsafe(stop_event.set)
         self._done.wait()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
 
-    async def shutdown(self, timeout: float = DEFAULT_STOP_TIMEOUT) -> None:
+    async def shutdown(self, timeout: float | None = None) -> None:
         """The same as :meth:`stop`, awaited from inside the Subscriber's event loop."""
         if self._stop_event is None:
             return
-        self._stop_timeout = timeout
+        self._stop_timeout = self._default_stop_timeout if timeout is None else timeout
         self._stop_event.set()
         if self._closed is not None:
             await self._closed.wait()
@@ -317,6 +327,7 @@ class Subscriber:
                 "Subscriber has no handlers; register one with @sub.handler(subscription)"
             )
         self._loop = asyncio.get_running_loop()
+        self._stop_timeout = self._default_stop_timeout
         self._stop_event = asyncio.Event()
         self._closed = asyncio.Event()
         self._done.clear()
@@ -326,8 +337,10 @@ class Subscriber:
                 started.set()
             try:
                 await self._stop_event.wait()
-            finally:
-                await asyncio.shield(self._close(self._stop_timeout))
+            except asyncio.CancelledError:
+                await self._close(self._stop_timeout)  # cancelling serve() stops gracefully
+                raise
+            await self._close(self._stop_timeout)
         finally:
             self._closed.set()
             self._loop = None

@@ -1,0 +1,388 @@
+"""Subscriber lifecycle, error recovery and options (the guarantees are in conformance/)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from reliable_sub import (
+    ConfigurationError,
+    FlowControl,
+    LeasePolicy,
+    MemoryDedupStore,
+    Message,
+    Outcome,
+    RetryPolicy,
+    Subscriber,
+    UnknownSubscriptionError,
+)
+from reliable_sub._settler import quantize_delay
+from reliable_sub.adapters.memory import MemoryAdapter
+from reliable_sub.clock import ManualClock
+from reliable_sub.message import Delivery
+from tests.timing import drive_until
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll ``predicate`` (real time) until it holds or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+class FlakyBroker(MemoryAdapter):
+    """A memory broker whose calls fail a given number of times first."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.failures = {"receive": 0, "ack": 0}
+        self.ack_calls = 0
+
+    def _maybe_fail(self, call: str) -> None:
+        if self.failures[call] > 0:
+            self.failures[call] -= 1
+            raise ConnectionError(f"{call}: connection reset by broker")
+
+    async def receive(self, subscription: str, max_messages: int, timeout: float):
+        self._maybe_fail("receive")
+        return await super().receive(subscription, max_messages, timeout)
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        self.ack_calls += 1
+        self._maybe_fail("ack")
+        return await super().ack(deliveries)
+
+
+def test_start_and_stop_in_a_background_thread_with_a_sync_handler() -> None:
+    broker = MemoryAdapter()
+    broker.ensure_subscription_sync("orders", "billing")
+    handled: list[bytes] = []
+    threads: set[str] = set()
+    sub = Subscriber(broker, dedup=MemoryDedupStore())
+
+    @sub.handler("billing")
+    def charge(message: Message) -> None:
+        threads.add(threading.current_thread().name)
+        handled.append(message.data)
+
+    sub.start()
+    assert sub.running
+    for i in range(20):
+        broker.publish_sync("orders", f"order-{i}".encode())
+    wait_for(lambda: sub.stats[Outcome.ACKED] == 20, what="20 acks")
+    sub.stop(timeout=5)
+
+    assert not sub.running
+    assert sorted(handled) == sorted(f"order-{i}".encode() for i in range(20))
+    assert all(name.startswith("reliable-sub") for name in threads)
+    assert broker.backlog("billing") == 0
+    sub.stop()  # a second stop is a no-op
+
+
+def test_run_stops_gracefully_on_sigterm(tmp_path) -> None:
+    script = tmp_path / "consumer.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, threading
+        from reliable_sub import Subscriber, Message
+        from reliable_sub.adapters.memory import MemoryAdapter
+
+        broker = MemoryAdapter()
+        broker.ensure_subscription_sync("t", "s")
+        sub = Subscriber(broker)
+        done = threading.Event()
+
+        @sub.handler("s")
+        def handle(message: Message) -> None:
+            print("handled", message.data.decode(), flush=True)
+            done.set()
+
+        def publish_then_terminate() -> None:
+            broker.publish_sync("t", b"hello")
+            done.wait(10)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=publish_then_terminate).start()
+        sub.run()
+        print("stopped; backlog", broker.backlog("s"), flush=True)
+    """))
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["handled hello", "stopped; backlog 0"]
+
+
+def test_start_reports_a_missing_subscription_in_the_callers_thread() -> None:
+    sub = Subscriber(MemoryAdapter())
+    sub.handler("nowhere")(lambda m: None)
+    with pytest.raises(UnknownSubscriptionError, match="'nowhere' does not exist"):
+        sub.start()
+    assert not sub.running
+
+
+def test_registration_errors_are_clear() -> None:
+    sub = Subscriber(MemoryAdapter())
+    with pytest.raises(ConfigurationError, match="no handlers"):
+        sub.start()
+    sub.handler("s")(lambda m: None)
+    with pytest.raises(ConfigurationError, match="'s' already has a handler"):
+        sub.handler("s")(lambda m: None)
+    with pytest.raises(ConfigurationError, match="non-empty str"):
+        sub.handler("")
+
+
+async def serve(sub: Subscriber, clock: ManualClock):
+    task = asyncio.ensure_future(sub.serve())
+    await drive_until(clock, lambda: sub.running, 1.0)
+    return task
+
+
+async def stop(sub: Subscriber, task: asyncio.Future) -> None:
+    await sub.shutdown(timeout=1)
+    await task
+
+
+async def test_receive_and_ack_failures_are_retried_and_nothing_is_lost() -> None:
+    clock = ManualClock()
+    broker = FlakyBroker(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    broker.failures.update(receive=3, ack=2)
+    sub = Subscriber(broker, clock=clock)
+    handled: list[str] = []
+    sub.handler("s")(lambda m: handled.append(m.id))
+    ids = [broker.publish_sync("t", f"{i}".encode()) for i in range(5)]
+
+    task = await serve(sub, clock)
+    await drive_until(clock, lambda: broker.backlog("s") == 0, 60, what="backlog drained")
+    await stop(sub, task)
+
+    assert sorted(handled) == sorted(ids)
+    assert sub.stats.receive_errors == 3
+    assert sub.stats.ack_errors == 0, "ack retries succeeded within the budget"
+    assert broker.ack_calls >= 3
+
+
+async def test_in_process_retries_only_for_listed_exceptions() -> None:
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "transient")
+    broker.ensure_subscription_sync("u", "permanent")
+    retry = RetryPolicy(min_backoff=5, max_backoff=5, in_process_attempts=3,
+                        retry_on=(ConnectionError,))
+    sub = Subscriber(broker, clock=clock, retry=retry)
+    calls: dict[str, list[int]] = {"transient": [], "permanent": []}
+
+    @sub.handler("transient")
+    async def transient(message: Message) -> None:
+        calls["transient"].append(message.delivery_attempt)
+        if len(calls["transient"]) < 3:
+            raise ConnectionError("database connection reset")
+
+    @sub.handler("permanent")
+    async def permanent(message: Message) -> None:
+        calls["permanent"].append(message.delivery_attempt)
+        if message.delivery_attempt == 1:
+            raise ValueError("invalid amount")
+
+    broker.publish_sync("t", b"x")
+    broker.publish_sync("u", b"y")
+    task = await serve(sub, clock)
+    await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 2, 60, what="both acked")
+    await stop(sub, task)
+
+    assert calls["transient"] == [1, 1, 1], "retried in process, no redelivery"
+    assert calls["permanent"] == [1, 2], "not retried in process; redelivered after backoff"
+    assert sub.stats[Outcome.RETRY] == 1
+
+
+async def test_a_failing_dedup_store_redelivers_instead_of_losing() -> None:
+    class BrokenStore(MemoryDedupStore):
+        broken = 2
+
+        async def claim(self, key: str, lease_ttl: float):
+            if self.broken:
+                self.broken -= 1
+                raise ConnectionError("dedup store unreachable")
+            return await super().claim(key, lease_ttl)
+
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock, dedup=BrokenStore(clock=clock),
+                     retry=RetryPolicy(min_backoff=1, max_backoff=2))
+    attempts: list[int] = []
+    sub.handler("s")(lambda m: attempts.append(m.delivery_attempt))
+    broker.publish_sync("t", b"x")
+    task = await serve(sub, clock)
+    await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 1, 60, what="ack")
+    await stop(sub, task)
+    assert attempts == [3]
+    assert sub.stats.store_errors == 2
+    assert sub.stats[Outcome.RETRY] == 2
+
+
+async def test_a_result_that_is_not_json_is_stored_as_null_and_acked() -> None:
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    store = MemoryDedupStore(clock=clock)
+    sub = Subscriber(broker, clock=clock, dedup=store)
+    sub.handler("s")(lambda m: {1, 2, 3})
+    broker.publish_sync("t", b"x", {"idempotency-key": "k"})
+    task = await serve(sub, clock)
+    await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 1, 60, what="ack")
+    await stop(sub, task)
+    assert store._records["s\x1fk"].result_json == "null"
+
+
+async def test_flow_control_bounds_messages_in_flight() -> None:
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock, flow_control=FlowControl(max_messages=3))
+    running = 0
+    peak = 0
+    release = asyncio.Event()
+
+    @sub.handler("s")
+    async def handle(message: Message) -> None:
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await release.wait()
+        running -= 1
+
+    for i in range(10):
+        broker.publish_sync("t", f"{i}".encode())
+    task = await serve(sub, clock)
+    await drive_until(clock, lambda: running == 3, 5, what="three handlers")
+    assert broker.backlog("s") == 10
+    release.set()
+    await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 10, 60, what="all acked")
+    await stop(sub, task)
+    assert peak == 3
+
+
+async def test_max_bytes_lets_one_big_message_run_alone() -> None:
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock, flow_control=FlowControl(max_bytes=100))
+    concurrent: list[int] = []
+    running = 0
+
+    @sub.handler("s")
+    async def handle(message: Message) -> None:
+        nonlocal running
+        running += 1
+        concurrent.append(running)
+        await clock.sleep(1)
+        running -= 1
+
+    broker.publish_sync("t", b"x" * 500)
+    for _ in range(4):
+        broker.publish_sync("t", b"y" * 40)
+    task = await serve(sub, clock)
+    await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 5, 60, what="all acked")
+    await stop(sub, task)
+    assert max(concurrent) == 2, "100 bytes allow two 40-byte handlers, the 500-byte one alone"
+
+
+async def test_past_max_lease_the_redelivered_copy_waits_for_the_live_handler() -> None:
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "s", ack_deadline=10)
+    store = MemoryDedupStore(clock=clock)
+    sub = Subscriber(broker, clock=clock, dedup=store,
+                     lease=LeasePolicy(max_lease_duration=60),
+                     retry=RetryPolicy(min_backoff=5, max_backoff=20))
+    runs: list[int] = []
+
+    @sub.handler("s")
+    async def long_job(message: Message) -> str:
+        runs.append(message.delivery_attempt)
+        await clock.sleep(150)
+        return "done"
+
+    broker.publish_sync("t", b"report")
+    task = await serve(sub, clock)
+    await drive_until(clock, lambda: sub.stats[Outcome.DUPLICATE] == 1, 400,
+                      what="the copy to be recognised as a duplicate")
+    await stop(sub, task)
+
+    assert runs == [1], "the handler ran twice"
+    assert sub.lease_manager  # still inspectable
+    assert sub.stats[Outcome.DEFERRED] >= 1
+    assert sub.stats[Outcome.ACKED] == 1
+    assert broker.backlog("s") == 0
+
+
+async def test_stop_inside_the_loop_points_to_shutdown() -> None:
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock)
+    sub.handler("s")(lambda m: None)
+    task = await serve(sub, clock)
+    with pytest.raises(RuntimeError, match=r"await sub\.shutdown"):
+        sub.stop()
+    await stop(sub, task)
+
+
+async def test_acks_are_batched() -> None:
+    clock = ManualClock()
+    broker = FlakyBroker(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock)
+
+    @sub.handler("s")
+    async def handle(message: Message) -> None:
+        return None
+
+    for i in range(300):
+        broker.publish_sync("t", f"{i}".encode())
+    task = await serve(sub, clock)
+    await drive_until(clock, lambda: broker.backlog("s") == 0, 60, what="drained")
+    await stop(sub, task)
+    assert broker.ack_calls <= 10, f"{broker.ack_calls} ack calls for 300 messages"
+
+
+@pytest.mark.parametrize(
+    ("delay", "expected"),
+    [(0, 0), (-1, 0), (12.34, 13), (187.5, 190), (0.123, 0.13), (600, 600), (5.0, 5.0)],
+)
+def test_nack_delays_are_rounded_up_to_two_significant_digits(delay, expected) -> None:
+    assert quantize_delay(delay) == pytest.approx(expected)
+
+
+async def test_cancelling_serve_stops_gracefully() -> None:
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock, stop_timeout=0.1)
+    started = asyncio.Event()
+
+    @sub.handler("s")
+    async def handle(message: Message) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    broker.publish_sync("t", b"x")
+    task = await serve(sub, clock)
+    await drive_until(clock, started.is_set, 5, what="handler start")
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not sub.running
+    assert sub.stats[Outcome.STOPPED] == 1
+    [again] = await broker.receive("s", 1, 0)
+    assert again.message.delivery_attempt == 2
