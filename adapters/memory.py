@@ -24,13 +24,13 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..clock import Clock, SystemClock, sleep_or_event
-from ..errors import ConfigurationError, UnknownSubscriptionError
+from ..errors import AdapterError, ConfigurationError, UnknownSubscriptionError
 from ..message import Delivery, Message
 from .base import Capabilities
 
 DEFAULT_ACK_DEADLINE = 10.0
-# Pub/Sub's default retention of unacked messages; acked ones are kept this long only when the
-# subscription asks for it (retain_acked_messages=True), for seek.
+# How long acked messages are kept when a subscription asks for it (retain_acked_messages=True);
+# seven days, Pub/Sub's default. Unacked messages are kept until acked, however long that takes.
 DEFAULT_MESSAGE_RETENTION = 7 * 24 * 3600.0
 
 CAPABILITIES = Capabilities(
@@ -229,6 +229,8 @@ class MemoryAdapter:
             raise ValueError(f"receive: max_messages must be >= 1, got {max_messages}")
         give_up_at = self._clock.now() + max(0.0, timeout)
         loop = asyncio.get_running_loop()
+        if self._closed:
+            raise AdapterError("MemoryAdapter is closed; receive needs an open adapter")
         while True:
             event = asyncio.Event()
             with self._lock:

@@ -112,6 +112,7 @@ class LeaseManager:
         self._leases: dict[str, _Lease] = {}
         self._wakeup = asyncio.Event()
         self._idle = True
+        self._planned_wake = math.inf
         self._task: asyncio.Task[None] | None = None
 
     def __len__(self) -> int:
@@ -124,13 +125,17 @@ class LeaseManager:
         initial = self._initial_deadline
         max_lease = self._policy.max_lease_duration
         leases = self._leases
+        earliest_due = math.inf
         for delivery in deliveries:
             received = delivery.received_at
-            leases[delivery.ack_id] = _Lease(
-                delivery, received + initial, initial, received + max_lease
-            )
-        if self._idle and leases:
+            lease = _Lease(delivery, received + initial, initial, received + max_lease)
+            leases[delivery.ack_id] = lease
+            earliest_due = min(earliest_due, lease.due_at())
+        # The loop may be asleep until a later lease falls due (all others were just extended
+        # far ahead): wake it when a new one is due first, or it would miss its deadline.
+        if (self._idle and leases) or earliest_due < self._planned_wake:
             self._idle = False
+            self._planned_wake = earliest_due
             self._wakeup.set()
 
     def claim_ttl(self, delivery: Delivery) -> float:
@@ -191,19 +196,22 @@ class LeaseManager:
     async def _run(self) -> None:
         while True:
             next_due = await self.tick()
-            if next_due is None:
+            if next_due is None or math.isinf(next_due):  # nothing to extend or renew
                 self._idle = True
+                self._planned_wake = math.inf
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             self._wakeup.clear()
             delay = max(MIN_TICK_INTERVAL, next_due - self._clock.now())
+            self._planned_wake = self._clock.now() + delay
             await sleep_or_event(self._clock, self._wakeup, delay)
 
     async def tick(self) -> float | None:
         """Extend what is due, renew due claims, release expired leases.
 
-        Returns the clock time of the next due lease, or None when nothing is leased.
+        Returns the clock time of the next due lease (inf when the remaining leases need
+        nothing until their handlers finish), or None when nothing is leased.
         """
         now = self._clock.now()
         extension = self.extension()

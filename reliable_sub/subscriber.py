@@ -60,7 +60,8 @@ RECEIVE_RETRY_INITIAL = 0.1
 RECEIVE_RETRY_MAX = 10.0
 # Pub/Sub's own client runs callbacks on 10 threads by default; so do we for sync handlers.
 DEFAULT_SYNC_WORKERS = 10
-# A message a live peer is handling comes back after at least this long.
+# A message a live peer is handling comes back when the peer's claim would lapse, but not sooner
+# than this (nor later than RetryPolicy.max_backoff).
 DEFER_MIN_DELAY = 1.0
 # Pub/Sub attribute values are limited to 1024 bytes; the error message is cut to fit.
 ERROR_MESSAGE_LIMIT = 1000
@@ -461,6 +462,8 @@ class Subscriber:
             logger.exception("processing message %s failed unexpectedly", delivery.message.id)
             assert route.lease is not None
             route.lease.drop(delivery)
+            if attempt.claim_key is not None:
+                await self._release(attempt.claim_key)
             outcome = Outcome.RETRY
             delay = self._retry.backoff(delivery.message.delivery_attempt, self._rng)
         self._settle(delivery, outcome, delay)
@@ -497,7 +500,7 @@ class Subscriber:
             lease.started(delivery)
             try:
                 result = await self._invoke(route, message, attempt)
-            except Exception as error:
+            except (Exception, SystemExit) as error:  # a handler's sys.exit() is its failure
                 lease.finish(delivery)
                 return await self._failed(delivery, attempt, error)
             lease.finish(delivery)
@@ -547,7 +550,7 @@ class Subscriber:
         return result
 
     async def _failed(
-        self, delivery: Delivery, attempt: _Attempt, error: Exception
+        self, delivery: Delivery, attempt: _Attempt, error: BaseException
     ) -> tuple[Outcome, float]:
         message = delivery.message
         self.stats.handler_errors += 1

@@ -142,3 +142,23 @@ async def test_max_lease_duration_nacks_but_keeps_the_claim_while_the_handler_ru
     assert lease.stats.claim_renew_calls >= 4
     lease.finish(delivery)
     await lease.stop()
+
+
+async def test_a_new_delivery_due_before_the_planned_wakeup_is_not_missed() -> None:
+    """The loop sleeps until a far-extended lease falls due; a newcomer must wake it."""
+    clock, broker, lease = await setup()
+    for _ in range(50):
+        lease.histogram.add(60.0)  # p99 of 60 s: extensions go far ahead
+    [long_job] = await receive(broker, clock, 1)
+    lease.add([long_job])
+    lease.start()
+    lease.started(long_job)
+    await pass_time(clock, 9)  # extended at ~8 s to ~68 s; the loop now sleeps until ~56 s
+    [newcomer] = await receive(broker, clock, 1)
+    lease.add([newcomer])
+    lease.started(newcomer)
+    await pass_time(clock, 30)
+
+    assert await broker.receive("s", 10, 0) == [], "the newcomer's deadline ran out"
+    assert await broker.ack([long_job, newcomer]) == []
+    await lease.stop()

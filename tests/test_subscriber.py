@@ -386,3 +386,57 @@ async def test_cancelling_serve_stops_gracefully() -> None:
     assert sub.stats[Outcome.STOPPED] == 1
     [again] = await broker.receive("s", 1, 0)
     assert again.message.delivery_attempt == 2
+
+
+async def test_without_dedup_a_handler_past_max_lease_does_not_stall_other_leases() -> None:
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "s", ack_deadline=10)
+    sub = Subscriber(broker, clock=clock, lease=LeasePolicy(max_lease_duration=30))
+    runs: list[bytes] = []
+
+    @sub.handler("s")
+    async def handle(message: Message) -> None:
+        runs.append(message.data)
+        await clock.sleep(100 if message.data == b"marathon" else 25)
+
+    broker.publish_sync("t", b"marathon")
+    task = await serve(sub, clock)
+    await drive_until(clock, lambda: sub.lease_manager("s").stats.max_lease_nacks == 1, 60,
+                      what="max lease reached")
+    broker.publish_sync("t", b"later")
+    await drive_until(clock, lambda: b"later" in runs, 5, what="later starts")
+    await drive_until(clock, lambda: sub.stats[Outcome.ACKED] >= 2, 200, what="acks")
+    await stop(sub, task)
+    assert runs.count(b"later") == 1, "a 25 s handler was redelivered: its lease was not extended"
+
+
+async def test_a_closed_broker_is_retried_and_stop_still_returns() -> None:
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock)
+    sub.handler("s")(lambda m: None)
+    task = await serve(sub, clock)
+    await broker.close()
+    await drive_until(clock, lambda: sub.stats.receive_errors >= 3, 60, what="receive retries")
+    await stop(sub, task)
+    assert not sub.running
+
+
+async def test_a_handler_calling_sys_exit_fails_like_any_error() -> None:
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock, retry=RetryPolicy(min_backoff=1, max_backoff=1))
+
+    @sub.handler("s")
+    def handle(message: Message) -> None:
+        if message.delivery_attempt == 1:
+            raise SystemExit(3)
+
+    broker.publish_sync("t", b"x")
+    task = await serve(sub, clock)
+    await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 1, 60, what="ack")
+    await stop(sub, task)
+    assert sub.stats[Outcome.RETRY] == 1
