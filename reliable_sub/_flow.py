@@ -18,6 +18,7 @@ class FlowGate:
         self._limits = limits
         self._in_flight = 0
         self._running_bytes = 0
+        self._waiters = 0
         self._changed = asyncio.Event()
 
     @property
@@ -27,8 +28,7 @@ class FlowGate:
     async def free_slots(self) -> int:
         """Wait until at least one message slot is free; return how many are."""
         while self._in_flight >= self._limits.max_messages:
-            self._changed.clear()
-            await self._changed.wait()
+            await self._wait()
         return self._limits.max_messages - self._in_flight
 
     def taken(self, count: int) -> None:
@@ -36,15 +36,30 @@ class FlowGate:
 
     def settled(self) -> None:
         self._in_flight -= 1
-        self._changed.set()
+        if self._waiters:
+            self._changed.set()
+
+    def try_acquire_bytes(self, size: int) -> bool:
+        """Take ``size`` running bytes if that fits now (or nothing else runs)."""
+        if self._running_bytes and self._running_bytes + size > self._limits.max_bytes:
+            return False
+        self._running_bytes += size
+        return True
 
     async def acquire_bytes(self, size: int) -> None:
         """Wait until a handler of ``size`` payload bytes may start (alone, if it is huge)."""
-        while self._running_bytes and self._running_bytes + size > self._limits.max_bytes:
-            self._changed.clear()
-            await self._changed.wait()
-        self._running_bytes += size
+        while not self.try_acquire_bytes(size):
+            await self._wait()
 
     def release_bytes(self, size: int) -> None:
         self._running_bytes -= size
-        self._changed.set()
+        if self._waiters:
+            self._changed.set()
+
+    async def _wait(self) -> None:
+        self._changed.clear()
+        self._waiters += 1
+        try:
+            await self._changed.wait()
+        finally:
+            self._waiters -= 1

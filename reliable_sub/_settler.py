@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from .adapters.base import Adapter
+from .dedup import DedupStore
 from .message import Delivery
 
 logger = logging.getLogger(__name__)
@@ -37,36 +38,53 @@ def quantize_delay(delay: float) -> float:
 
 
 class Settler:
-    """Queues acks and nacks and sends them to the adapter in batches."""
+    """Queues acks and nacks and sends them to the adapter in batches.
+
+    An ack may carry a dedup completion ``(key, result_json)``: completions of a batch are written
+    with one ``complete_many`` call just before its acks, so a message is recorded as done before
+    the broker forgets it.
+    """
 
     def __init__(
         self,
         adapter: Adapter,
         *,
+        dedup: DedupStore | None = None,
+        dedup_ttl: float = 0.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         on_refused: Callable[[list[Delivery]], None] | None = None,
-        on_error: Callable[[int], None] | None = None,
+        on_error: Callable[[str, int], None] | None = None,
     ) -> None:
         self._adapter = adapter
+        self._dedup = dedup
+        self._dedup_ttl = dedup_ttl
         self._sleep = sleep
         self._on_refused = on_refused
         self._on_error = on_error
         self._acks: list[Delivery] = []
+        self._completions: list[tuple[str, str]] = []
         self._nacks: dict[float, list[Delivery]] = {}
         self._pending = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
 
-    def ack(self, delivery: Delivery) -> None:
+    def ack(self, delivery: Delivery, completion: tuple[str, str] | None = None) -> None:
+        """Queue an ack, after recording ``completion`` (key, result JSON) in the dedup store."""
         self._acks.append(delivery)
-        self._pending.set()
-        self._idle.clear()
+        if completion is not None:
+            self._completions.append(completion)
+        if self._idle.is_set():
+            self._wake()
 
     def nack(self, delivery: Delivery, delay: float) -> None:
         self._nacks.setdefault(quantize_delay(delay), []).append(delivery)
-        self._pending.set()
+        if self._idle.is_set():
+            self._wake()
+
+    def _wake(self) -> None:
         self._idle.clear()
+        self._pending.set()
 
     def start(self) -> None:
         if self._task is None:
@@ -94,10 +112,16 @@ class Settler:
             await self._send_all()
 
     async def _send_all(self) -> None:
-        while self._acks or self._nacks:
+        while self._acks or self._nacks or self._completions:
             self._pending.clear()
             acks, self._acks = self._acks, []
+            completions, self._completions = self._completions, []
             nacks, self._nacks = self._nacks, {}
+            if completions and self._dedup is not None:
+                await self._call(
+                    "recording completions", len(completions), self._dedup.complete_many,
+                    completions, self._dedup_ttl,
+                )
             if acks:
                 refused = await self._call("ack", len(acks), self._adapter.ack, acks)
                 if refused and self._on_refused is not None:
@@ -120,9 +144,10 @@ class Settler:
                     return await method(*args)
         except Exception:
             if self._on_error is not None:
-                self._on_error(count)
+                self._on_error(what, count)
             logger.error(
-                "%s of %d deliveries failed %d times; they will be redelivered after their ack "
-                "deadline", what, count, SETTLE_ATTEMPTS, exc_info=True,
+                "%s for %d deliveries failed %d times; acks that fail are redelivered after "
+                "their ack deadline, completions that fail leave their claims to expire",
+                what, count, SETTLE_ATTEMPTS, exc_info=True,
             )
         return None

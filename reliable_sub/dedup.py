@@ -52,14 +52,29 @@ ClaimResult = Claimed | Completed | InProgress
 
 @runtime_checkable
 class DedupStore(Protocol):
-    """The idempotent-consumer store contract."""
+    """The idempotent-consumer store contract.
+
+    The Subscriber uses the batch methods (one round trip per received batch and per batch of
+    acks); the single-key methods are for handlers and scripts.
+    """
 
     async def claim(self, key: str, lease_ttl: float) -> ClaimResult:
         """Atomically claim ``key`` for ``lease_ttl`` seconds, or report why not."""
         ...
 
+    async def claim_many(self, keys: Sequence[str], lease_ttl: float) -> list[ClaimResult]:
+        """:meth:`claim` for each key, in order, in one round trip."""
+        ...
+
     async def complete(self, key: str, result: Any, ttl: float) -> None:
         """Record ``key`` as handled with a JSON-serializable ``result``, kept ``ttl`` seconds."""
+        ...
+
+    async def complete_many(self, results: Sequence[tuple[str, str]], ttl: float) -> None:
+        """Record each ``(key, result_json)`` as handled, kept ``ttl`` seconds, in one round trip.
+
+        ``result_json`` is already JSON text (see :func:`encode_result`).
+        """
         ...
 
     async def release(self, key: str) -> bool:
@@ -76,10 +91,16 @@ def scoped_key(namespace: str, key: str) -> str:
     return f"{namespace}\x1f{key}"
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+CLAIMED = Claimed()
+
+
 def encode_result(result: Any) -> str:
-    """``result`` as JSON, or :class:`ResultNotSerializableError` naming its type."""
+    """``result`` as JSON text, or :class:`ResultNotSerializableError` naming its type."""
+    if result is None:
+        return "null"
     try:
-        return json.dumps(result, separators=(",", ":"), allow_nan=False)
+        return _ENCODER.encode(result)
     except (TypeError, ValueError) as error:
         raise ResultNotSerializableError(
             f"handler result of type {type(result).__name__} cannot be stored as JSON "
@@ -87,11 +108,9 @@ def encode_result(result: Any) -> str:
         ) from error
 
 
-@dataclass(slots=True)
-class _Record:
-    owner: str | None  # None once completed
-    expires_at: float
-    result_json: str | None = None
+# A record is (owner, expires_at, result_json): owner None once completed. Plain tuples, not
+# objects, because a store holds records for days and the garbage collector walks every object.
+_Record = tuple[str | None, float, str | None]
 
 
 class MemoryDedupStore:
@@ -112,34 +131,48 @@ class MemoryDedupStore:
     def __len__(self) -> int:
         with self._lock:
             now = self._clock.now()
-            return sum(1 for r in self._records.values() if r.expires_at > now)
+            return sum(1 for record in self._records.values() if record[1] > now)
 
     async def claim(self, key: str, lease_ttl: float) -> ClaimResult:
         return self.claim_sync(key, lease_ttl)
 
+    async def claim_many(self, keys: Sequence[str], lease_ttl: float) -> list[ClaimResult]:
+        with self._lock:
+            now = self._clock.now()
+            return [self._claim(key, lease_ttl, now) for key in keys]
+
     def claim_sync(self, key: str, lease_ttl: float) -> ClaimResult:
         """Blocking twin of :meth:`claim`."""
         with self._lock:
-            now = self._clock.now()
-            self._maybe_sweep(now)
-            record = self._records.get(key)
-            if record is not None and record.expires_at > now:
-                if record.owner is None:
-                    result = json.loads(record.result_json) if record.result_json else None
-                    return Completed(result)
-                return InProgress(record.expires_at - now)
-            self._records[key] = _Record(self.owner, now + lease_ttl)
-            return Claimed()
+            return self._claim(key, lease_ttl, self._clock.now())
+
+    def _claim(self, key: str, lease_ttl: float, now: float) -> ClaimResult:
+        self._operations += 1
+        if self._operations % _SWEEP_EVERY == 0:
+            self._sweep(now)
+        record = self._records.get(key)
+        if record is not None and record[1] > now:
+            owner, expires_at, result_json = record
+            if owner is None:
+                return Completed(json.loads(result_json) if result_json else None)
+            return InProgress(expires_at - now)
+        self._records[key] = (self.owner, now + lease_ttl, None)
+        return CLAIMED
 
     async def complete(self, key: str, result: Any, ttl: float) -> None:
-        encoded = encode_result(result)
+        await self.complete_many([(key, encode_result(result))], ttl)
+
+    async def complete_many(self, results: Sequence[tuple[str, str]], ttl: float) -> None:
         with self._lock:
-            self._records[key] = _Record(None, self._clock.now() + ttl, encoded)
+            expires_at = self._clock.now() + ttl
+            records = self._records
+            for key, result_json in results:
+                records[key] = (None, expires_at, result_json)
 
     async def release(self, key: str) -> bool:
         with self._lock:
             record = self._records.get(key)
-            if record is None or record.owner != self.owner:
+            if record is None or record[0] != self.owner:
                 return False
             del self._records[key]
             return True
@@ -147,19 +180,16 @@ class MemoryDedupStore:
     async def renew(self, keys: Sequence[str], lease_ttl: float) -> list[str]:
         lost: list[str] = []
         with self._lock:
-            now = self._clock.now()
+            expires_at = self._clock.now() + lease_ttl
             for key in keys:
                 record = self._records.get(key)
-                if record is None or record.owner != self.owner:
+                if record is None or record[0] != self.owner:
                     lost.append(key)
                 else:
-                    record.expires_at = now + lease_ttl
+                    self._records[key] = (record[0], expires_at, None)
         return lost
 
-    def _maybe_sweep(self, now: float) -> None:
-        self._operations += 1
-        if self._operations % _SWEEP_EVERY:
-            return
-        expired = [k for k, r in self._records.items() if r.expires_at <= now]
+    def _sweep(self, now: float) -> None:
+        expired = [key for key, record in self._records.items() if record[1] <= now]
         for key in expired:
             del self._records[key]

@@ -7,7 +7,6 @@ keeps paying for its slow past. This one forgets: a sample counts only while it 
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import deque
 
@@ -16,7 +15,7 @@ from .clock import Clock
 # Ten minutes of history: long enough for a stable p99 at a few messages a second, short enough
 # that a shift in the workload shows within minutes.
 DEFAULT_WINDOW = 600.0
-# Bounds memory and the cost of an insert (a memmove over at most this many floats).
+# Bounds memory, and the sort a percentile costs (it is asked for once per lease tick).
 DEFAULT_MAX_SAMPLES = 2000
 
 
@@ -44,36 +43,40 @@ class SlidingHistogram:
         self._clock = clock
         self._window = window
         self._max_samples = max_samples
-        self._arrivals: deque[tuple[float, float]] = deque()
-        self._sorted: list[float] = []
+        self._samples: deque[tuple[float, float]] = deque()
+        self._sorted: list[float] | None = None  # built on demand; None when samples changed
 
     def __len__(self) -> int:
         self._forget(self._clock.now())
-        return len(self._sorted)
+        return len(self._samples)
 
-    def add(self, seconds: float) -> None:
-        """Record one observed duration."""
+    def add(self, seconds: float, now: float | None = None) -> None:
+        """Record one observed duration, at ``now`` (default: the clock's reading).
+
+        Cheap by design: percentiles are computed when asked for.
+        """
         if not seconds >= 0 or math.isinf(seconds):
             return
-        now = self._clock.now()
-        self._arrivals.append((now, seconds))
-        bisect.insort(self._sorted, seconds)
-        self._forget(now)
+        samples = self._samples
+        samples.append((self._clock.now() if now is None else now, seconds))
+        if len(samples) > self._max_samples:
+            samples.popleft()
+        self._sorted = None
 
     def percentile(self, percent: float) -> float | None:
         """The ``percent``-th percentile (nearest rank) of counted samples; None when empty."""
         self._forget(self._clock.now())
-        if not self._sorted:
+        if not self._samples:
             return None
-        rank = math.ceil(percent / 100.0 * len(self._sorted))
-        return self._sorted[min(len(self._sorted), max(1, rank)) - 1]
+        if self._sorted is None:
+            self._sorted = sorted(value for _, value in self._samples)
+        ordered = self._sorted
+        rank = math.ceil(percent / 100.0 * len(ordered))
+        return ordered[min(len(ordered), max(1, rank)) - 1]
 
     def _forget(self, now: float) -> None:
         oldest_allowed = now - self._window
-        arrivals = self._arrivals
-        while arrivals and (
-            len(arrivals) > self._max_samples or arrivals[0][0] < oldest_allowed
-        ):
-            _, value = arrivals.popleft()
-            index = bisect.bisect_left(self._sorted, value)
-            del self._sorted[index]
+        samples = self._samples
+        while samples and samples[0][0] < oldest_allowed:
+            samples.popleft()
+            self._sorted = None

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .adapters.base import Adapter
@@ -120,17 +120,33 @@ class LeaseManager:
 
     # -- what the Subscriber tells us --------------------------------------------------------
 
-    def add(self, deliveries: Iterable[Delivery]) -> None:
-        """Lease deliveries from the moment their receive call returned (``received_at``)."""
+    def add(
+        self,
+        deliveries: Sequence[Delivery],
+        claim_keys: Sequence[str] | None = None,
+        claim_ttl: float = 0.0,
+    ) -> None:
+        """Lease deliveries from the moment their receive call returned (``received_at``).
+
+        ``claim_keys`` (one per delivery) are dedup claims taken for ``claim_ttl`` seconds at
+        ``received_at``; they are renewed together with the deliveries.
+        """
         initial = self._initial_deadline
         max_lease = self._policy.max_lease_duration
+        margin = initial * SAFETY_FRACTION
         leases = self._leases
         earliest_due = math.inf
-        for delivery in deliveries:
+        for index, delivery in enumerate(deliveries):
             received = delivery.received_at
             lease = _Lease(delivery, received + initial, initial, received + max_lease)
+            due = received + initial - margin
+            if claim_keys is not None:
+                lease.claim_key = claim_keys[index]
+                lease.claim_deadline = received + claim_ttl
+                due = min(due, lease.claim_deadline - margin)
             leases[delivery.ack_id] = lease
-            earliest_due = min(earliest_due, lease.due_at())
+            if due < earliest_due:
+                earliest_due = due
         # The loop may be asleep until a later lease falls due (all others were just extended
         # far ahead): wake it when a new one is due first, or it would miss its deadline.
         if (self._idle and leases) or earliest_due < self._planned_wake:
@@ -138,19 +154,9 @@ class LeaseManager:
             self._planned_wake = earliest_due
             self._wakeup.set()
 
-    def claim_ttl(self, delivery: Delivery) -> float:
-        """How long a dedup claim for ``delivery`` should last: as long as its message lease."""
-        lease = self._leases.get(delivery.ack_id)
-        if lease is None:
-            return self.extension()
-        return max(lease.deadline - self._clock.now(), self._policy.min_extension)
-
-    def attach_claim(self, delivery: Delivery, key: str, ttl: float) -> None:
-        """Renew dedup claim ``key`` (taken for ``ttl`` seconds) while ``delivery`` is leased."""
-        lease = self._leases.get(delivery.ack_id)
-        if lease is not None:
-            lease.claim_key = key
-            lease.claim_deadline = self._clock.now() + ttl
+    def claim_ttl(self) -> float:
+        """How long a fresh delivery's dedup claim should last: as long as its first lease."""
+        return max(self._initial_deadline, self._policy.min_extension)
 
     def started(self, delivery: Delivery) -> None:
         """The handler for ``delivery`` starts now: processing time is measured from here."""
@@ -163,8 +169,9 @@ class LeaseManager:
         lease = self._leases.pop(delivery.ack_id, None)
         if lease is None or lease.started_at is None:
             return None
-        duration = self._clock.now() - lease.started_at
-        self.histogram.add(duration)
+        now = self._clock.now()
+        duration = now - lease.started_at
+        self.histogram.add(duration, now)
         return duration
 
     def drop(self, delivery: Delivery) -> None:

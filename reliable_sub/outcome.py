@@ -23,6 +23,10 @@ class Outcome(str, enum.Enum):
     STOPPED = "stopped"
     """The Subscriber stopped before the handler finished; nacked for immediate redelivery."""
 
+    # Hash as the plain string (as equality already does): Enum's own __hash__ is a Python call,
+    # paid on every delivery when outcomes are counted.
+    __hash__ = str.__hash__
+
 
 @dataclass
 class SubscriberStats:

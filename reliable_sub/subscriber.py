@@ -35,11 +35,12 @@ from tenacity import (
     wait_random_exponential,
 )
 
+from ._eager import start_eagerly
 from ._flow import FlowGate
 from ._settler import Settler
 from .adapters.base import Adapter
 from .clock import Clock, SystemClock
-from .dedup import Completed, DedupStore, InProgress, scoped_key
+from .dedup import Claimed, Completed, DedupStore, encode_result, scoped_key
 from .errors import ConfigurationError, ResultNotSerializableError
 from .lease import LeaseManager
 from .message import Delivery, Message
@@ -67,8 +68,6 @@ DEFER_MIN_DELAY = 1.0
 ERROR_MESSAGE_LIMIT = 1000
 DEFAULT_STOP_TIMEOUT = 30.0
 
-_ACKING = frozenset({Outcome.ACKED, Outcome.DUPLICATE, Outcome.DEAD_LETTERED})
-
 HandlerT = TypeVar("HandlerT", bound=Callable[..., Any])
 
 
@@ -80,6 +79,7 @@ class _Route:
     handler: Callable[[Message], Any]
     is_async: bool
     namespace: str
+    direct: bool = False  # async, no in-process retries: awaited without wrappers
     lease: LeaseManager | None = None
     receiver: asyncio.Task[None] | None = None
 
@@ -87,11 +87,12 @@ class _Route:
 class _Attempt:
     """What one delivery holds, so a stop can give back exactly that."""
 
-    __slots__ = ("claim_key", "in_thread")
+    __slots__ = ("claim_key", "in_thread", "result_json")
 
-    def __init__(self) -> None:
-        self.claim_key: str | None = None
+    def __init__(self, claim_key: str | None) -> None:
+        self.claim_key = claim_key
         self.in_thread = False
+        self.result_json = "null"
 
 
 class Subscriber:
@@ -219,11 +220,13 @@ class Subscriber:
                 )
             if self._loop is not None:
                 raise ConfigurationError("register handlers before the Subscriber starts")
+            is_async = _is_async_callable(function)
             self._routes[subscription] = _Route(
                 subscription=subscription,
                 handler=function,
-                is_async=_is_async_callable(function),
+                is_async=is_async,
                 namespace=namespace or subscription,
+                direct=is_async and self._retry.in_process_attempts == 1,
             )
             return function
 
@@ -354,8 +357,10 @@ class Subscriber:
         self._settler = Settler(
             self._adapter,
             sleep=self._clock.sleep,
+            dedup=self._dedup,
+            dedup_ttl=self._dedup_ttl,
             on_refused=self._count_refused,
-            on_error=self._count_ack_errors,
+            on_error=self._count_settle_errors,
         )
         self._settler.start()
         self._executor = ThreadPoolExecutor(self._sync_workers, thread_name_prefix="reliable-sub")
@@ -417,11 +422,61 @@ class Subscriber:
             for delivery in deliveries:
                 delivery.received_at = now  # the lease clock starts when receive returns
             flow.taken(len(deliveries))
-            lease.add(deliveries)
+            if self._dedup is None:
+                lease.add(deliveries)
+                for delivery in deliveries:
+                    self._start(loop, route, delivery, None)
+            else:
+                await self._claim_and_start(loop, route, deliveries)
+
+    async def _claim_and_start(
+        self, loop: asyncio.AbstractEventLoop, route: _Route, deliveries: list[Delivery]
+    ) -> None:
+        """Claim a received batch in one store call; settle duplicates, start the rest."""
+        assert self._dedup is not None and route.lease is not None
+        namespace = route.namespace
+        keys = [scoped_key(namespace, d.message.idempotency_key) for d in deliveries]
+        ttl = route.lease.claim_ttl()
+        try:
+            claims = await self._dedup.claim_many(keys, ttl)
+        except asyncio.CancelledError:
             for delivery in deliveries:
-                task = loop.create_task(self._process(route, delivery))
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                self._settle(delivery, Outcome.STOPPED, 0.0)
+            raise
+        except Exception:
+            self.stats.store_errors += 1
+            logger.warning("dedup claim of %d messages failed; redelivering them later",
+                           len(deliveries), exc_info=True)
+            for delivery in deliveries:
+                backoff = self._retry.backoff(delivery.message.delivery_attempt, self._rng)
+                self._settle(delivery, Outcome.RETRY, backoff)
+            return
+        to_run: list[Delivery] = []
+        run_keys: list[str] = []
+        for delivery, key, claim in zip(deliveries, keys, claims, strict=True):
+            if isinstance(claim, Claimed):
+                to_run.append(delivery)
+                run_keys.append(key)
+            elif isinstance(claim, Completed):
+                self._settle(delivery, Outcome.DUPLICATE, 0.0)
+            else:
+                delay = min(self._retry.max_backoff, max(DEFER_MIN_DELAY, claim.expires_in))
+                self._settle(delivery, Outcome.DEFERRED, delay)
+        route.lease.add(to_run, run_keys, ttl)
+        for delivery, key in zip(to_run, run_keys, strict=True):
+            self._start(loop, route, delivery, key)
+
+    def _start(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        route: _Route,
+        delivery: Delivery,
+        claim_key: str | None,
+    ) -> None:
+        task = start_eagerly(loop, self._process(route, delivery, claim_key))
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _receive(self, route: _Route, max_messages: int) -> list[Delivery]:
         """One receive call, retried with jittered exponential backoff while the broker fails."""
@@ -451,8 +506,8 @@ class Subscriber:
 
     # -- one delivery --------------------------------------------------------------------------
 
-    async def _process(self, route: _Route, delivery: Delivery) -> None:
-        attempt = _Attempt()
+    async def _process(self, route: _Route, delivery: Delivery, claim_key: str | None) -> None:
+        attempt = _Attempt(claim_key)
         try:
             outcome, delay = await self._handle(route, delivery, attempt)
         except asyncio.CancelledError:
@@ -464,51 +519,35 @@ class Subscriber:
             route.lease.drop(delivery)
             if attempt.claim_key is not None:
                 await self._release(attempt.claim_key)
+                attempt.claim_key = None
             outcome = Outcome.RETRY
             delay = self._retry.backoff(delivery.message.delivery_attempt, self._rng)
-        self._settle(delivery, outcome, delay)
+        self._settle(delivery, outcome, delay, attempt)
 
     async def _handle(
         self, route: _Route, delivery: Delivery, attempt: _Attempt
     ) -> tuple[Outcome, float]:
+        """Run the handler (the claim, if any, is held); decide ack, retry or dead-letter."""
         assert route.lease is not None and self._flow is not None
-        lease, message = route.lease, delivery.message
-        if self._dedup is not None:
-            key = scoped_key(route.namespace, message.idempotency_key)
-            ttl = lease.claim_ttl(delivery)
-            try:
-                claim = await self._dedup.claim(key, ttl)
-            except Exception:
-                self.stats.store_errors += 1
-                logger.warning("dedup claim for message %s failed; redelivering later",
-                               message.id, exc_info=True)
-                lease.drop(delivery)
-                return Outcome.RETRY, self._retry.backoff(message.delivery_attempt, self._rng)
-            if isinstance(claim, Completed):
-                lease.drop(delivery)
-                return Outcome.DUPLICATE, 0.0
-            if isinstance(claim, InProgress):
-                lease.drop(delivery)
-                delay = min(self._retry.max_backoff, max(DEFER_MIN_DELAY, claim.expires_in))
-                return Outcome.DEFERRED, delay
-            attempt.claim_key = key
-            lease.attach_claim(delivery, key, ttl)
-
+        lease, message, flow = route.lease, delivery.message, self._flow
         size = delivery.size
-        await self._flow.acquire_bytes(size)
+        if not flow.try_acquire_bytes(size):
+            await flow.acquire_bytes(size)
         try:
             lease.started(delivery)
             try:
-                result = await self._invoke(route, message, attempt)
+                if route.direct:
+                    result = await route.handler(message)
+                else:
+                    result = await self._invoke(route, message, attempt)
             except (Exception, SystemExit) as error:  # a handler's sys.exit() is its failure
                 lease.finish(delivery)
                 return await self._failed(delivery, attempt, error)
             lease.finish(delivery)
         finally:
-            self._flow.release_bytes(size)
+            flow.release_bytes(size)
         if attempt.claim_key is not None:
-            await self._complete(attempt.claim_key, result, message)
-            attempt.claim_key = None
+            attempt.result_json = self._encode(result, message)
         return Outcome.ACKED, 0.0
 
     async def _invoke(self, route: _Route, message: Message, attempt: _Attempt) -> Any:
@@ -582,26 +621,12 @@ class Subscriber:
         )
         return Outcome.RETRY, delay
 
-    async def _complete(self, key: str, result: Any, message: Message) -> None:
-        assert self._dedup is not None
+    def _encode(self, result: Any, message: Message) -> str:
         try:
-            await self._dedup.complete(key, result, self._dedup_ttl)
-            return
+            return encode_result(result)
         except ResultNotSerializableError as error:
             logger.error("message %s: %s; storing null instead", message.id, error)
-            result = None
-        except Exception:
-            self.stats.store_errors += 1
-            logger.error(
-                "recording message %s as completed failed; acking anyway (its effects are done, "
-                "a redelivery would repeat them)", message.id, exc_info=True,
-            )
-            return
-        try:
-            await self._dedup.complete(key, result, self._dedup_ttl)
-        except Exception:
-            self.stats.store_errors += 1
-            logger.error("recording message %s as completed failed", message.id, exc_info=True)
+            return "null"
 
     async def _release(self, key: str) -> None:
         assert self._dedup is not None
@@ -620,10 +645,21 @@ class Subscriber:
             await self._release(attempt.claim_key)
         self._settle(delivery, Outcome.STOPPED, 0.0)
 
-    def _settle(self, delivery: Delivery, outcome: Outcome, delay: float) -> None:
+    def _settle(
+        self,
+        delivery: Delivery,
+        outcome: Outcome,
+        delay: float,
+        attempt: _Attempt | None = None,
+    ) -> None:
         assert self._settler is not None and self._flow is not None
-        if outcome in _ACKING:
-            self._settler.ack(delivery)
+        if outcome is Outcome.ACKED or outcome is Outcome.DUPLICATE or (
+            outcome is Outcome.DEAD_LETTERED
+        ):
+            completion = None
+            if attempt is not None and attempt.claim_key is not None:
+                completion = (attempt.claim_key, attempt.result_json)
+            self._settler.ack(delivery, completion)
         else:
             self._settler.nack(delivery, delay)
         self._flow.settled()
@@ -639,8 +675,11 @@ class Subscriber:
         logger.info("broker refused %d acks (stale ack ids); those messages come back and are "
                     "deduplicated", len(refused))
 
-    def _count_ack_errors(self, count: int) -> None:
-        self.stats.ack_errors += count
+    def _count_settle_errors(self, what: str, count: int) -> None:
+        if what == "recording completions":
+            self.stats.store_errors += count
+        else:
+            self.stats.ack_errors += count
 
 
 def _dead_letter_attributes(message: Message, error: BaseException) -> dict[str, str]:

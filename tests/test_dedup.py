@@ -72,7 +72,20 @@ async def test_results_are_json_never_pickle() -> None:
     with pytest.raises(ResultNotSerializableError):
         await store.complete("k", float("nan"), ttl=10)
     await store.complete("k", [1, "two", None], ttl=10)
-    assert store._records["k"].result_json == '[1,"two",null]'
+    assert store._records["k"][2] == '[1,"two",null]'
+    assert await store.claim("k", 10) == Completed([1, "two", None])
+
+
+async def test_batch_claims_and_completions() -> None:
+    store = MemoryDedupStore()
+    await store.complete("done", {"n": 1}, ttl=60)
+    await store.claim("busy", 30)
+    results = await store.claim_many(["new", "done", "busy", "new"], 30)
+    assert results[0] == Claimed()
+    assert results[1] == Completed({"n": 1})
+    assert isinstance(results[2], InProgress) and isinstance(results[3], InProgress)
+    await store.complete_many([("new", '"ok"'), ("busy", "null")], ttl=60)
+    assert await store.claim_many(["new", "busy"], 30) == [Completed("ok"), Completed(None)]
 
 
 def test_scoped_keys_keep_subscriptions_apart() -> None:

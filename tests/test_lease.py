@@ -127,9 +127,8 @@ async def test_max_lease_duration_nacks_but_keeps_the_claim_while_the_handler_ru
     lease = LeaseManager(broker, LeasePolicy(max_lease_duration=30), clock=clock,
                          initial_deadline=DEADLINE, dedup=store)
     [delivery] = await receive(broker, clock, 1)
-    lease.add([delivery])
-    await store.claim("key", lease.claim_ttl(delivery))
-    lease.attach_claim(delivery, "key", lease.claim_ttl(delivery))
+    await store.claim("key", lease.claim_ttl())
+    lease.add([delivery], ["key"], lease.claim_ttl())
     lease.started(delivery)
     lease.start()
 

@@ -23,8 +23,19 @@ _MAX_SETTLE_TURNS = 10_000
 WALL_LIMIT = 30.0
 
 
+# Before the clock jumps, the loop must stay idle this long in real time, so work running in a
+# worker thread (a sync handler) can hand its result back first.
+THREAD_GRACE = 0.001
+
+
 async def settle() -> None:
-    """Run the event loop until no callback is ready (only timers, I/O or the clock remain)."""
+    """Run the loop until no callback is ready, twice around a short real-time grace period."""
+    await _settle_once()
+    await asyncio.sleep(THREAD_GRACE)
+    await _settle_once()
+
+
+async def _settle_once() -> None:
     loop = asyncio.get_running_loop()
     ready = getattr(loop, "_ready", None)
     for _ in range(_MAX_SETTLE_TURNS):
