@@ -183,7 +183,10 @@ class LeaseManager:
         observed = self.histogram.percentile(self._policy.percentile)
         seconds = self._initial_deadline if observed is None else observed
         seconds = min(self._policy.max_extension, max(self._policy.min_extension, seconds))
-        return self._adapter.capabilities.clamp_deadline(seconds)
+        capabilities = self._adapter.capabilities
+        if capabilities.extension_limited_to_ack_deadline:
+            seconds = min(seconds, self._initial_deadline)
+        return capabilities.clamp_deadline(seconds)
 
     # -- the loop ------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from tenacity import (
     AsyncRetrying,
+    retry_if_exception,
     retry_if_exception_type,
     stop_after_attempt,
     wait_exponential,
@@ -67,6 +68,8 @@ DEFER_MIN_DELAY = 1.0
 # Pub/Sub attribute values are limited to 1024 bytes; the error message is cut to fit.
 ERROR_MESSAGE_LIMIT = 1000
 DEFAULT_STOP_TIMEOUT = 30.0
+# On stop, receive loops are cancelled again at this interval until they have ended.
+RECEIVER_STOP_WAIT = 1.0
 
 HandlerT = TypeVar("HandlerT", bound=Callable[..., Any])
 
@@ -175,6 +178,7 @@ class Subscriber:
         self._done = threading.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._flow: FlowGate | None = None
+        self._receiving = False
         self._settler: Settler | None = None
         self._executor: ThreadPoolExecutor | None = None
 
@@ -379,6 +383,7 @@ class Subscriber:
             self._executor.shutdown(wait=False)
             raise
         loop = asyncio.get_running_loop()
+        self._receiving = True
         for route in self._routes.values():
             assert route.lease is not None
             route.lease.start()
@@ -387,10 +392,13 @@ class Subscriber:
             )
 
     async def _close(self, timeout: float) -> None:
-        receivers = [r.receiver for r in self._routes.values() if r.receiver is not None]
-        for task in receivers:
-            task.cancel()
-        await asyncio.gather(*receivers, return_exceptions=True)
+        self._receiving = False
+        receivers = {r.receiver for r in self._routes.values() if r.receiver is not None}
+        while receivers:
+            for task in receivers:
+                task.cancel()
+            # a client that swallows the cancellation still sees _receiving and stops
+            _, receivers = await asyncio.wait(receivers, timeout=RECEIVER_STOP_WAIT)
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=max(0.0, timeout))
             for task in pending:
@@ -413,7 +421,7 @@ class Subscriber:
         assert self._flow is not None and route.lease is not None
         flow, lease = self._flow, route.lease
         loop = asyncio.get_running_loop()
-        while True:
+        while self._receiving:
             free = await flow.free_slots()
             deliveries = await self._receive(route, min(free, self._receive_batch))
             if not deliveries:
@@ -490,11 +498,15 @@ class Subscriber:
                 state.outcome.exception() if state.outcome else None,
             )
 
+        def retryable(error: BaseException) -> bool:
+            # Some clients turn a cancellation into a connection error: never retry once closing.
+            return self._receiving and isinstance(error, Exception)
+
         async for attempt in AsyncRetrying(
             wait=wait_random_exponential(
                 multiplier=RECEIVE_RETRY_INITIAL, max=RECEIVE_RETRY_MAX
             ),
-            retry=retry_if_exception_type(Exception),
+            retry=retry_if_exception(retryable),
             before_sleep=log_failure,
             sleep=self._clock.sleep,
         ):
@@ -502,7 +514,7 @@ class Subscriber:
                 return await self._adapter.receive(
                     route.subscription, max_messages, self._receive_timeout
                 )
-        raise AssertionError("unreachable: AsyncRetrying without stop never gives up")
+        return []  # the retry loop ended because the Subscriber is closing
 
     # -- one delivery --------------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ class Harness:
     tick: float
     new_adapter: Callable[[], Awaitable[Adapter]]
     prefix: str = "conf"
+    cleanup: Callable[[], Awaitable[None]] | None = None
     adapters: list[Adapter] = field(default_factory=list)
 
     @property
@@ -109,6 +110,8 @@ class Harness:
     async def close(self) -> None:
         for adapter in self.adapters:
             await adapter.close()
+        if self.cleanup is not None:
+            await self.cleanup()
 
 
 def memory_harness() -> Harness:
@@ -124,4 +127,35 @@ def memory_harness() -> Harness:
                    new_adapter=new_adapter)
 
 
-HARNESSES: dict[str, Callable[[], Harness]] = {"memory": memory_harness}
+def redis_harness() -> Harness:
+    """Real Redis on 127.0.0.1:6379 (real time: a 1 s ack deadline keeps the suite short)."""
+    import uuid
+
+    from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
+    from reliable_sub.clock import SystemClock
+    from tests.redis_support import redis_url
+
+    url = redis_url()
+    run = uuid.uuid4().hex[:10]
+    consumers = itertools.count(1)
+
+    async def new_adapter() -> Adapter:
+        return RedisStreamsAdapter(url, consumer=f"consumer-{next(consumers)}",
+                                   key_prefix=f"conf-{run}")
+
+    async def cleanup() -> None:
+        import redis.asyncio as aioredis
+
+        client = aioredis.Redis.from_url(url)
+        try:
+            keys = [key async for key in client.scan_iter(match=f"*conf-{run}*")]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
+
+    return Harness(name="redis", clock=SystemClock(), ack_deadline=1.0, tick=0.1,
+                   new_adapter=new_adapter, prefix=f"conf-{run}", cleanup=cleanup)
+
+
+HARNESSES: dict[str, Callable[[], Harness]] = {"memory": memory_harness, "redis": redis_harness}

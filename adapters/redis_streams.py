@@ -1,0 +1,569 @@
+"""Redis Streams: a topic is a stream, a subscription is a consumer group on it.
+
+Layout of a stream entry (all values bytes):
+
+* ``data`` -- the payload;
+* ``attributes`` -- the attributes as a JSON object of strings (absent when there are none);
+* ``ordering-key`` -- the publisher's ordering key (absent when none; Redis does not order by it).
+
+The message id is the entry id; the publish time is read from its milliseconds part.
+
+Leasing. Redis has no per-message deadline: an entry is *due* once it has been idle (unacked and
+not re-claimed) for the subscription's ack deadline. Every consumer's ``receive`` reclaims due
+entries of the group -- so a killed consumer's messages are handled by a live one -- before it
+reads new ones. ``extend`` resets the idle time of this consumer's own pending entries (XCLAIM to
+itself with JUSTID, which leaves the delivery counter alone), after checking in the same script
+that each entry is still ours: XCLAIM with min-idle 0 ignores the owner, so a stalled consumer's
+renewal could otherwise snatch back an entry a peer has already reclaimed. ``ack`` checks
+ownership the same way before XACK.
+
+An ack id is ``"<entry id>/<delivery count>"``: a delivery is stale once the entry was reclaimed
+(the counter moved), given to another consumer, or nacked (nacked entries are parked under the
+pseudo-consumer ``NACKED_CONSUMER`` until reclaimed).
+
+``nack(delay)``: the entry's idle time is set to the ack deadline (reclaimable at once), and when
+``delay`` > 0 its due time goes into a sorted set that the reclaim script consults: no second
+copy of the message is written. ``delivery_attempt`` is Redis's delivery counter.
+
+Subscription settings (topic, ack deadline) are kept in the hash ``{key_prefix}:subscriptions``
+so every consumer of a group agrees on the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from ..errors import ConfigurationError, MissingExtraError, UnknownSubscriptionError
+from ..message import Delivery, Message
+from .base import Capabilities
+
+try:
+    import redis
+    import redis.asyncio as aioredis
+    from redis.exceptions import ResponseError
+except ImportError as error:  # pragma: no cover - exercised in a subprocess test
+    raise MissingExtraError("RedisStreamsAdapter", "redis", "redis") from error
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_URL = "redis://127.0.0.1:6379/0"
+DEFAULT_ACK_DEADLINE = 30.0
+DEFAULT_KEY_PREFIX = "reliable-sub"
+# Nacked entries are parked under this consumer name, so the nacking consumer's later ack or
+# extend of the same delivery is refused as stale, as on every other broker.
+NACKED_CONSUMER = "reliable-sub:nacked"
+# Reclaim due entries at least this often while receiving (and after a full page, at once):
+# a tenth of the ack deadline, within these bounds, keeps redelivery prompt without a round trip
+# per receive call.
+RECLAIM_INTERVAL_MIN = 0.02
+RECLAIM_INTERVAL_MAX = 1.0
+RECLAIM_FRACTION = 0.1
+
+CAPABILITIES = Capabilities(
+    min_ack_deadline=0.0,
+    max_ack_deadline=math.inf,
+    native_dead_letter=False,
+    native_retry_backoff=False,
+    exactly_once=True,
+    seek=False,
+    ordering=False,
+    delivery_attempt_exact=True,
+    extension_limited_to_ack_deadline=True,
+)
+
+_NOW_MS = """
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# KEYS: stream, delayed zset. ARGV: group, consumer, min_idle_ms, count, start.
+# Times are the server's (TIME), so clients with skewed clocks agree on due times.
+# Returns {claimed entries, their delivery counts, ids gone from the stream, next start}.
+_RECLAIM = _NOW_MS + """
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[5], '+', ARGV[4])
+local ids, counts = {}, {}
+local now = now_ms()
+for _, p in ipairs(pending) do
+  local due = redis.call('ZSCORE', KEYS[2], p[1])
+  if (not due) or tonumber(due) <= now then
+    ids[#ids + 1] = p[1]
+    counts[p[1]] = p[4] + 1
+    if due then redis.call('ZREM', KEYS[2], p[1]) end
+  end
+end
+local nxt = '-'
+if #pending == tonumber(ARGV[4]) then nxt = '(' .. pending[#pending][1] end
+if #ids == 0 then return {{}, {}, {}, nxt} end
+local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], unpack(ids))
+local got, cs, gone = {}, {}, {}
+for _, e in ipairs(claimed) do got[e[1]] = true; cs[#cs + 1] = counts[e[1]] end
+for _, id in ipairs(ids) do if not got[id] then gone[#gone + 1] = id end end
+return {claimed, cs, gone, nxt}
+"""
+
+# Checks that each (id, count) is still this consumer's delivery. KEYS: stream.
+# ARGV: group, consumer, then pairs of id, count. Returns the indexes (1-based) of stale pairs.
+_OWNED = """
+local function owned(id, count)
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
+  return p[1] ~= nil and p[1][2] == ARGV[2] and p[1][4] == tonumber(count)
+end
+"""
+
+# ARGV: group, consumer, idle_ms, then pairs of id, count.
+_EXTEND = (
+    _OWNED
+    + """
+local stale = {}
+for i = 4, #ARGV, 2 do
+  if owned(ARGV[i], ARGV[i + 1]) then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+  else
+    stale[#stale + 1] = (i - 2) / 2
+  end
+end
+return stale
+"""
+)
+
+# ARGV: group, consumer, then pairs of id, count.
+_ACK = (
+    _OWNED
+    + """
+local stale, ids = {}, {}
+for i = 3, #ARGV, 2 do
+  if owned(ARGV[i], ARGV[i + 1]) then ids[#ids + 1] = ARGV[i]
+  else stale[#stale + 1] = (i - 1) / 2 end
+end
+if #ids > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(ids)) end
+return stale
+"""
+)
+
+# KEYS: stream, delayed zset. ARGV: group, consumer, parked consumer, idle_ms, delay_ms,
+# then pairs of id, count. Parks owned entries, due at once or delay_ms from now.
+_NACK = (
+    _OWNED
+    + _NOW_MS
+    + """
+local due = now_ms() + tonumber(ARGV[5])
+for i = 6, #ARGV, 2 do
+  if owned(ARGV[i], ARGV[i + 1]) then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'IDLE', ARGV[4], 'JUSTID')
+    if tonumber(ARGV[5]) > 0 then redis.call('ZADD', KEYS[2], due, ARGV[i]) end
+  end
+end
+return 0
+"""
+)
+
+
+@dataclass(eq=False)
+class _Subscription:
+    name: str
+    stream: str
+    ack_deadline: float
+    start: str
+    delayed_key: str
+    next_reclaim: float = 0.0
+    reclaim_from: str = "-"
+
+    @property
+    def reclaim_interval(self) -> float:
+        interval = self.ack_deadline * RECLAIM_FRACTION
+        return min(RECLAIM_INTERVAL_MAX, max(RECLAIM_INTERVAL_MIN, interval))
+
+
+def default_consumer_name() -> str:
+    """A stable, unique consumer name for this process: host and pid."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class RedisStreamsAdapter:
+    """Redis Streams consumer groups behind the Adapter contract.
+
+    Args:
+        url_or_client: a ``redis://`` URL or a ``redis.asyncio.Redis`` client (bytes responses).
+        consumer: this consumer's name in its groups (default: host and pid).
+        key_prefix: prefix of the keys this adapter keeps besides the streams.
+        max_len: cap streams at about this many entries on publish (XADD MAXLEN ~), or None.
+        sync_client: the ``redis.Redis`` client for the blocking twins (default: one built from
+            the URL or from the async client's connection settings).
+    """
+
+    def __init__(
+        self,
+        url_or_client: str | aioredis.Redis = DEFAULT_URL,
+        *,
+        consumer: str | None = None,
+        key_prefix: str = DEFAULT_KEY_PREFIX,
+        max_len: int | None = None,
+        sync_client: redis.Redis | None = None,
+    ) -> None:
+        if isinstance(url_or_client, str):
+            self._client = aioredis.Redis.from_url(url_or_client, decode_responses=False)
+            self._sync = sync_client or redis.Redis.from_url(url_or_client, decode_responses=False)
+        else:
+            self._client = url_or_client
+            kwargs = dict(url_or_client.connection_pool.connection_kwargs)
+            self._sync = sync_client or redis.Redis(
+                host=kwargs.get("host", "localhost"),
+                port=kwargs.get("port", 6379),
+                db=kwargs.get("db", 0),
+                username=kwargs.get("username"),
+                password=kwargs.get("password"),
+            )
+        if max_len is not None and max_len < 1:
+            raise ConfigurationError(f"RedisStreamsAdapter.max_len must be >= 1, got {max_len!r}")
+        self.consumer = consumer or default_consumer_name()
+        self._prefix = key_prefix
+        self._max_len = max_len
+        self._settings_key = f"{key_prefix}:subscriptions"
+        self._subscriptions: dict[str, _Subscription] = {}
+        self._reclaim = self._client.register_script(_RECLAIM)
+        self._extend = self._client.register_script(_EXTEND)
+        self._ack = self._client.register_script(_ACK)
+        self._nack = self._client.register_script(_NACK)
+        self.stats = {"reclaimed": 0, "gone": 0}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
+    @property
+    def client(self) -> aioredis.Redis:
+        """The asyncio client (shared with a RedisDedupStore for the fast path)."""
+        return self._client
+
+    # -- administration -------------------------------------------------------------------
+
+    def _delayed_key(self, stream: str, group: str) -> str:
+        # the {stream} hash tag keeps the set in the stream's cluster slot
+        return f"{self._prefix}:delayed:{{{stream}}}:{group}"
+
+    def _settings(
+        self, topic: str, ack_deadline: float, start: str, options: dict[str, Any]
+    ) -> bytes:
+        if options:
+            raise ConfigurationError(
+                f"RedisStreamsAdapter.ensure_subscription got unknown options {sorted(options)}; "
+                "allowed: ack_deadline, start"
+            )
+        if not ack_deadline > 0:
+            raise ConfigurationError(
+                f"ensure_subscription: ack_deadline must be in (0, inf), got {ack_deadline!r}"
+            )
+        if start not in ("$", "0"):
+            raise ConfigurationError(
+                f"ensure_subscription: start must be '$' (new entries) or '0' (the whole "
+                f"stream), got {start!r}"
+            )
+        return json.dumps({"topic": topic, "ack_deadline": ack_deadline, "start": start}).encode()
+
+    async def ensure_subscription(
+        self,
+        topic: str,
+        subscription: str,
+        *,
+        ack_deadline: float = DEFAULT_ACK_DEADLINE,
+        start: str = "$",
+        **options: Any,
+    ) -> None:
+        """Create the consumer group ``subscription`` on stream ``topic`` (idempotent).
+
+        Args:
+            ack_deadline: seconds an entry may stay idle before another consumer reclaims it.
+            start: ``"$"`` to deliver entries added from now on, ``"0"`` for the whole stream.
+        """
+        settings = self._settings(topic, ack_deadline, start, options)
+        try:
+            await self._client.xgroup_create(topic, subscription, id=start, mkstream=True)
+        except ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+        await self._client.hsetnx(self._settings_key, subscription, settings)
+        self._subscriptions.pop(subscription, None)
+        await self._subscription(subscription)
+
+    def ensure_subscription_sync(
+        self,
+        topic: str,
+        subscription: str,
+        *,
+        ack_deadline: float = DEFAULT_ACK_DEADLINE,
+        start: str = "$",
+        **options: Any,
+    ) -> None:
+        settings = self._settings(topic, ack_deadline, start, options)
+        try:
+            self._sync.xgroup_create(topic, subscription, id=start, mkstream=True)
+        except ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+        self._sync.hsetnx(self._settings_key, subscription, settings)
+        self._subscriptions.pop(subscription, None)
+
+    async def subscription_ack_deadline(self, subscription: str) -> float:
+        return (await self._subscription(subscription)).ack_deadline
+
+    async def _subscription(self, name: str) -> _Subscription:
+        sub = self._subscriptions.get(name)
+        if sub is not None:
+            return sub
+        raw = await self._client.hget(self._settings_key, name)
+        if raw is None:
+            raise UnknownSubscriptionError(
+                f"subscription {name!r} does not exist; create it with ensure_subscription"
+            )
+        settings = json.loads(raw)
+        sub = _Subscription(
+            name=name,
+            stream=settings["topic"],
+            ack_deadline=float(settings["ack_deadline"]),
+            start=settings.get("start", "$"),
+            delayed_key=self._delayed_key(settings["topic"], name),
+        )
+        self._subscriptions[name] = sub
+        return sub
+
+    async def _recreate_group(self, sub: _Subscription) -> None:
+        """After a Redis restart without persistence: the group (and stream) are gone."""
+        logger.warning("consumer group %r on stream %r is gone (Redis restarted?); recreating",
+                       sub.name, sub.stream)
+        try:
+            await self._client.xgroup_create(sub.stream, sub.name, id=sub.start, mkstream=True)
+        except ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+        settings = json.dumps(
+            {"topic": sub.stream, "ack_deadline": sub.ack_deadline, "start": sub.start}
+        ).encode()
+        await self._client.hsetnx(self._settings_key, sub.name, settings)
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def _fields(
+        self, data: bytes, attributes: dict[str, str] | None, ordering_key: str | None
+    ) -> dict[str, bytes]:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise TypeError(f"publish: data must be bytes, got {type(data).__name__}")
+        fields: dict[str, bytes] = {"data": bytes(data)}
+        if attributes:
+            for key, value in attributes.items():
+                if not isinstance(key, str) or not isinstance(value, str):
+                    raise TypeError(
+                        f"publish: attributes must map str to str, got {key!r}: {value!r}"
+                    )
+            fields["attributes"] = json.dumps(attributes, separators=(",", ":")).encode()
+        if ordering_key:
+            fields["ordering-key"] = ordering_key.encode()
+        return fields
+
+    async def publish(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        fields = self._fields(data, attributes, ordering_key)
+        entry_id = await self._client.xadd(
+            topic, fields, maxlen=self._max_len, approximate=True  # type: ignore[arg-type]
+        )
+        return _text(entry_id)
+
+    def publish_sync(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        fields = self._fields(data, attributes, ordering_key)
+        entry_id = self._sync.xadd(
+            topic, fields, maxlen=self._max_len, approximate=True  # type: ignore[arg-type]
+        )
+        return _text(entry_id)
+
+    # -- consuming -------------------------------------------------------------------------
+
+    async def receive(
+        self, subscription: str, max_messages: int, timeout: float
+    ) -> list[Delivery]:
+        if max_messages < 1:
+            raise ValueError(f"receive: max_messages must be >= 1, got {max_messages}")
+        sub = await self._subscription(subscription)
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + max(0.0, timeout)
+        while True:
+            now = loop.time()
+            if now >= sub.next_reclaim:
+                reclaimed, more = await self._reclaim_due(sub, max_messages)
+                sub.next_reclaim = now if more else now + sub.reclaim_interval
+                if reclaimed:
+                    return reclaimed
+            remaining = give_up_at - now
+            block = min(remaining, sub.next_reclaim - now)
+            fresh = await self._read_new(sub, max_messages, block)
+            if fresh or loop.time() >= give_up_at:
+                return fresh
+
+    async def _read_new(
+        self, sub: _Subscription, max_messages: int, block: float
+    ) -> list[Delivery]:
+        block_ms = int(block * 1000)
+        try:
+            reply = await self._client.xreadgroup(
+                sub.name,
+                self.consumer,
+                {sub.stream: ">"},
+                count=max_messages,
+                block=block_ms if block_ms >= 1 else None,  # 0 would block forever
+            )
+        except ResponseError as error:
+            if "NOGROUP" not in str(error):
+                raise
+            await self._recreate_group(sub)
+            return []
+        if not reply:
+            return []
+        entries = _entries_of(reply)
+        return [self._delivery(sub, entry_id, fields, 1) for entry_id, fields in entries]
+
+    async def _reclaim_due(
+        self, sub: _Subscription, max_messages: int
+    ) -> tuple[list[Delivery], bool]:
+        min_idle_ms = int(sub.ack_deadline * 1000)
+        try:
+            claimed, counts, gone, next_start = await self._reclaim(
+                keys=[sub.stream, sub.delayed_key],
+                args=[sub.name, self.consumer, min_idle_ms, max_messages, sub.reclaim_from],
+            )
+        except ResponseError as error:
+            if "NOGROUP" not in str(error):
+                raise
+            await self._recreate_group(sub)
+            return [], False
+        sub.reclaim_from = _text(next_start)
+        if gone:
+            self.stats["gone"] += len(gone)
+            logger.warning(
+                "%d pending entries of %r were deleted or trimmed from stream %r before they "
+                "were acked; dropped from the group: %s",
+                len(gone), sub.name, sub.stream, [_text(g) for g in gone][:10],
+            )
+        deliveries = [
+            self._delivery(sub, _text(entry[0]), _field_map(entry[1]), int(count))
+            for entry, count in zip(claimed, counts, strict=True)
+        ]
+        self.stats["reclaimed"] += len(deliveries)
+        return deliveries, sub.reclaim_from != "-"
+
+    def _delivery(
+        self, sub: _Subscription, entry_id: str, fields: dict[bytes, bytes], attempt: int
+    ) -> Delivery:
+        attributes_raw = fields.get(b"attributes")
+        ordering_key = fields.get(b"ordering-key")
+        milliseconds = int(entry_id.split("-", 1)[0])
+        message = Message(
+            id=entry_id,
+            data=fields.get(b"data", b""),
+            attributes=json.loads(attributes_raw) if attributes_raw else {},
+            delivery_attempt=attempt,
+            publish_time=datetime.fromtimestamp(milliseconds / 1000, tz=timezone.utc),
+            ordering_key=ordering_key.decode() if ordering_key else None,
+            subscription=sub.name,
+        )
+        return Delivery(message, f"{entry_id}/{attempt}")
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        refused: list[Delivery] = []
+        for sub, group in self._by_subscription(deliveries).items():
+            stale = await self._ack(
+                keys=[sub.stream], args=[sub.name, self.consumer, *_pairs(group)]
+            )
+            refused.extend(group[int(i) - 1] for i in stale)
+        return refused
+
+    async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
+        for sub, group in self._by_subscription(deliveries).items():
+            await self._nack(
+                keys=[sub.stream, sub.delayed_key],
+                args=[sub.name, self.consumer, NACKED_CONSUMER, int(sub.ack_deadline * 1000),
+                      max(0, int(delay * 1000)), *_pairs(group)],
+            )
+
+    async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
+        refused: list[Delivery] = []
+        for sub, group in self._by_subscription(deliveries).items():
+            idle_ms = max(0, int((sub.ack_deadline - seconds) * 1000))
+            stale = await self._extend(
+                keys=[sub.stream], args=[sub.name, self.consumer, idle_ms, *_pairs(group)]
+            )
+            refused.extend(group[int(i) - 1] for i in stale)
+        return refused
+
+    def _by_subscription(
+        self, deliveries: Sequence[Delivery]
+    ) -> dict[_Subscription, list[Delivery]]:
+        groups: dict[_Subscription, list[Delivery]] = {}
+        for delivery in deliveries:
+            name = delivery.message.subscription
+            sub = self._subscriptions.get(name)
+            if sub is None:
+                raise UnknownSubscriptionError(
+                    f"subscription {name!r} is not known to this adapter; receive from it first"
+                )
+            groups.setdefault(sub, []).append(delivery)
+        return groups
+
+    async def close(self) -> None:
+        await self._client.aclose()
+        self._sync.close()
+
+
+def _pairs(deliveries: Sequence[Delivery]) -> list[str]:
+    """``[id, count, id, count, ...]`` from ack ids ``"id/count"``."""
+    out: list[str] = []
+    for delivery in deliveries:
+        entry_id, _, count = delivery.ack_id.partition("/")
+        out.append(entry_id)
+        out.append(count)
+    return out
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _field_map(flat: Any) -> dict[bytes, bytes]:
+    """Stream fields from a raw script reply (a flat list) or a redis-py reply (a dict)."""
+    if isinstance(flat, dict):
+        return flat
+    return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
+
+
+def _entries_of(reply: Any) -> list[tuple[str, dict[bytes, bytes]]]:
+    """Entries of an XREADGROUP reply, in RESP2 (list) or RESP3 (dict) shape."""
+    streams = reply.items() if isinstance(reply, dict) else reply
+    entries: list[tuple[str, dict[bytes, bytes]]] = []
+    for stream in streams:
+        records = stream[1]
+        if records and isinstance(records[0], list | tuple) and len(records[0]) == 1:
+            records = records[0]  # RESP3 nests one level deeper
+        for entry_id, fields in records:
+            if fields is None:
+                continue  # deleted while pending: only XREADGROUP of history shows these
+            entries.append((_text(entry_id), _field_map(fields)))
+    return entries
