@@ -121,19 +121,22 @@ local function owned(id, count)
 end
 """
 
-# ARGV: group, consumer, idle_ms, then pairs of id, count.
+# ARGV: group, consumer, idle_ms, then pairs of id, count. Returns {stale indexes (1-based),
+# how many of them were deleted from the stream while pending (XCLAIM drops those)}.
 _EXTEND = (
     _OWNED
     + """
-local stale = {}
+local stale, gone = {}, 0
 for i = 4, #ARGV, 2 do
+  local kept = false
   if owned(ARGV[i], ARGV[i + 1]) then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
-  else
-    stale[#stale + 1] = (i - 2) / 2
+    local r = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+    kept = #r > 0
+    if not kept then gone = gone + 1 end
   end
+  if not kept then stale[#stale + 1] = (i - 2) / 2 end
 end
-return stale
+return {stale, gone}
 """
 )
 
@@ -152,19 +155,21 @@ return stale
 )
 
 # KEYS: stream, delayed zset. ARGV: group, consumer, parked consumer, idle_ms, delay_ms,
-# then pairs of id, count. Parks owned entries, due at once or delay_ms from now.
+# then pairs of id, count. Parks owned entries, due at once or delay_ms from now. Returns how
+# many were deleted from the stream while pending.
 _NACK = (
     _OWNED
     + _NOW_MS
     + """
-local due = now_ms() + tonumber(ARGV[5])
+local due, gone = now_ms() + tonumber(ARGV[5]), 0
 for i = 6, #ARGV, 2 do
   if owned(ARGV[i], ARGV[i + 1]) then
-    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'IDLE', ARGV[4], 'JUSTID')
-    if tonumber(ARGV[5]) > 0 then redis.call('ZADD', KEYS[2], due, ARGV[i]) end
+    local r = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'IDLE', ARGV[4], 'JUSTID')
+    if #r == 0 then gone = gone + 1
+    elseif tonumber(ARGV[5]) > 0 then redis.call('ZADD', KEYS[2], due, ARGV[i]) end
   end
 end
-return 0
+return gone
 """
 )
 
@@ -456,13 +461,7 @@ class RedisStreamsAdapter:
             await self._recreate_group(sub)
             return [], False
         sub.reclaim_from = _text(next_start)
-        if gone:
-            self.stats["gone"] += len(gone)
-            logger.warning(
-                "%d pending entries of %r were deleted or trimmed from stream %r before they "
-                "were acked; dropped from the group: %s",
-                len(gone), sub.name, sub.stream, [_text(g) for g in gone][:10],
-            )
+        self._count_gone(sub, len(gone), [_text(g) for g in gone])
         deliveries = [
             self._delivery(sub, _text(entry[0]), _field_map(entry[1]), int(count))
             for entry, count in zip(claimed, counts, strict=True)
@@ -498,21 +497,32 @@ class RedisStreamsAdapter:
 
     async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
         for sub, group in self._by_subscription(deliveries).items():
-            await self._nack(
+            gone = await self._nack(
                 keys=[sub.stream, sub.delayed_key],
                 args=[sub.name, self.consumer, NACKED_CONSUMER, int(sub.ack_deadline * 1000),
                       max(0, int(delay * 1000)), *_pairs(group)],
             )
+            self._count_gone(sub, int(gone))
 
     async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
         refused: list[Delivery] = []
         for sub, group in self._by_subscription(deliveries).items():
             idle_ms = max(0, int((sub.ack_deadline - seconds) * 1000))
-            stale = await self._extend(
+            stale, gone = await self._extend(
                 keys=[sub.stream], args=[sub.name, self.consumer, idle_ms, *_pairs(group)]
             )
+            self._count_gone(sub, int(gone))
             refused.extend(group[int(i) - 1] for i in stale)
         return refused
+
+    def _count_gone(self, sub: _Subscription, count: int, ids: Sequence[str] = ()) -> None:
+        if not count:
+            return
+        self.stats["gone"] += count
+        logger.warning(
+            "%d pending entries of %r were deleted or trimmed from stream %r before they were "
+            "acked; dropped from the group %s", count, sub.name, sub.stream, list(ids)[:10],
+        )
 
     def _by_subscription(
         self, deliveries: Sequence[Delivery]

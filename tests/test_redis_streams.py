@@ -1,0 +1,181 @@
+"""RedisStreamsAdapter specifics on a real Redis (the contract itself is in conformance/)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from reliable_sub import ConfigurationError, UnknownSubscriptionError
+from reliable_sub.adapters.redis_streams import NACKED_CONSUMER, RedisStreamsAdapter
+from tests.redis_support import redis_url
+
+DEADLINE = 0.5
+
+
+@pytest.fixture
+async def names() -> AsyncIterator[tuple[str, str, str]]:
+    url = redis_url()
+    run = uuid.uuid4().hex[:10]
+    yield url, f"rs-{run}-topic", f"rs-{run}"
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(url)
+    keys = [key async for key in client.scan_iter(match=f"*rs-{run}*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def make(url: str, prefix: str, consumer: str, topic: str) -> RedisStreamsAdapter:
+    adapter = RedisStreamsAdapter(url, consumer=consumer, key_prefix=prefix)
+    await adapter.ensure_subscription(topic, f"{prefix}-sub", ack_deadline=DEADLINE, start="0")
+    return adapter
+
+
+async def test_entry_layout_is_documented_fields(names) -> None:
+    url, topic, prefix = names
+    adapter = await make(url, prefix, "c1", topic)
+    entry_id = await adapter.publish(topic, b"\x00payload", {"k": "v"}, ordering_key="o")
+    [(got_id, fields)] = await adapter.client.xrange(topic)
+    assert got_id.decode() == entry_id
+    assert fields == {b"data": b"\x00payload", b"attributes": b'{"k":"v"}',
+                      b"ordering-key": b"o"}
+    [delivery] = await adapter.receive(f"{prefix}-sub", 10, 1)
+    message = delivery.message
+    assert (message.data, message.attributes, message.ordering_key) == (b"\x00payload",
+                                                                        {"k": "v"}, "o")
+    assert message.publish_time is not None and message.publish_time.year >= 2024
+    await adapter.close()
+
+
+async def test_extending_leaves_the_delivery_counter_alone(names) -> None:
+    """XCLAIM ... JUSTID must not count as a delivery (fakeredis gets this wrong)."""
+    url, topic, prefix = names
+    adapter = await make(url, prefix, "c1", topic)
+    await adapter.publish(topic, b"x")
+    [delivery] = await adapter.receive(f"{prefix}-sub", 10, 1)
+    for _ in range(5):
+        assert await adapter.extend([delivery], DEADLINE) == []
+    [pending] = await adapter.client.xpending_range(topic, f"{prefix}-sub", "-", "+", 10)
+    assert pending["times_delivered"] == 1
+    assert pending["consumer"] == b"c1"
+    assert await adapter.ack([delivery]) == []
+    await adapter.close()
+
+
+async def test_a_stalled_consumer_cannot_snatch_back_a_reclaimed_entry(names) -> None:
+    url, topic, prefix = names
+    stalled = await make(url, prefix, "stalled", topic)
+    live = await make(url, prefix, "live", topic)
+    sub = f"{prefix}-sub"
+    await stalled.publish(topic, b"job")
+    [old] = await stalled.receive(sub, 10, 1)
+    [new] = await live.receive(sub, 10, 3 * DEADLINE)  # reclaimed once idle past the deadline
+    assert new.message.delivery_attempt == 2
+
+    assert await stalled.extend([old], DEADLINE) == [old]
+    assert await stalled.ack([old]) == [old]
+    [pending] = await live.client.xpending_range(topic, sub, "-", "+", 10)
+    assert pending["consumer"] == b"live", "the stalled consumer took the entry back"
+    assert await live.ack([new]) == []
+    await stalled.close()
+    await live.close()
+
+
+async def test_nack_parks_the_entry_and_delays_it_without_a_copy(names) -> None:
+    url, topic, prefix = names
+    adapter = await make(url, prefix, "c1", topic)
+    sub = f"{prefix}-sub"
+    await adapter.publish(topic, b"x")
+    [delivery] = await adapter.receive(sub, 10, 1)
+    await adapter.nack([delivery], 0.4)
+    [pending] = await adapter.client.xpending_range(topic, sub, "-", "+", 10)
+    assert pending["consumer"] == NACKED_CONSUMER.encode()
+    assert await adapter.client.xlen(topic) == 1, "nack must not add a copy"
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    assert await adapter.receive(sub, 10, 0.2) == []
+    [again] = await adapter.receive(sub, 10, 2)
+    assert loop.time() - start >= 0.35
+    assert again.message.delivery_attempt == 2
+    await adapter.ack([again])
+    await adapter.close()
+
+
+async def test_entries_trimmed_while_pending_are_dropped_and_counted(names) -> None:
+    url, topic, prefix = names
+    adapter = await make(url, prefix, "c1", topic)
+    sub = f"{prefix}-sub"
+    for i in range(3):
+        await adapter.publish(topic, f"{i}".encode())
+    deliveries = await adapter.receive(sub, 10, 1)
+    assert len(deliveries) == 3
+    await adapter.client.xdel(topic, deliveries[0].message.id)
+    await adapter.nack(deliveries, 0)
+    again = await adapter.receive(sub, 10, 2)
+    assert sorted(d.message.data for d in again) == [b"1", b"2"]
+    assert adapter.stats["gone"] == 1
+    await adapter.ack(again)
+    summary = await adapter.client.xpending(topic, sub)
+    assert summary["pending"] == 0, "the trimmed entry must not stay pending forever"
+    await adapter.close()
+
+
+async def test_a_lost_group_is_recreated(names) -> None:
+    url, topic, prefix = names
+    adapter = await make(url, prefix, "c1", topic)
+    sub = f"{prefix}-sub"
+    await adapter.client.delete(topic)  # as after a restart without persistence
+    assert await adapter.receive(sub, 10, 0.1) == []
+    await adapter.publish(topic, b"after")
+    [delivery] = await adapter.receive(sub, 10, 1)
+    assert delivery.message.data == b"after"
+    await adapter.close()
+
+
+async def test_settings_are_shared_and_errors_are_clear(names) -> None:
+    url, topic, prefix = names
+    first = await make(url, prefix, "c1", topic)
+    other = RedisStreamsAdapter(url, consumer="c2", key_prefix=prefix)
+    assert await other.subscription_ack_deadline(f"{prefix}-sub") == DEADLINE
+    with pytest.raises(UnknownSubscriptionError, match="'nope' does not exist"):
+        await other.receive("nope", 1, 0)
+    with pytest.raises(ConfigurationError, match="start must be"):
+        await other.ensure_subscription(topic, "x", start="1-0")
+    with pytest.raises(ConfigurationError, match="unknown options"):
+        await other.ensure_subscription(topic, "x", ordering=True)
+    with pytest.raises(TypeError, match="data must be bytes"):
+        await other.publish(topic, "text")  # type: ignore[arg-type]
+    settings = json.loads(await first.client.hget(f"{prefix}:subscriptions", f"{prefix}-sub"))
+    assert settings == {"topic": topic, "ack_deadline": DEADLINE, "start": "0"}
+    await first.close()
+    await other.close()
+
+
+async def test_publish_sync_and_max_len(names) -> None:
+    url, topic, prefix = names
+    adapter = RedisStreamsAdapter(url, consumer="c1", key_prefix=prefix, max_len=10)
+    adapter.ensure_subscription_sync(topic, f"{prefix}-sub", ack_deadline=DEADLINE)
+    ids = [adapter.publish_sync(topic, f"{i}".encode()) for i in range(500)]
+    assert len(set(ids)) == 500
+    assert await adapter.client.xlen(topic) < 500
+    await adapter.close()
+
+
+def test_importing_without_redis_names_the_extra() -> None:
+    script = (
+        "import sys; sys.modules['redis'] = None\n"
+        "try:\n"
+        "    import reliable_sub.adapters.redis_streams\n"
+        "except ImportError as error:\n"
+        "    print(error)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60)
+    assert 'pip install "reliable-sub[redis]"' in result.stdout, result.stdout + result.stderr
