@@ -10,6 +10,10 @@ A store answers one question atomically per message: ``claim(key)`` returns
 Keys are scoped by subscription (or an explicit namespace) before they reach a store, so two
 subscriptions never share a record. Results are stored as JSON, never pickle. A store instance is
 one owner: it renews and releases only claims it took.
+
+Stores: :class:`MemoryDedupStore` (this process) and ``RedisDedupStore`` (shared by every
+consumer; needs ``pip install "reliable-sub[redis]"``). ``from reliable_sub.dedup import
+RedisDedupStore`` loads it on first use, so importing this module never imports redis.
 """
 
 from __future__ import annotations
@@ -19,10 +23,13 @@ import threading
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from .clock import Clock, SystemClock
 from .errors import ResultNotSerializableError
+
+if TYPE_CHECKING:  # for type checkers only: at runtime __getattr__ imports it on first use
+    from .dedup_redis import RedisDedupStore as RedisDedupStore
 
 # Expired records are swept every this many operations, so memory stays bounded without a timer.
 _SWEEP_EVERY = 4096
@@ -172,7 +179,7 @@ class MemoryDedupStore:
     async def release(self, key: str) -> bool:
         with self._lock:
             record = self._records.get(key)
-            if record is None or record[0] != self.owner:
+            if record is None or record[0] != self.owner or record[1] <= self._clock.now():
                 return False
             del self._records[key]
             return True
@@ -180,10 +187,11 @@ class MemoryDedupStore:
     async def renew(self, keys: Sequence[str], lease_ttl: float) -> list[str]:
         lost: list[str] = []
         with self._lock:
-            expires_at = self._clock.now() + lease_ttl
+            now = self._clock.now()
+            expires_at = now + lease_ttl
             for key in keys:
                 record = self._records.get(key)
-                if record is None or record[0] != self.owner:
+                if record is None or record[0] != self.owner or record[1] <= now:
                     lost.append(key)
                 else:
                     self._records[key] = (record[0], expires_at, None)
@@ -193,3 +201,16 @@ class MemoryDedupStore:
         expired = [key for key, record in self._records.items() if record[1] <= now]
         for key in expired:
             del self._records[key]
+
+
+def __getattr__(name: str) -> Any:
+    """Import optional stores on first use, so the core never imports their client libraries.
+
+    Without the redis extra, ``RedisDedupStore`` raises :class:`MissingExtraError` naming the
+    ``pip install`` to run.
+    """
+    if name == "RedisDedupStore":
+        from .dedup_redis import RedisDedupStore
+
+        return RedisDedupStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -457,7 +457,8 @@ class Subscriber:
                            len(deliveries), exc_info=True)
             for delivery in deliveries:
                 backoff = self._retry.backoff(delivery.message.delivery_attempt, self._rng)
-                self._settle(delivery, Outcome.RETRY, backoff)
+                # even with min_backoff=0, a broken store must not spin the receive loop
+                self._settle(delivery, Outcome.RETRY, max(DEFER_MIN_DELAY, backoff))
             return
         to_run: list[Delivery] = []
         run_keys: list[str] = []

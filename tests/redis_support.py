@@ -32,7 +32,7 @@ def redis_url(url: str = DEFAULT_REDIS_URL) -> str:
     return url
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ping(url: str) -> str | None:
     """None when Redis at ``url`` answers a PING, else why not (asked once per process)."""
     try:
