@@ -154,6 +154,27 @@ return stale
 """
 )
 
+# The dedup fast path: completions and the acks of a batch in one call.
+# KEYS: stream, then the completion keys. ARGV: group, consumer, ttl_ms, n (completions), the n
+# values, then pairs of id, count. Returns the stale indexes (1-based) of the pairs.
+_ACK_COMPLETE = (
+    _OWNED
+    + """
+local n = tonumber(ARGV[4])
+for i = 1, n do
+  redis.call('SET', KEYS[i + 1], ARGV[4 + i], 'PX', ARGV[3])
+end
+local stale, ids = {}, {}
+local first = 5 + n
+for i = first, #ARGV, 2 do
+  if owned(ARGV[i], ARGV[i + 1]) then ids[#ids + 1] = ARGV[i]
+  else stale[#stale + 1] = (i - first) / 2 + 1 end
+end
+if #ids > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(ids)) end
+return stale
+"""
+)
+
 # KEYS: stream, delayed zset. ARGV: group, consumer, parked consumer, idle_ms, delay_ms,
 # then pairs of id, count. Parks owned entries, due at once or delay_ms from now. Returns how
 # many were deleted from the stream while pending.
@@ -240,6 +261,7 @@ class RedisStreamsAdapter:
         self._extend = self._client.register_script(_EXTEND)
         self._ack = self._client.register_script(_ACK)
         self._nack = self._client.register_script(_NACK)
+        self._ack_complete = self._client.register_script(_ACK_COMPLETE)
         self.stats = {"reclaimed": 0, "gone": 0}
 
     @property
@@ -492,6 +514,35 @@ class RedisStreamsAdapter:
             stale = await self._ack(
                 keys=[sub.stream], args=[sub.name, self.consumer, *_pairs(group)]
             )
+            refused.extend(group[int(i) - 1] for i in stale)
+        return refused
+
+    def shares_store(self, store: object) -> bool:
+        """True when ``store`` is a RedisDedupStore on this adapter's Redis (the fast path)."""
+        same_server = getattr(store, "same_server", None)
+        return (
+            callable(same_server)
+            and hasattr(store, "completion_records")
+            and bool(same_server(self._client))
+        )
+
+    async def ack_with_completions(
+        self,
+        deliveries: Sequence[Delivery],
+        store: Any,
+        completions: Sequence[tuple[str, str]],
+        ttl: float,
+    ) -> list[Delivery]:
+        """Record ``completions`` in ``store`` and ack ``deliveries``: one script call per
+        subscription in the batch (usually one), instead of a pipeline and then a script."""
+        keys, values, ttl_ms = store.completion_records(completions, ttl)
+        refused: list[Delivery] = []
+        for sub, group in self._by_subscription(deliveries).items():
+            stale = await self._ack_complete(
+                keys=[sub.stream, *keys],
+                args=[sub.name, self.consumer, ttl_ms, len(values), *values, *_pairs(group)],
+            )
+            keys, values = [], []  # written with the first call
             refused.extend(group[int(i) - 1] for i in stale)
         return refused
 

@@ -68,6 +68,13 @@ class Settler:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
+        # The fast path: an adapter that can write completions in its ack call (Redis Streams
+        # with a RedisDedupStore on the same server) saves one round trip per batch.
+        shares_store = getattr(adapter, "shares_store", None)
+        self._combined = bool(
+            dedup is not None and callable(shares_store) and shares_store(dedup)
+            and hasattr(adapter, "ack_with_completions")
+        )
 
     def ack(self, delivery: Delivery, completion: tuple[str, str] | None = None) -> None:
         """Queue an ack, after recording ``completion`` (key, result JSON) in the dedup store."""
@@ -117,15 +124,23 @@ class Settler:
             acks, self._acks = self._acks, []
             completions, self._completions = self._completions, []
             nacks, self._nacks = self._nacks, {}
-            if completions and self._dedup is not None:
-                await self._call(
-                    "recording completions", len(completions), self._dedup.complete_many,
-                    completions, self._dedup_ttl,
+            if completions and acks and self._combined:
+                refused = await self._call(
+                    "recording completions and ack", len(acks),
+                    self._adapter.ack_with_completions,  # type: ignore[attr-defined]
+                    acks, self._dedup, completions, self._dedup_ttl,
                 )
-            if acks:
-                refused = await self._call("ack", len(acks), self._adapter.ack, acks)
-                if refused and self._on_refused is not None:
-                    self._on_refused(refused)
+            else:
+                if completions and self._dedup is not None:
+                    await self._call(
+                        "recording completions", len(completions), self._dedup.complete_many,
+                        completions, self._dedup_ttl,
+                    )
+                refused = []
+                if acks:
+                    refused = await self._call("ack", len(acks), self._adapter.ack, acks)
+            if refused and self._on_refused is not None:
+                self._on_refused(refused)
             for delay, deliveries in nacks.items():
                 await self._call("nack", len(deliveries), self._adapter.nack, deliveries, delay)
         self._pending.clear()

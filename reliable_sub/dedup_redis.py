@@ -256,6 +256,25 @@ class RedisDedupStore:
                 pipe.set(self.redis_key(key), _COMPLETED + result_json.encode(), px=retention)
             await pipe.execute()
 
+    def completion_records(
+        self, results: Sequence[tuple[str, str]], ttl: float
+    ) -> tuple[list[str], list[bytes], int]:
+        """The Redis keys, values and TTL (ms) that :meth:`complete_many` would write.
+
+        For the Redis Streams adapter's fast path, which writes them in the same script call
+        as the batch's XACK when stream and store share a Redis.
+        """
+        keys = [self.redis_key(key) for key, _ in results]
+        values = [_COMPLETED + result_json.encode() for _, result_json in results]
+        return keys, values, _milliseconds("ttl", ttl)
+
+    def same_server(self, client: aioredis.Redis) -> bool:
+        """True when ``client`` talks to the same Redis server and database as this store."""
+        mine = self._client.connection_pool.connection_kwargs
+        theirs = client.connection_pool.connection_kwargs
+        fields = ("host", "port", "db", "path")
+        return all(mine.get(name) == theirs.get(name) for name in fields)
+
     async def release(self, key: str) -> bool:
         """Delete this owner's claim on ``key`` so a retry can run; False if it was not ours."""
         deleted = await self._release_script(

@@ -179,3 +179,49 @@ def test_importing_without_redis_names_the_extra() -> None:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=60)
     assert 'pip install "reliable-sub[redis]"' in result.stdout, result.stdout + result.stderr
+
+
+async def test_completions_ride_with_the_ack_when_store_and_stream_share_redis(names) -> None:
+    from reliable_sub import Completed, Message, Outcome, Subscriber
+    from reliable_sub.dedup import RedisDedupStore, scoped_key
+    from tests.timing import drive_until
+
+    url, topic, prefix = names
+
+    class CountingAdapter(RedisStreamsAdapter):
+        calls: dict[str, int] = {"ack": 0, "ack_with_completions": 0}
+
+        async def ack(self, deliveries):
+            self.calls["ack"] += 1
+            return await super().ack(deliveries)
+
+        async def ack_with_completions(self, deliveries, store, completions, ttl):
+            self.calls["ack_with_completions"] += 1
+            return await super().ack_with_completions(deliveries, store, completions, ttl)
+
+    adapter = CountingAdapter(url, consumer="c1", key_prefix=prefix)
+    sub_name = f"{prefix}-sub"
+    await adapter.ensure_subscription(topic, sub_name, ack_deadline=5, start="0")
+    store = RedisDedupStore(url, prefix=f"{prefix}:dedup")
+    assert adapter.shares_store(store)
+    assert not adapter.shares_store(RedisDedupStore(url.rsplit("/", 1)[0] + "/1"))
+    subscriber = Subscriber(adapter, dedup=store)
+
+    @subscriber.handler(sub_name)
+    async def handle(message: Message) -> dict[str, str]:
+        return {"seen": message.data.decode()}
+
+    for i in range(20):
+        await adapter.publish(topic, f"m{i}".encode(), {"idempotency-key": f"k{i}"})
+    task = asyncio.ensure_future(subscriber.serve())
+    await drive_until(subscriber._clock, lambda: subscriber.stats[Outcome.ACKED] == 20, 10,
+                      what="20 acks")
+    await subscriber.shutdown(timeout=1)
+    await task
+
+    assert adapter.calls["ack"] == 0
+    assert adapter.calls["ack_with_completions"] >= 1
+    assert await store.claim(scoped_key(sub_name, "k7"), 5) == Completed({"seen": "m7"})
+    assert (await adapter.client.xpending(topic, sub_name))["pending"] == 0
+    await store.aclose()
+    await adapter.close()
