@@ -49,7 +49,11 @@ from .base import Capabilities
 try:
     import redis
     import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import ResponseError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("RedisStreamsAdapter", "redis", "redis") from error
 
@@ -67,6 +71,10 @@ NACKED_CONSUMER = "reliable-sub:nacked"
 RECLAIM_INTERVAL_MIN = 0.02
 RECLAIM_INTERVAL_MAX = 1.0
 RECLAIM_FRACTION = 0.1
+# A command that meets a dropped connection is retried on a fresh one this many times, up to
+# this many seconds apart; longer outages are the caller's to retry (the Subscriber does).
+CONNECT_RETRIES = 3
+CONNECT_RETRY_CAP = 1.0
 
 CAPABILITIES = Capabilities(
     min_ack_deadline=0.0,
@@ -238,7 +246,14 @@ class RedisStreamsAdapter:
         sync_client: redis.Redis | None = None,
     ) -> None:
         if isinstance(url_or_client, str):
-            self._client = aioredis.Redis.from_url(url_or_client, decode_responses=False)
+            # redis-py 8's asyncio client does not retry by default: after a Redis restart the
+            # first command on each pooled connection would fail although Redis is back.
+            self._client = aioredis.Redis.from_url(
+                url_or_client,
+                decode_responses=False,
+                retry=Retry(ExponentialBackoff(cap=CONNECT_RETRY_CAP), CONNECT_RETRIES),
+                retry_on_error=[RedisConnectionError, RedisTimeoutError],
+            )
             self._sync = sync_client or redis.Redis.from_url(url_or_client, decode_responses=False)
         else:
             self._client = url_or_client
@@ -365,11 +380,15 @@ class RedisStreamsAdapter:
         return sub
 
     async def _recreate_group(self, sub: _Subscription) -> None:
-        """After a Redis restart without persistence: the group (and stream) are gone."""
-        logger.warning("consumer group %r on stream %r is gone (Redis restarted?); recreating",
-                       sub.name, sub.stream)
+        """After a Redis restart without persistence: the group (and stream) are gone.
+
+        The group is recreated at the start of the stream, not at ``start``: whatever the
+        stream holds now was published after the loss, and "$" would skip it.
+        """
+        logger.warning("consumer group %r on stream %r is gone (Redis restarted?); recreating "
+                       "it at the start of the stream", sub.name, sub.stream)
         try:
-            await self._client.xgroup_create(sub.stream, sub.name, id=sub.start, mkstream=True)
+            await self._client.xgroup_create(sub.stream, sub.name, id="0", mkstream=True)
         except ResponseError as error:
             if "BUSYGROUP" not in str(error):
                 raise
