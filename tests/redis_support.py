@@ -16,7 +16,8 @@ import os
 
 import pytest
 
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# RELIABLE_SUB_REDIS_URL points the tests at another Redis (or at none, to try laptop mode).
+DEFAULT_REDIS_URL = os.environ.get("RELIABLE_SUB_REDIS_URL", "redis://127.0.0.1:6379/0")
 # A local Redis answers a PING in well under a millisecond; this only bounds a black-holed host.
 PING_TIMEOUT = 1.0
 
@@ -30,6 +31,11 @@ def redis_url(url: str = DEFAULT_REDIS_URL) -> str:
             pytest.fail(f"{message} (CI=true: a missing service is a failure, not a skip)")
         pytest.skip(message)
     return url
+
+
+def redis_available(url: str = DEFAULT_REDIS_URL) -> bool:
+    """Whether Redis answers at ``url`` (no skip, no failure: for choosing what to run)."""
+    return _ping(url) is None
 
 
 @functools.cache

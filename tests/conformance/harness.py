@@ -158,4 +158,41 @@ def redis_harness() -> Harness:
                    new_adapter=new_adapter, prefix=f"conf-{run}", cleanup=cleanup)
 
 
-HARNESSES: dict[str, Callable[[], Harness]] = {"memory": memory_harness, "redis": redis_harness}
+def fakeredis_harness() -> Harness:
+    """fakeredis (with lupa for scripts): the Redis adapter on a laptop without Redis."""
+    import fakeredis
+
+    from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
+    from reliable_sub.clock import SystemClock
+
+    server = fakeredis.FakeServer()
+    consumers = itertools.count(1)
+
+    async def new_adapter() -> Adapter:
+        return RedisStreamsAdapter(
+            fakeredis.FakeAsyncRedis(server=server),
+            consumer=f"consumer-{next(consumers)}",
+            sync_client=fakeredis.FakeRedis(server=server),
+        )
+
+    return Harness(name="fakeredis", clock=SystemClock(), ack_deadline=1.0, tick=0.1,
+                   new_adapter=new_adapter)
+
+
+def _harnesses() -> dict[str, Callable[[], Harness]]:
+    """Every adapter; fakeredis stands in for Redis only on a laptop without one (never in CI,
+    where a missing Redis fails the redis harness instead)."""
+    import os
+
+    from tests.redis_support import redis_available
+
+    harnesses: dict[str, Callable[[], Harness]] = {
+        "memory": memory_harness,
+        "redis": redis_harness,
+    }
+    if os.environ.get("CI", "").lower() != "true" and not redis_available():
+        harnesses["fakeredis"] = fakeredis_harness
+    return harnesses
+
+
+HARNESSES = _harnesses()
