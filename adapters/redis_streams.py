@@ -120,42 +120,47 @@ for _, id in ipairs(ids) do if not got[id] then gone[#gone + 1] = id end end
 return {claimed, cs, gone, nxt}
 """
 
-# Checks that each (id, count) is still this consumer's delivery. KEYS: stream.
-# ARGV: group, consumer, then pairs of id, count. Returns the indexes (1-based) of stale pairs.
+# owned(ack id) checks that a delivery "<entry id>/<delivery count>" is still this consumer's:
+# the entry is pending, owned by ARGV[2] (the consumer) and delivered exactly that many times.
+# Returns the entry id, or nil when the delivery is stale. KEYS[1] is the stream, ARGV[1] the
+# group. Ack ids travel as one argument each: packing arguments is the client's main cost.
 _OWNED = """
-local function owned(id, count)
+local function owned(ack)
+  local id, count = string.match(ack, '^(.+)/(%d+)$')
+  if not id then return nil end
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
-  return p[1] ~= nil and p[1][2] == ARGV[2] and p[1][4] == tonumber(count)
+  if p[1] ~= nil and p[1][2] == ARGV[2] and p[1][4] == tonumber(count) then return id end
+  return nil
 end
 """
 
-# ARGV: group, consumer, idle_ms, then pairs of id, count. Returns {stale indexes (1-based),
-# how many of them were deleted from the stream while pending (XCLAIM drops those)}.
+# ARGV: group, consumer, idle_ms, then ack ids. Returns {stale positions (1-based), how many of
+# them were deleted from the stream while pending (XCLAIM drops those)}.
 _EXTEND = (
     _OWNED
     + """
 local stale, gone = {}, 0
-for i = 4, #ARGV, 2 do
-  local kept = false
-  if owned(ARGV[i], ARGV[i + 1]) then
-    local r = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'IDLE', ARGV[3], 'JUSTID')
+for i = 4, #ARGV do
+  local id, kept = owned(ARGV[i]), false
+  if id then
+    local r = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'IDLE', ARGV[3], 'JUSTID')
     kept = #r > 0
     if not kept then gone = gone + 1 end
   end
-  if not kept then stale[#stale + 1] = (i - 2) / 2 end
+  if not kept then stale[#stale + 1] = i - 3 end
 end
 return {stale, gone}
 """
 )
 
-# ARGV: group, consumer, then pairs of id, count.
+# ARGV: group, consumer, then ack ids. Returns the stale positions (1-based).
 _ACK = (
     _OWNED
     + """
 local stale, ids = {}, {}
-for i = 3, #ARGV, 2 do
-  if owned(ARGV[i], ARGV[i + 1]) then ids[#ids + 1] = ARGV[i]
-  else stale[#stale + 1] = (i - 1) / 2 end
+for i = 3, #ARGV do
+  local id = owned(ARGV[i])
+  if id then ids[#ids + 1] = id else stale[#stale + 1] = i - 2 end
 end
 if #ids > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(ids)) end
 return stale
@@ -164,7 +169,7 @@ return stale
 
 # The dedup fast path: completions and the acks of a batch in one call.
 # KEYS: stream, then the completion keys. ARGV: group, consumer, ttl_ms, n (completions), the n
-# values, then pairs of id, count. Returns the stale indexes (1-based) of the pairs.
+# values, then ack ids. Returns the stale positions (1-based) of the ack ids.
 _ACK_COMPLETE = (
     _OWNED
     + """
@@ -174,28 +179,29 @@ for i = 1, n do
 end
 local stale, ids = {}, {}
 local first = 5 + n
-for i = first, #ARGV, 2 do
-  if owned(ARGV[i], ARGV[i + 1]) then ids[#ids + 1] = ARGV[i]
-  else stale[#stale + 1] = (i - first) / 2 + 1 end
+for i = first, #ARGV do
+  local id = owned(ARGV[i])
+  if id then ids[#ids + 1] = id else stale[#stale + 1] = i - first + 1 end
 end
 if #ids > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(ids)) end
 return stale
 """
 )
 
-# KEYS: stream, delayed zset. ARGV: group, consumer, parked consumer, idle_ms, delay_ms,
-# then pairs of id, count. Parks owned entries, due at once or delay_ms from now. Returns how
-# many were deleted from the stream while pending.
+# KEYS: stream, delayed zset. ARGV: group, consumer, parked consumer, idle_ms, delay_ms, then
+# ack ids. Parks owned entries, due at once or delay_ms from now. Returns how many were deleted
+# from the stream while pending.
 _NACK = (
     _OWNED
     + _NOW_MS
     + """
 local due, gone = now_ms() + tonumber(ARGV[5]), 0
-for i = 6, #ARGV, 2 do
-  if owned(ARGV[i], ARGV[i + 1]) then
-    local r = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[i], 'IDLE', ARGV[4], 'JUSTID')
+for i = 6, #ARGV do
+  local id = owned(ARGV[i])
+  if id then
+    local r = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, id, 'IDLE', ARGV[4], 'JUSTID')
     if #r == 0 then gone = gone + 1
-    elseif tonumber(ARGV[5]) > 0 then redis.call('ZADD', KEYS[2], due, ARGV[i]) end
+    elseif tonumber(ARGV[5]) > 0 then redis.call('ZADD', KEYS[2], due, id) end
   end
 end
 return gone
@@ -531,7 +537,7 @@ class RedisStreamsAdapter:
         refused: list[Delivery] = []
         for sub, group in self._by_subscription(deliveries).items():
             stale = await self._ack(
-                keys=[sub.stream], args=[sub.name, self.consumer, *_pairs(group)]
+                keys=[sub.stream], args=[sub.name, self.consumer, *_ack_ids(group)]
             )
             refused.extend(group[int(i) - 1] for i in stale)
         return refused
@@ -559,7 +565,7 @@ class RedisStreamsAdapter:
         for sub, group in self._by_subscription(deliveries).items():
             stale = await self._ack_complete(
                 keys=[sub.stream, *keys],
-                args=[sub.name, self.consumer, ttl_ms, len(values), *values, *_pairs(group)],
+                args=[sub.name, self.consumer, ttl_ms, len(values), *values, *_ack_ids(group)],
             )
             keys, values = [], []  # written with the first call
             refused.extend(group[int(i) - 1] for i in stale)
@@ -570,7 +576,7 @@ class RedisStreamsAdapter:
             gone = await self._nack(
                 keys=[sub.stream, sub.delayed_key],
                 args=[sub.name, self.consumer, NACKED_CONSUMER, int(sub.ack_deadline * 1000),
-                      max(0, int(delay * 1000)), *_pairs(group)],
+                      max(0, int(delay * 1000)), *_ack_ids(group)],
             )
             self._count_gone(sub, int(gone))
 
@@ -579,7 +585,7 @@ class RedisStreamsAdapter:
         for sub, group in self._by_subscription(deliveries).items():
             idle_ms = max(0, int((sub.ack_deadline - seconds) * 1000))
             stale, gone = await self._extend(
-                keys=[sub.stream], args=[sub.name, self.consumer, idle_ms, *_pairs(group)]
+                keys=[sub.stream], args=[sub.name, self.consumer, idle_ms, *_ack_ids(group)]
             )
             self._count_gone(sub, int(gone))
             refused.extend(group[int(i) - 1] for i in stale)
@@ -613,14 +619,8 @@ class RedisStreamsAdapter:
         self._sync.close()
 
 
-def _pairs(deliveries: Sequence[Delivery]) -> list[str]:
-    """``[id, count, id, count, ...]`` from ack ids ``"id/count"``."""
-    out: list[str] = []
-    for delivery in deliveries:
-        entry_id, _, count = delivery.ack_id.partition("/")
-        out.append(entry_id)
-        out.append(count)
-    return out
+def _ack_ids(deliveries: Sequence[Delivery]) -> list[str]:
+    return [delivery.ack_id for delivery in deliveries]
 
 
 def _text(value: bytes | str) -> str:

@@ -32,6 +32,7 @@ Every batch method is one round trip.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -329,6 +330,7 @@ def _key_part(idempotency_key: str) -> str:
     return _hashed(idempotency_key)
 
 
+@functools.lru_cache(maxsize=1024)  # a handful of namespaces, asked for on every key
 def _namespace_tag(namespace: str) -> str:
     if not namespace:
         return _EMPTY_NAMESPACE

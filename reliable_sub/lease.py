@@ -224,7 +224,6 @@ class LeaseManager:
         nothing until their handlers finish), or None when nothing is leased.
         """
         now = self._clock.now()
-        extension = self.extension()
         to_extend: list[_Lease] = []
         to_release: list[_Lease] = []
         claims: list[_Lease] = []
@@ -241,6 +240,8 @@ class LeaseManager:
                 claims.append(lease)
         if to_release:
             await self._release(to_release)
+        # the percentile sorts the histogram: only worth it when something is due
+        extension = self.extension() if (to_extend or claims) else 0.0
         if to_extend:
             await self._extend(to_extend, extension, now)
         if claims and self._dedup is not None:
