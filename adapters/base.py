@@ -27,6 +27,8 @@ class Capabilities:
         seek: the broker can replay retained messages.
         ordering: ordering keys are delivered in order.
         delivery_attempt_exact: ``delivery_attempt`` is kept by the broker (not per process).
+        refuses_stale_acks: an ack or extend of a stale ack id (redelivered, nacked, taken over)
+            is reported back as refused; Pub/Sub does so only on exactly-once subscriptions.
         extension_limited_to_ack_deadline: an extension can only restart the subscription's ack
             deadline, never set a longer one (Redis Streams: idle time can be reset, not put in
             the future); the lease manager then extends by at most the ack deadline.
@@ -40,6 +42,7 @@ class Capabilities:
     seek: bool = False
     ordering: bool = False
     delivery_attempt_exact: bool = True
+    refuses_stale_acks: bool = True
     extension_limited_to_ack_deadline: bool = False
 
     def clamp_deadline(self, seconds: float) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -129,8 +130,6 @@ def memory_harness() -> Harness:
 
 def redis_harness() -> Harness:
     """Real Redis on 127.0.0.1:6379 (real time: a 1 s ack deadline keeps the suite short)."""
-    import uuid
-
     from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
     from reliable_sub.clock import SystemClock
     from tests.redis_support import redis_url
@@ -179,6 +178,22 @@ def fakeredis_harness() -> Harness:
                    new_adapter=new_adapter)
 
 
+def pubsub_harness() -> Harness:
+    """The official Pub/Sub emulator (real time; Pub/Sub's shortest ack deadline is 10 s)."""
+    from reliable_sub.adapters.pubsub import PubSubAdapter
+    from reliable_sub.clock import SystemClock
+    from tests.pubsub_support import emulator_host
+
+    emulator_host()
+    run = uuid.uuid4().hex[:10]
+
+    async def new_adapter() -> Adapter:
+        return PubSubAdapter("reliable-sub-tests")
+
+    return Harness(name="pubsub", clock=SystemClock(), ack_deadline=10.0, tick=1.0,
+                   new_adapter=new_adapter, prefix=f"conf-{run}")
+
+
 def _harnesses() -> dict[str, Callable[[], Harness]]:
     """Every adapter; fakeredis stands in for Redis only on a laptop without one (never in CI,
     where a missing Redis fails the redis harness instead)."""
@@ -189,6 +204,7 @@ def _harnesses() -> dict[str, Callable[[], Harness]]:
     harnesses: dict[str, Callable[[], Harness]] = {
         "memory": memory_harness,
         "redis": redis_harness,
+        "pubsub": pubsub_harness,
     }
     if os.environ.get("CI", "").lower() != "true" and not redis_available():
         harnesses["fakeredis"] = fakeredis_harness

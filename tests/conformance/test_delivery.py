@@ -35,7 +35,8 @@ async def test_expired_deadline_redelivers_with_the_next_attempt(harness: Harnes
     assert again.message.attributes == {"k": "v"}
     assert harness.clock.now() - received_at >= harness.ack_deadline * 0.99
     assert again.ack_id != first.ack_id
-    assert await adapter.ack([first]) == [first], "a redelivered message's old ack id is stale"
+    if harness.capabilities.refuses_stale_acks:
+        assert await adapter.ack([first]) == [first], "a redelivered message's old ack id"
     assert await adapter.ack([again]) == []
 
 
@@ -81,7 +82,8 @@ async def test_extend_moves_the_deadline_and_stale_ids_are_refused(harness: Harn
         assert await adapter.extend([delivery], harness.ack_deadline) == []
     assert await harness.receive(adapter, sub, timeout=harness.ack_deadline * 0.5) == []
     assert await adapter.ack([delivery]) == []
-    assert await adapter.extend([delivery], harness.ack_deadline) == [delivery]
+    if harness.capabilities.refuses_stale_acks:
+        assert await adapter.extend([delivery], harness.ack_deadline) == [delivery]
 
 
 async def test_receive_respects_max_messages(harness: Harness) -> None:
@@ -129,6 +131,8 @@ async def test_ensure_subscription_is_idempotent(harness: Harness) -> None:
 
 
 async def test_ordering_keys_deliver_in_order(harness: Harness) -> None:
+    """Per key, messages are acked in publish order by a consumer that processes them in the
+    order received and, when it nacks one, nacks the rest of that key in the batch too."""
     adapter = await harness.adapter()
     if not harness.capabilities.ordering:
         pytest.skip(f"{harness.name} declares no ordering capability")
@@ -137,22 +141,28 @@ async def test_ordering_keys_deliver_in_order(harness: Harness) -> None:
         await adapter.publish(topic, f"a{i}".encode(), ordering_key="A")
         await adapter.publish(topic, f"b{i}".encode(), ordering_key="B")
 
-    seen: dict[str, list[bytes]] = {"A": [], "B": []}
-    while sum(map(len, seen.values())) < 12:
-        batch = await harness.receive(adapter, sub, timeout=harness.ack_deadline)
+    acked: dict[str, list[bytes]] = {"A": [], "B": []}
+    nacked_a2 = False
+    while sum(map(len, acked.values())) < 12:
+        batch = await harness.receive(adapter, sub, timeout=3 * harness.ack_deadline)
         assert batch, "ordered messages went missing"
-        keys = [d.message.ordering_key for d in batch]
-        assert len(keys) == len(set(keys)), "two messages of one key outstanding at once"
+        blocked: set[str] = set()
+        to_ack, to_nack = [], []
         for delivery in batch:
-            seen[delivery.message.ordering_key or ""].append(delivery.message.data)
-        # nack the first of key A once: it must come back before anything after it
-        if len(seen["A"]) == 1 and batch[0].message.ordering_key == "A" and (
-            batch[0].message.delivery_attempt == 1
-        ):
-            seen["A"].pop()
-            await adapter.nack([batch[0]], 0.0)
-            await adapter.ack(batch[1:])
-            continue
-        await adapter.ack(batch)
-    assert seen["A"] == [f"a{i}".encode() for i in range(6)]
-    assert seen["B"] == [f"b{i}".encode() for i in range(6)]
+            key, data = delivery.message.ordering_key or "", delivery.message.data
+            if key in blocked or data in acked[key]:
+                (to_nack if key in blocked else to_ack).append(delivery)
+                continue
+            if data == b"a2" and not nacked_a2:  # fail it once: nothing after it may overtake
+                nacked_a2 = True
+                blocked.add(key)
+                to_nack.append(delivery)
+                continue
+            acked[key].append(data)
+            to_ack.append(delivery)
+        await adapter.ack(to_ack)
+        if to_nack:
+            await adapter.nack(to_nack, 0.0)
+    assert acked["A"] == [f"a{i}".encode() for i in range(6)]
+    assert acked["B"] == [f"b{i}".encode() for i in range(6)]
+    assert nacked_a2

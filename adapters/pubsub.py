@@ -1,0 +1,399 @@
+"""Google Cloud Pub/Sub behind the Adapter contract (google-cloud-pubsub).
+
+Receiving is unary pull on the asyncio GAPIC client: our lease manager owns every deadline, so
+none of the Google client's own lease management (its streaming pull manager) runs beside it.
+Acks and deadline changes are ``acknowledge`` / ``modify_ack_deadline`` calls of at most
+``MAX_ACK_IDS_PER_REQUEST`` ack ids each. Publishing goes through the Google client's batching
+publisher (ordering enabled, so ``ordering_key`` works on subscriptions with ordering).
+
+``PUBSUB_EMULATOR_HOST`` is honoured as the Google client does (plain-text gRPC to that host,
+no credentials); otherwise application default credentials are used.
+
+``delivery_attempt`` is the server's count when the subscription has a dead-letter policy. Pub/Sub
+reports none otherwise, so the adapter counts deliveries per message id itself: that count lives
+in this process only (a restart or another consumer starts again from 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+from ..errors import ConfigurationError, MissingExtraError
+from ..message import Delivery, Message
+from ..policy import DeadLetterPolicy, RetryPolicy
+from .base import Capabilities
+
+try:
+    import grpc
+    from google.api_core import exceptions as google_errors
+    from google.cloud import pubsub_v1
+    from google.pubsub_v1.services.subscriber import SubscriberAsyncClient
+    from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcAsyncIOTransport
+    from google.pubsub_v1.types import DeadLetterPolicy as NativeDeadLetterPolicy
+    from google.pubsub_v1.types import RetryPolicy as NativeRetryPolicy
+    from google.pubsub_v1.types import Subscription
+except ImportError as error:  # pragma: no cover - exercised in a subprocess test
+    raise MissingExtraError("PubSubAdapter", "pubsub", "google-cloud-pubsub") from error
+
+logger = logging.getLogger(__name__)
+
+# The service's range for a subscription's ack deadline and for one modifyAckDeadline.
+MIN_ACK_DEADLINE = 10.0
+MAX_ACK_DEADLINE = 600.0
+# acknowledge / modifyAckDeadline accept this many ack ids per request (as the Google client).
+MAX_ACK_IDS_PER_REQUEST = 2500
+# One pull returns at most this many messages.
+MAX_PULL_MESSAGES = 1000
+# Per-process delivery counts are kept for this many recent message ids.
+ATTEMPT_MEMORY = 100_000
+# The shortest wait of one pull call; the server answers an empty pull after about a second.
+MIN_PULL_TIMEOUT = 0.1
+
+CAPABILITIES = Capabilities(
+    min_ack_deadline=MIN_ACK_DEADLINE,
+    max_ack_deadline=MAX_ACK_DEADLINE,
+    native_dead_letter=True,
+    native_retry_backoff=True,
+    exactly_once=True,
+    seek=False,
+    ordering=True,
+    delivery_attempt_exact=False,
+    refuses_stale_acks=False,
+)
+
+
+class PubSubAdapter:
+    """Google Cloud Pub/Sub (or its emulator) as an Adapter.
+
+    Args:
+        project_id: the Google Cloud project (the emulator needs 6+ characters).
+        subscriber_client: an asyncio ``SubscriberAsyncClient`` (default: one made on first use,
+            inside the running event loop).
+        publisher_client: a ``pubsub_v1.PublisherClient`` (default: one with ordering enabled).
+        admin_client: a sync ``pubsub_v1.SubscriberClient`` for creating and reading
+            subscriptions (default: a new one).
+    """
+
+    def __init__(
+        self,
+        project_id: str,
+        *,
+        subscriber_client: SubscriberAsyncClient | None = None,
+        publisher_client: pubsub_v1.PublisherClient | None = None,
+        admin_client: pubsub_v1.SubscriberClient | None = None,
+    ) -> None:
+        if not isinstance(project_id, str) or len(project_id) < 6:
+            raise ConfigurationError(
+                f"PubSubAdapter.project_id must be a project id of 6+ characters, "
+                f"got {project_id!r}"
+            )
+        self.project_id = project_id
+        self._subscriber = subscriber_client
+        self._publisher = publisher_client or pubsub_v1.PublisherClient(
+            publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=True)
+        )
+        self._admin = admin_client or pubsub_v1.SubscriberClient()
+        self._deadlines: dict[str, float] = {}
+        self._native_attempts: dict[str, bool] = {}
+        self._attempts: OrderedDict[str, int] = OrderedDict()
+        self.stats = {"pull_calls": 0, "ack_calls": 0, "modack_calls": 0, "ack_ids_extended": 0}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
+    # -- names -------------------------------------------------------------------------------
+
+    def topic_path(self, topic: str) -> str:
+        if topic.startswith("projects/"):
+            return topic
+        return f"projects/{self.project_id}/topics/{topic}"
+
+    def subscription_path(self, subscription: str) -> str:
+        if subscription.startswith("projects/"):
+            return subscription
+        return f"projects/{self.project_id}/subscriptions/{subscription}"
+
+    # -- administration -------------------------------------------------------------------
+
+    def ensure_topic_sync(self, topic: str) -> None:
+        """Create ``topic`` if it does not exist."""
+        with contextlib.suppress(google_errors.AlreadyExists):
+            self._publisher.create_topic(name=self.topic_path(topic))
+
+    def ensure_subscription_sync(
+        self,
+        topic: str,
+        subscription: str,
+        *,
+        ack_deadline: float = MIN_ACK_DEADLINE,
+        dead_letter: DeadLetterPolicy | None = None,
+        retry: RetryPolicy | None = None,
+        exactly_once: bool = False,
+        ordering: bool = False,
+        **options: Any,
+    ) -> None:
+        """Create the topic and the subscription if missing (an existing one is left as is).
+
+        Args:
+            ack_deadline: the subscription's ack deadline, 10..600 seconds.
+            dead_letter: give the subscription a *native* dead-letter policy (the broker
+                forwards after ``max_delivery_attempts``, 5..100). Leave it None to dead-letter
+                client-side with the Subscriber's ``DeadLetterPolicy`` (the default, the same on
+                every adapter).
+            retry: give the subscription a *native* retry policy (``min_backoff`` and
+                ``max_backoff``, 0..600 s, applied by the broker on nack and expiry).
+            exactly_once: enable exactly-once delivery (acks are confirmed).
+            ordering: enable message ordering by ``ordering_key``.
+        """
+        if options:
+            raise ConfigurationError(
+                f"PubSubAdapter.ensure_subscription got unknown options {sorted(options)}; "
+                "allowed: ack_deadline, dead_letter, retry, exactly_once, ordering"
+            )
+        if not MIN_ACK_DEADLINE <= ack_deadline <= MAX_ACK_DEADLINE:
+            raise ConfigurationError(
+                f"ensure_subscription: ack_deadline must be in [10, 600] on Pub/Sub, "
+                f"got {ack_deadline!r}"
+            )
+        request: dict[str, Any] = {
+            "name": self.subscription_path(subscription),
+            "topic": self.topic_path(topic),
+            "ack_deadline_seconds": math.ceil(ack_deadline),
+            "enable_exactly_once_delivery": exactly_once,
+            "enable_message_ordering": ordering,
+        }
+        if dead_letter is not None:
+            if not 5 <= dead_letter.max_delivery_attempts <= 100:
+                raise ConfigurationError(
+                    "a native Pub/Sub dead-letter policy needs max_delivery_attempts in "
+                    f"[5, 100], got {dead_letter.max_delivery_attempts}"
+                )
+            self.ensure_topic_sync(dead_letter.topic)
+            request["dead_letter_policy"] = NativeDeadLetterPolicy(
+                dead_letter_topic=self.topic_path(dead_letter.topic),
+                max_delivery_attempts=dead_letter.max_delivery_attempts,
+            )
+        if retry is not None:
+            request["retry_policy"] = NativeRetryPolicy(
+                minimum_backoff=f"{min(retry.min_backoff, MAX_ACK_DEADLINE)}s",
+                maximum_backoff=f"{min(retry.max_backoff, MAX_ACK_DEADLINE)}s",
+            )
+        self.ensure_topic_sync(topic)
+        with contextlib.suppress(google_errors.AlreadyExists):
+            self._admin.create_subscription(request=request)
+        self._remember(self._admin.get_subscription(subscription=request["name"]))
+
+    async def ensure_subscription(self, topic: str, subscription: str, **options: Any) -> None:
+        await asyncio.to_thread(self.ensure_subscription_sync, topic, subscription, **options)
+
+    async def subscription_ack_deadline(self, subscription: str) -> float:
+        path = self.subscription_path(subscription)
+        if path not in self._deadlines:
+            found = await asyncio.to_thread(self._admin.get_subscription, subscription=path)
+            self._remember(found)
+        return self._deadlines[path]
+
+    def _remember(self, subscription: Subscription) -> None:
+        self._deadlines[subscription.name] = float(subscription.ack_deadline_seconds)
+        self._native_attempts[subscription.name] = bool(
+            subscription.dead_letter_policy and subscription.dead_letter_policy.dead_letter_topic
+        )
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def _publish_future(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str] | None,
+        ordering_key: str | None,
+    ) -> Future[str]:
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise TypeError(f"publish: data must be bytes, got {type(data).__name__}")
+        for key, value in (attributes or {}).items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(
+                    f"publish: attributes must map str to str, got {key!r}: {value!r}"
+                )
+        future: Future[str] = self._publisher.publish(
+            self.topic_path(topic), bytes(data), ordering_key=ordering_key or "",
+            **(attributes or {}),
+        )
+        return future
+
+    async def publish(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        future = self._publish_future(topic, data, attributes, ordering_key)
+        try:
+            return await asyncio.wrap_future(future)
+        except Exception:
+            self._resume(topic, ordering_key)
+            raise
+
+    def publish_sync(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        future = self._publish_future(topic, data, attributes, ordering_key)
+        try:
+            return future.result()
+        except Exception:
+            self._resume(topic, ordering_key)
+            raise
+
+    def _resume(self, topic: str, ordering_key: str | None) -> None:
+        """After a failed ordered publish the key is paused; let the caller's retry through."""
+        if ordering_key:
+            self._publisher.resume_publish(self.topic_path(topic), ordering_key)
+
+    # -- consuming -------------------------------------------------------------------------
+
+    def _client(self) -> SubscriberAsyncClient:
+        if self._subscriber is None:
+            host = os.environ.get("PUBSUB_EMULATOR_HOST")
+            if host:
+                channel = grpc.aio.insecure_channel(host)
+                transport = SubscriberGrpcAsyncIOTransport(channel=channel)
+                self._subscriber = SubscriberAsyncClient(transport=transport)
+            else:
+                self._subscriber = SubscriberAsyncClient()
+        return self._subscriber
+
+    async def receive(
+        self, subscription: str, max_messages: int, timeout: float
+    ) -> list[Delivery]:
+        if max_messages < 1:
+            raise ValueError(f"receive: max_messages must be >= 1, got {max_messages}")
+        path = self.subscription_path(subscription)
+        await self.subscription_ack_deadline(subscription)
+        client = self._client()
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + max(0.0, timeout)
+        while True:
+            remaining = give_up_at - loop.time()
+            self.stats["pull_calls"] += 1
+            try:
+                response = await client.pull(
+                    subscription=path,
+                    max_messages=min(max_messages, MAX_PULL_MESSAGES),
+                    timeout=max(MIN_PULL_TIMEOUT, remaining),
+                    retry=None,
+                )
+            except google_errors.DeadlineExceeded:
+                response = None
+            if response is not None and response.received_messages:
+                return [self._delivery(subscription, path, r) for r in response.received_messages]
+            if loop.time() >= give_up_at:
+                return []
+
+    def _delivery(self, subscription: str, path: str, received: Any) -> Delivery:
+        message = received.message
+        attempt = int(received.delivery_attempt or 0)
+        if not self._native_attempts.get(path) or attempt < 1:
+            attempt = self._count_attempt(message.message_id)
+        return Delivery(
+            Message(
+                id=message.message_id,
+                data=bytes(message.data),
+                attributes=dict(message.attributes),
+                delivery_attempt=attempt,
+                publish_time=message.publish_time or None,
+                ordering_key=message.ordering_key or None,
+                subscription=subscription,
+            ),
+            received.ack_id,
+        )
+
+    def _count_attempt(self, message_id: str) -> int:
+        attempts = self._attempts
+        count = attempts.pop(message_id, 0) + 1
+        attempts[message_id] = count
+        if len(attempts) > ATTEMPT_MEMORY:
+            attempts.popitem(last=False)
+        return count
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        refused = await self._in_chunks(deliveries, self._acknowledge)
+        self.stats["ack_calls"] += 1
+        stale = {d.ack_id for d in refused}
+        for delivery in deliveries:
+            if delivery.ack_id not in stale:
+                self._attempts.pop(delivery.message.id, None)
+        return refused
+
+    async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
+        seconds = math.ceil(min(MAX_ACK_DEADLINE, max(0.0, delay)))
+        await self._in_chunks(deliveries, self._modify_deadline, seconds)
+
+    async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
+        deadline = math.ceil(min(MAX_ACK_DEADLINE, max(MIN_ACK_DEADLINE, seconds)))
+        self.stats["ack_ids_extended"] += len(deliveries)
+        return await self._in_chunks(deliveries, self._modify_deadline, deadline)
+
+    async def _acknowledge(self, path: str, ack_ids: list[str]) -> None:
+        await self._client().acknowledge(subscription=path, ack_ids=ack_ids, retry=None)
+
+    async def _modify_deadline(self, path: str, ack_ids: list[str], seconds: int) -> None:
+        self.stats["modack_calls"] += 1
+        await self._client().modify_ack_deadline(
+            subscription=path, ack_ids=ack_ids, ack_deadline_seconds=seconds, retry=None
+        )
+
+    async def _in_chunks(
+        self, deliveries: Sequence[Delivery], call: Any, *args: Any
+    ) -> list[Delivery]:
+        """``call(path, ack_ids, *args)`` per subscription and chunk; returns the refused.
+
+        A chunk the service rejects as invalid (a stale or unknown ack id in it) is retried one
+        ack id at a time, so the valid ones still go through and only the stale are refused.
+        """
+        refused: list[Delivery] = []
+        for path, group in self._by_subscription(deliveries).items():
+            for chunk in _chunks(group, MAX_ACK_IDS_PER_REQUEST):
+                try:
+                    await call(path, [d.ack_id for d in chunk], *args)
+                except google_errors.InvalidArgument:
+                    if len(chunk) == 1:
+                        refused.extend(chunk)
+                        continue
+                    for delivery in chunk:
+                        try:
+                            await call(path, [delivery.ack_id], *args)
+                        except google_errors.InvalidArgument:
+                            refused.append(delivery)
+        return refused
+
+    def _by_subscription(self, deliveries: Sequence[Delivery]) -> dict[str, list[Delivery]]:
+        groups: dict[str, list[Delivery]] = {}
+        for delivery in deliveries:
+            path = self.subscription_path(delivery.message.subscription)
+            groups.setdefault(path, []).append(delivery)
+        return groups
+
+    async def close(self) -> None:
+        if self._subscriber is not None:
+            await self._subscriber.transport.close()
+            self._subscriber = None
+        self._publisher.stop()
+        self._admin.close()
+
+
+def _chunks(items: list[Delivery], size: int) -> list[list[Delivery]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
