@@ -22,9 +22,10 @@ import logging
 import random
 import signal
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tenacity import (
@@ -68,6 +69,8 @@ DEFER_MIN_DELAY = 1.0
 # Pub/Sub attribute values are limited to 1024 bytes; the error message is cut to fit.
 ERROR_MESSAGE_LIMIT = 1000
 DEFAULT_STOP_TIMEOUT = 30.0
+# Outcomes after which the next message of the same ordering key may run.
+_DONE = frozenset({Outcome.ACKED, Outcome.DUPLICATE, Outcome.DEAD_LETTERED})
 # On stop, receive loops are cancelled again at this interval until they have ended.
 RECEIVER_STOP_WAIT = 1.0
 
@@ -85,6 +88,8 @@ class _Route:
     direct: bool = False  # async, no in-process retries: awaited without wrappers
     lease: LeaseManager | None = None
     receiver: asyncio.Task[None] | None = None
+    # ordering key -> deliveries waiting for the running one of that key (ordered brokers)
+    waiting: dict[str, deque[tuple[Delivery, str | None]]] = field(default_factory=dict)
 
 
 class _Attempt:
@@ -179,6 +184,7 @@ class Subscriber:
         self._tasks: set[asyncio.Task[None]] = set()
         self._flow: FlowGate | None = None
         self._receiving = False
+        self._ordered = False
         self._settler: Settler | None = None
         self._executor: ThreadPoolExecutor | None = None
 
@@ -384,6 +390,7 @@ class Subscriber:
             raise
         loop = asyncio.get_running_loop()
         self._receiving = True
+        self._ordered = self._adapter.capabilities.ordering
         for route in self._routes.values():
             assert route.lease is not None
             route.lease.start()
@@ -406,6 +413,9 @@ class Subscriber:
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
         for route in self._routes.values():
+            waiting, route.waiting = route.waiting, {}
+            for queue in waiting.values():
+                await self._give_back_waiting(route, queue, Outcome.STOPPED)
             route.receiver = None
             if route.lease is not None:
                 await route.lease.stop()
@@ -482,10 +492,52 @@ class Subscriber:
         delivery: Delivery,
         claim_key: str | None,
     ) -> None:
+        key = delivery.message.ordering_key
+        if key is not None and self._ordered:
+            # Pub/Sub may hand out several messages of one key at once: run them one at a time,
+            # in the order received, as its own client does.
+            queue = route.waiting.get(key)
+            if queue is not None:
+                queue.append((delivery, claim_key))
+                return
+            route.waiting[key] = deque()
         task = start_eagerly(loop, self._process(route, delivery, claim_key))
         if task is not None:
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._track(task)
+
+    def _track(self, task: asyncio.Task[None]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _next_of_key(self, route: _Route, key: str, succeeded: bool) -> None:
+        """After a delivery of ``key`` settled: start the next one, or give them all back.
+
+        When one fails, those after it are nacked too: the broker redelivers them after the
+        failed one, so nothing of the key overtakes it.
+        """
+        queue = route.waiting.get(key)
+        if queue is None:
+            return
+        if succeeded and queue and self._receiving:
+            delivery, claim_key = queue.popleft()
+            loop = asyncio.get_running_loop()
+            # a task, not an eager start: a long queue must not nest one call per message
+            self._track(loop.create_task(self._process(route, delivery, claim_key)))
+            return
+        del route.waiting[key]
+        outcome = Outcome.DEFERRED if self._receiving else Outcome.STOPPED
+        await self._give_back_waiting(route, queue, outcome)
+
+    async def _give_back_waiting(
+        self, route: _Route, queue: deque[tuple[Delivery, str | None]], outcome: Outcome
+    ) -> None:
+        assert route.lease is not None
+        while queue:
+            delivery, claim_key = queue.popleft()
+            route.lease.drop(delivery)
+            if claim_key is not None:
+                await self._release(claim_key)
+            self._settle(delivery, outcome, 0.0)
 
     async def _receive(self, route: _Route, max_messages: int) -> list[Delivery]:
         """One receive call, retried with jittered exponential backoff while the broker fails."""
@@ -536,6 +588,10 @@ class Subscriber:
             outcome = Outcome.RETRY
             delay = self._retry.backoff(delivery.message.delivery_attempt, self._rng)
         self._settle(delivery, outcome, delay, attempt)
+        key = delivery.message.ordering_key
+        if key is not None and self._ordered:
+            succeeded = outcome in _DONE
+            await self._next_of_key(route, key, succeeded)
 
     async def _handle(
         self, route: _Route, delivery: Delivery, attempt: _Attempt

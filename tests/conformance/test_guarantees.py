@@ -267,3 +267,43 @@ async def test_a_failing_handler_never_stops_the_consumer(harness: Harness) -> N
     assert recorder.count(Outcome.RETRY) == 10
     assert {m.delivery_attempt for m in recorder.handled} == {2}
     assert subscriber.stats.handler_errors == 10
+
+
+async def test_handlers_see_each_ordering_key_in_order_one_at_a_time(harness: Harness) -> None:
+    adapter = await harness.adapter()
+    if not harness.capabilities.ordering:
+        pytest.skip(f"{harness.name} declares no ordering capability")
+    topic, sub = await harness.topic_and_subscription(ordering=True)
+    recorder = Recorder()
+    subscriber = harness.subscriber(adapter, on_outcome=recorder)
+    running: dict[str, int] = {"A": 0, "B": 0}
+    overlaps: list[str] = []
+    done: dict[str, list[bytes]] = {"A": [], "B": []}
+    failed_once: set[bytes] = set()
+
+    @subscriber.handler(sub)
+    async def handle(message: Message) -> None:
+        key = message.ordering_key or ""
+        running[key] += 1
+        if running[key] > 1:
+            overlaps.append(key)
+        try:
+            await harness.clock.sleep(harness.tick / 10)
+            if message.data == b"a2" and b"a2" not in failed_once:
+                failed_once.add(b"a2")
+                raise RuntimeError("a2 fails once")
+            if message.data not in done[key]:
+                done[key].append(message.data)
+        finally:
+            running[key] -= 1
+
+    for i in range(5):
+        await adapter.publish(topic, f"a{i}".encode(), ordering_key="A")
+        await adapter.publish(topic, f"b{i}".encode(), ordering_key="B")
+    async with harness.serving(subscriber):
+        await harness.wait_until(lambda: len(done["A"]) + len(done["B"]) == 10,
+                                 within=6 * harness.ack_deadline, what="all ten handled")
+
+    assert overlaps == [], "two handlers of one ordering key ran at once"
+    assert done["A"] == [f"a{i}".encode() for i in range(5)]
+    assert done["B"] == [f"b{i}".encode() for i in range(5)]
