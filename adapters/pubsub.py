@@ -54,6 +54,9 @@ MAX_ACK_IDS_PER_REQUEST = 2500
 MAX_PULL_MESSAGES = 1000
 # Per-process delivery counts are kept for this many recent message ids.
 ATTEMPT_MEMORY = 100_000
+# ErrorInfo reason of a partly failed acknowledge/modifyAckDeadline on exactly-once delivery;
+# its metadata maps each failed ack id to PERMANENT_FAILURE_* or TRANSIENT_FAILURE_*.
+EXACTLY_ONCE_FAILURE = "EXACTLY_ONCE_ACKID_FAILURE"
 # The shortest wait of one pull call; the server answers an empty pull after about a second.
 MIN_PULL_TIMEOUT = 0.1
 
@@ -103,7 +106,7 @@ class PubSubAdapter:
         self._admin = admin_client or pubsub_v1.SubscriberClient()
         self._deadlines: dict[str, float] = {}
         self._native_attempts: dict[str, bool] = {}
-        self._attempts: OrderedDict[str, int] = OrderedDict()
+        self._attempts: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.stats = {"pull_calls": 0, "ack_calls": 0, "modack_calls": 0, "ack_ids_extended": 0}
 
     @property
@@ -307,7 +310,7 @@ class PubSubAdapter:
         message = received.message
         attempt = int(received.delivery_attempt or 0)
         if not self._native_attempts.get(path) or attempt < 1:
-            attempt = self._count_attempt(message.message_id)
+            attempt = self._count_attempt(path, message.message_id)
         return Delivery(
             Message(
                 id=message.message_id,
@@ -321,10 +324,12 @@ class PubSubAdapter:
             received.ack_id,
         )
 
-    def _count_attempt(self, message_id: str) -> int:
+    def _count_attempt(self, path: str, message_id: str) -> int:
+        # keyed by subscription too: a message fanned out to several keeps one id on all of them
         attempts = self._attempts
-        count = attempts.pop(message_id, 0) + 1
-        attempts[message_id] = count
+        key = (path, message_id)
+        count = attempts.pop(key, 0) + 1
+        attempts[key] = count
         if len(attempts) > ATTEMPT_MEMORY:
             attempts.popitem(last=False)
         return count
@@ -335,7 +340,8 @@ class PubSubAdapter:
         stale = {d.ack_id for d in refused}
         for delivery in deliveries:
             if delivery.ack_id not in stale:
-                self._attempts.pop(delivery.message.id, None)
+                path = self.subscription_path(delivery.message.subscription)
+                self._attempts.pop((path, delivery.message.id), None)
         return refused
 
     async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
@@ -357,7 +363,7 @@ class PubSubAdapter:
         )
 
     async def _in_chunks(
-        self, deliveries: Sequence[Delivery], call: Any, *args: Any
+        self, deliveries: Sequence[Delivery], call: Any, *args: Any, retry_transient: bool = True
     ) -> list[Delivery]:
         """``call(path, ack_ids, *args)`` per subscription and chunk; returns the refused.
 
@@ -369,7 +375,22 @@ class PubSubAdapter:
             for chunk in _chunks(group, MAX_ACK_IDS_PER_REQUEST):
                 try:
                     await call(path, [d.ack_id for d in chunk], *args)
-                except google_errors.InvalidArgument:
+                except google_errors.GoogleAPICallError as error:
+                    failed = _failed_ack_ids(error)
+                    if failed is None:
+                        if not isinstance(error, google_errors.InvalidArgument):
+                            raise
+                    else:  # exactly-once: the rest of the chunk went through
+                        permanent, transient = failed
+                        refused.extend(d for d in chunk if d.ack_id in permanent)
+                        retry = [d for d in chunk if d.ack_id in transient]
+                        if retry and retry_transient:  # once more; then it comes back
+                            refused.extend(
+                                await self._in_chunks(retry, call, *args, retry_transient=False)
+                            )
+                        else:
+                            refused.extend(retry)
+                        continue
                     if len(chunk) == 1:
                         refused.extend(chunk)
                         continue
@@ -393,6 +414,20 @@ class PubSubAdapter:
             self._subscriber = None
         self._publisher.stop()
         self._admin.close()
+
+
+def _failed_ack_ids(
+    error: google_errors.GoogleAPICallError,
+) -> tuple[set[str], set[str]] | None:
+    """(permanently, transiently) failed ack ids of an exactly-once subscription's partial
+    failure, from the error's ErrorInfo; None when the error carries no such list (then
+    nothing in the request took effect)."""
+    if error.reason != EXACTLY_ONCE_FAILURE:
+        return None
+    metadata = error.metadata or {}
+    permanent = {ack for ack, why in metadata.items() if why.startswith("PERMANENT_FAILURE")}
+    transient = {ack for ack, why in metadata.items() if why.startswith("TRANSIENT_FAILURE")}
+    return permanent, transient
 
 
 def _chunks(items: list[Delivery], size: int) -> list[list[Delivery]]:
