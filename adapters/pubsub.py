@@ -24,6 +24,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
+from datetime import datetime, timezone
 from typing import Any
 
 from ..errors import ConfigurationError, MissingExtraError
@@ -57,8 +58,11 @@ ATTEMPT_MEMORY = 100_000
 # ErrorInfo reason of a partly failed acknowledge/modifyAckDeadline on exactly-once delivery;
 # its metadata maps each failed ack id to PERMANENT_FAILURE_* or TRANSIENT_FAILURE_*.
 EXACTLY_ONCE_FAILURE = "EXACTLY_ONCE_ACKID_FAILURE"
-# The shortest wait of one pull call; the server answers an empty pull after about a second.
+# The shortest deadline given to one pull call.
 MIN_PULL_TIMEOUT = 0.1
+# No further pull once less than this is left of a receive's timeout: the server answers an
+# empty pull about a second before its deadline, so a shorter one returns empty at once.
+MIN_PULL_WINDOW = 1.5
 
 CAPABILITIES = Capabilities(
     min_ack_deadline=MIN_ACK_DEADLINE,
@@ -301,23 +305,32 @@ class PubSubAdapter:
                 )
             except google_errors.DeadlineExceeded:
                 response = None
-            if response is not None and response.received_messages:
-                return [self._delivery(subscription, path, r) for r in response.received_messages]
-            if loop.time() >= give_up_at:
+            if response is not None:
+                # the raw protobuf, not proto-plus wrappers: several times cheaper per message
+                received = response._pb.received_messages
+                if received:
+                    native = self._native_attempts.get(path, False)
+                    return [self._delivery(subscription, path, r, native) for r in received]
+            # The server holds an empty pull until shortly before its deadline; with less than
+            # MIN_PULL_WINDOW left another pull would come back empty at once, again and again.
+            if give_up_at - loop.time() < MIN_PULL_WINDOW:
                 return []
 
-    def _delivery(self, subscription: str, path: str, received: Any) -> Delivery:
+    def _delivery(self, subscription: str, path: str, received: Any, native: bool) -> Delivery:
         message = received.message
-        attempt = int(received.delivery_attempt or 0)
-        if not self._native_attempts.get(path) or attempt < 1:
+        attempt = received.delivery_attempt
+        if not native or attempt < 1:
             attempt = self._count_attempt(path, message.message_id)
+        stamp = message.publish_time
         return Delivery(
             Message(
                 id=message.message_id,
-                data=bytes(message.data),
+                data=message.data,
                 attributes=dict(message.attributes),
                 delivery_attempt=attempt,
-                publish_time=message.publish_time or None,
+                publish_time=datetime.fromtimestamp(
+                    stamp.seconds + stamp.nanos / 1e9, tz=timezone.utc
+                ),
                 ordering_key=message.ordering_key or None,
                 subscription=subscription,
             ),
@@ -336,7 +349,6 @@ class PubSubAdapter:
 
     async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         refused = await self._in_chunks(deliveries, self._acknowledge)
-        self.stats["ack_calls"] += 1
         stale = {d.ack_id for d in refused}
         for delivery in deliveries:
             if delivery.ack_id not in stale:
@@ -350,10 +362,12 @@ class PubSubAdapter:
 
     async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
         deadline = math.ceil(min(MAX_ACK_DEADLINE, max(MIN_ACK_DEADLINE, seconds)))
-        self.stats["ack_ids_extended"] += len(deliveries)
-        return await self._in_chunks(deliveries, self._modify_deadline, deadline)
+        refused = await self._in_chunks(deliveries, self._modify_deadline, deadline)
+        self.stats["ack_ids_extended"] += len(deliveries) - len(refused)
+        return refused
 
     async def _acknowledge(self, path: str, ack_ids: list[str]) -> None:
+        self.stats["ack_calls"] += 1
         await self._client().acknowledge(subscription=path, ack_ids=ack_ids, retry=None)
 
     async def _modify_deadline(self, path: str, ack_ids: list[str], seconds: int) -> None:
