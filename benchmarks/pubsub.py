@@ -1571,21 +1571,14 @@ def idle_pulls(long: LongResult) -> list[str]:
     pulls = ours.log.calls["Pull"]
     (short, short_wait), (long_deadline, long_wait) = sorted(long.empty_pull_waits.items())[:2]
     text = (
-        f"(c) made {pulls:,} Pull calls for {LONG_MESSAGES} messages, {pulls / ours.seconds:.0f} "
-        f"a second, nearly all of them while every message was in flight and its handler "
-        f"asleep; its event loop thread used {ours.thread_cpu_seconds:.2f} s of CPU in "
-        f"those {ours.seconds:.1f} s. `PubSubAdapter.receive` pulls again until the Subscriber's "
-        f"{RECEIVE_TIMEOUT:g} s receive timeout is used up, each pull with the time left as its "
-        f"deadline. On this emulator an empty pull with a {long_deadline:g} s deadline returned "
-        f"after {long_wait:.2f} s, one with {short:g} s after {short_wait:.2f} s"
+        f"(c) made {pulls:,} Pull calls for {LONG_MESSAGES} messages "
+        f"({pulls / ours.seconds:.1f} a second) while its handlers slept; its event loop thread "
+        f"used {ours.thread_cpu_seconds:.2f} s of CPU in those {ours.seconds:.1f} s. On this "
+        f"emulator an empty pull with a {long_deadline:g} s deadline returned after "
+        f"{long_wait:.2f} s, one with {short:g} s after {short_wait:.2f} s, which is why "
+        "`PubSubAdapter.receive` stops pulling once less than `MIN_PULL_WINDOW` of its timeout "
+        "is left instead of firing short empty pulls back to back."
     )
-    if short_wait < short / 2:
-        text += (
-            ": the emulator answers about a second before the deadline, so the last second of "
-            "every receive window is a run of back-to-back empty pulls."
-        )
-    else:
-        text += "."
     return [text]
 
 
