@@ -105,7 +105,7 @@ from reliable_sub.adapters.pubsub import PubSubAdapter
 from reliable_sub.lease import LeaseManager
 from reliable_sub.message import Delivery
 from reliable_sub.outcome import Outcome
-from reliable_sub.subscriber import RECEIVE_BATCH, RECEIVE_TIMEOUT
+from reliable_sub.subscriber import RECEIVE_BATCH
 
 # -- the emulator --------------------------------------------------------------------------------
 
