@@ -50,6 +50,22 @@ class Capabilities:
         return min(self.max_ack_deadline, max(self.min_ack_deadline, seconds))
 
 
+def checked_message(
+    data: bytes | bytearray | memoryview, attributes: dict[str, str] | None
+) -> tuple[bytes, dict[str, str]]:
+    """``data`` as bytes and a copy of ``attributes``, or a TypeError naming what is wrong.
+
+    Every adapter's ``publish`` checks its arguments with this before anything is sent.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"publish: data must be bytes, got {type(data).__name__}")
+    checked = dict(attributes or {})
+    for key, value in checked.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"publish: attributes must map str to str, got {key!r}: {value!r}")
+    return bytes(data), checked
+
+
 @runtime_checkable
 class Adapter(Protocol):
     """An async message broker, as the core sees it."""

@@ -26,7 +26,7 @@ from typing import Any
 from ..clock import Clock, SystemClock, sleep_or_event
 from ..errors import AdapterError, ConfigurationError, UnknownSubscriptionError
 from ..message import Delivery, Message
-from .base import Capabilities
+from .base import Capabilities, checked_message
 
 DEFAULT_ACK_DEADLINE = 10.0
 # How long acked messages are kept when a subscription asks for it (retain_acked_messages=True);
@@ -188,15 +188,7 @@ class MemoryAdapter:
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise TypeError(f"publish: data must be bytes, got {type(data).__name__}")
-        attrs = dict(attributes or {})
-        for key, value in attrs.items():
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise TypeError(
-                    f"publish: attributes must map str to str, got {key!r}: {value!r}"
-                )
-        payload = bytes(data)
+        payload, attrs = checked_message(data, attributes)
         with self._lock:
             subscriptions = self._topics.get(topic)
             if subscriptions is None:

@@ -30,7 +30,7 @@ from typing import Any
 from ..errors import ConfigurationError, MissingExtraError
 from ..message import Delivery, Message
 from ..policy import DeadLetterPolicy, RetryPolicy
-from .base import Capabilities
+from .base import Capabilities, checked_message
 
 try:
     import grpc
@@ -224,16 +224,9 @@ class PubSubAdapter:
         attributes: dict[str, str] | None,
         ordering_key: str | None,
     ) -> Future[str]:
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise TypeError(f"publish: data must be bytes, got {type(data).__name__}")
-        for key, value in (attributes or {}).items():
-            if not isinstance(key, str) or not isinstance(value, str):
-                raise TypeError(
-                    f"publish: attributes must map str to str, got {key!r}: {value!r}"
-                )
+        payload, checked = checked_message(data, attributes)
         future: Future[str] = self._publisher.publish(
-            self.topic_path(topic), bytes(data), ordering_key=ordering_key or "",
-            **(attributes or {}),
+            self.topic_path(topic), payload, ordering_key=ordering_key or "", **checked
         )
         return future
 

@@ -44,7 +44,7 @@ from typing import Any
 
 from ..errors import ConfigurationError, MissingExtraError, UnknownSubscriptionError
 from ..message import Delivery, Message
-from .base import Capabilities
+from .base import Capabilities, checked_message
 
 try:
     import redis
@@ -408,16 +408,10 @@ class RedisStreamsAdapter:
     def _fields(
         self, data: bytes, attributes: dict[str, str] | None, ordering_key: str | None
     ) -> dict[str, bytes]:
-        if not isinstance(data, bytes | bytearray | memoryview):
-            raise TypeError(f"publish: data must be bytes, got {type(data).__name__}")
-        fields: dict[str, bytes] = {"data": bytes(data)}
-        if attributes:
-            for key, value in attributes.items():
-                if not isinstance(key, str) or not isinstance(value, str):
-                    raise TypeError(
-                        f"publish: attributes must map str to str, got {key!r}: {value!r}"
-                    )
-            fields["attributes"] = json.dumps(attributes, separators=(",", ":")).encode()
+        payload, checked = checked_message(data, attributes)
+        fields: dict[str, bytes] = {"data": payload}
+        if checked:
+            fields["attributes"] = json.dumps(checked, separators=(",", ":")).encode()
         if ordering_key:
             fields["ordering-key"] = ordering_key.encode()
         return fields
