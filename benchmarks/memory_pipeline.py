@@ -50,16 +50,22 @@ import gc
 import os
 import platform
 import pstats
-import re
 import shlex
 import statistics
 import sys
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
+from benchmarks._common import (
+    README,
+    GcTimer,
+    has_section,
+    positive_int,
+    rule,
+    section_markers,
+    stage_seconds,
+    write_section,
+)
 from reliable_sub import MemoryDedupStore, Message, Subscriber
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.subscriber import RECEIVE_BATCH
@@ -91,10 +97,7 @@ SUB_NO_DEDUP = "Subscriber (no dedup)"
 SUB_DEDUP = "Subscriber + MemoryDedupStore"
 VARIANTS = (BARE, BARE_TASKS, SUB_NO_DEDUP, SUB_DEDUP)
 
-README = Path(__file__).with_name("README.md")
-SECTION_START = "<!-- memory_pipeline:start -->"
-SECTION_END = "<!-- memory_pipeline:end -->"
-SECTION = re.compile(re.escape(SECTION_START) + r".*?" + re.escape(SECTION_END), re.DOTALL)
+SECTION_NAME = "memory_pipeline"
 
 
 async def noop_handler(message: Message) -> None:
@@ -149,27 +152,6 @@ async def wait_drained(adapter: MemoryAdapter, consumer: asyncio.Task[None]) -> 
                 f"{adapter.backlog(SUBSCRIPTION)} messages still unacked after {RUN_DEADLINE}s"
             )
         await asyncio.sleep(POLL_INTERVAL)
-
-
-class GcTimer:
-    """Adds up the seconds the cyclic garbage collector runs while installed."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._started = 0.0
-
-    def __enter__(self) -> GcTimer:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._started
 
 
 @dataclass(frozen=True)
@@ -278,34 +260,16 @@ GC_ROW = "cyclic GC (timed runs; off while profiling)"
 STAGES = (RECEIVE, LEASE, DEDUP, TASK, SETTLE, FLOW, LOOP, HARNESS)
 
 
-@dataclass(frozen=True)
-class Rule:
-    """Functions defined in a file ending with ``path`` (and named one of ``names``, if given)."""
-
-    stage: str
-    path: str
-    names: frozenset[str] | None = None
-
-    def matches(self, filename: str, name: str) -> bool:
-        return filename.replace(os.sep, "/").endswith(self.path) and (
-            self.names is None or name in self.names
-        )
-
-
-def _rule(stage: str, path: str, *names: str) -> Rule:
-    return Rule(stage, path, frozenset(names) if names else None)
-
-
 # The first matching rule wins. Everything unmatched takes the stages of its callers.
 STAGE_RULES = (
-    _rule(RECEIVE, "reliable_sub/subscriber.py", "_receive"),
-    _rule(RECEIVE, "adapters/memory.py", "receive", "_take", "_promote", "_message", "_next_due"),
-    _rule(LEASE, "reliable_sub/lease.py"),
-    _rule(LEASE, "reliable_sub/histogram.py"),
-    _rule(DEDUP, "reliable_sub/dedup.py"),
-    _rule(DEDUP, "reliable_sub/subscriber.py", "_complete", "_release"),
-    _rule(DEDUP, "reliable_sub/message.py", "idempotency_key"),
-    _rule(
+    rule(RECEIVE, "reliable_sub/subscriber.py", "_receive"),
+    rule(RECEIVE, "adapters/memory.py", "receive", "_take", "_promote", "_message", "_next_due"),
+    rule(LEASE, "reliable_sub/lease.py"),
+    rule(LEASE, "reliable_sub/histogram.py"),
+    rule(DEDUP, "reliable_sub/dedup.py"),
+    rule(DEDUP, "reliable_sub/subscriber.py", "_complete", "_release"),
+    rule(DEDUP, "reliable_sub/message.py", "idempotency_key"),
+    rule(
         TASK,
         "reliable_sub/subscriber.py",
         "_receive_loop",
@@ -314,7 +278,7 @@ STAGE_RULES = (
         "_invoke",
         "_call_async",
     ),
-    _rule(
+    rule(
         TASK,
         "benchmarks/memory_pipeline.py",
         "noop_handler",
@@ -322,68 +286,15 @@ STAGE_RULES = (
         "bare_task_per_message",
         "<genexpr>",
     ),
-    _rule(SETTLE, "reliable_sub/subscriber.py", "_settle"),
-    _rule(SETTLE, "reliable_sub/_settler.py"),
-    _rule(SETTLE, "adapters/memory.py", "ack", "_release_key", "_prune_acked"),
-    _rule(FLOW, "reliable_sub/_flow.py"),
-    _rule(FLOW, "reliable_sub/message.py", "size"),
-    _rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
-    _rule(LOOP, "asyncio/events.py", "_run"),
-    _rule(HARNESS, "benchmarks/memory_pipeline.py", "wait_drained"),
+    rule(SETTLE, "reliable_sub/subscriber.py", "_settle"),
+    rule(SETTLE, "reliable_sub/_settler.py"),
+    rule(SETTLE, "adapters/memory.py", "ack", "_release_key", "_prune_acked"),
+    rule(FLOW, "reliable_sub/_flow.py"),
+    rule(FLOW, "reliable_sub/message.py", "size"),
+    rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
+    rule(LOOP, "asyncio/events.py", "_run"),
+    rule(HARNESS, "benchmarks/memory_pipeline.py", "wait_drained"),
 )
-
-FunctionKey = tuple[str, int, str]
-Share = dict[str, float]
-
-
-def stage_of(key: FunctionKey) -> str | None:
-    filename, _, name = key
-    for rule in STAGE_RULES:
-        if rule.matches(filename, name):
-            return rule.stage
-    return None
-
-
-def attribute(stats: pstats.Stats) -> dict[str, float]:
-    """Seconds of own time per stage; unassigned functions follow their callers (module doc)."""
-    raw: dict[FunctionKey, Any] = stats.stats  # type: ignore[attr-defined]
-    shares: dict[FunctionKey, Share] = {}
-    visiting: set[FunctionKey] = set()
-
-    def share(key: FunctionKey) -> Share:
-        """The fraction of ``key``'s time that belongs to each stage."""
-        if key in shares:
-            return shares[key]
-        stage = stage_of(key)
-        callers = raw[key][4] if key in raw else {}
-        if stage is not None:
-            result = {stage: 1.0}
-        elif not callers or key in visiting:  # a root (the loop itself) or a call cycle
-            result = {LOOP: 1.0}
-        else:  # as its callers, weighted by the cumulative time spent under each
-            visiting.add(key)
-            total = sum(timing[3] for timing in callers.values()) or 1.0
-            result = {}
-            for caller, timing in callers.items():
-                for caller_stage, fraction in share(caller).items():
-                    result[caller_stage] = (
-                        result.get(caller_stage, 0.0) + fraction * timing[3] / total
-                    )
-            visiting.discard(key)
-        shares[key] = result
-        return result
-
-    seconds = dict.fromkeys(STAGES, 0.0)
-    for key, (_, _, own, _, callers) in raw.items():
-        portions: Iterable[tuple[Share, float]]
-        if stage_of(key) is not None or not callers:
-            portions = [(share(key), own)]
-        else:  # split the function's own time by the caller it was spent under
-            portions = [(share(caller), timing[2]) for caller, timing in callers.items()]
-        for stage_share, spent in portions:
-            for stage, fraction in stage_share.items():
-                seconds[stage] += fraction * spent
-    return seconds
 
 
 @dataclass
@@ -403,7 +314,7 @@ async def profile(messages: int) -> dict[str, StageProfile]:
     for variant in VARIANTS:
         profiler = cProfile.Profile()
         await run_once(variant, messages, profiler)
-        seconds = attribute(pstats.Stats(profiler))
+        seconds = stage_seconds(pstats.Stats(profiler), STAGE_RULES, STAGES, LOOP)
         profiles[variant] = StageProfile(
             variant, {stage: spent * MICROS / messages for stage, spent in seconds.items()}
         )
@@ -530,27 +441,15 @@ def report(
     return "\n".join(lines)
 
 
-def write_readme(section: str) -> None:
-    text = README.read_text()
-    replacement = f"{SECTION_START}\n{section}\n{SECTION_END}"
-    README.write_text(SECTION.sub(lambda _: replacement, text, count=1))
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES)
     parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help=f"rewrite the section in {README}")
     args = parser.parse_args(argv)
-    if args.write and not SECTION.search(README.read_text()):
-        parser.error(f"{README}: markers {SECTION_START} / {SECTION_END} not found")
+    if args.write and not has_section(SECTION_NAME):
+        start, end = section_markers(SECTION_NAME)
+        parser.error(f"{README}: markers {start} / {end} not found")
     command = shlex.join(
         [sys.executable, "-m", "benchmarks.memory_pipeline", *sys.argv[1:]]
         if argv is None
@@ -564,7 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     section = report(results, profiles, command, args.messages, args.repetitions)
     print(section)
     if args.write:
-        write_readme(section)
+        write_section(SECTION_NAME, section)
         print(f"\nwrote {README}", file=sys.stderr)
 
 

@@ -68,7 +68,6 @@ import os
 import platform
 import pstats
 import random
-import re
 import resource
 import shlex
 import shutil
@@ -100,6 +99,15 @@ from google.pubsub_v1.services.subscriber.transports import (
     SubscriberGrpcTransport,
 )
 
+from benchmarks._common import (
+    README,
+    FunctionKey,
+    GcTimer,
+    positive_int,
+    rule,
+    stage_seconds,
+    write_section,
+)
 from reliable_sub import Message, Subscriber
 from reliable_sub.adapters.pubsub import PubSubAdapter
 from reliable_sub.lease import LeaseManager
@@ -180,10 +188,7 @@ VARIANTS = (STREAMING, UNARY, SUB)
 SLUGS = {STREAMING: "streaming", UNARY: "unary", SUB: "sub"}
 SHORT = {STREAMING: "(a)", UNARY: "(b)", SUB: "(c)"}
 
-README = Path(__file__).with_name("README.md")
-SECTION_START = "<!-- pubsub:start -->"
-SECTION_END = "<!-- pubsub:end -->"
-SECTION = re.compile(re.escape(SECTION_START) + r".*?" + re.escape(SECTION_END), re.DOTALL)
+SECTION_NAME = "pubsub"
 
 # Every topic and subscription this process creates starts with this.
 NAME_PREFIX = f"bench-{uuid.uuid4().hex[:8]}"
@@ -392,27 +397,6 @@ def process_cpu() -> float:
     """This process's CPU seconds, all threads, user + sys."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-class GcTimer:
-    """Adds up the seconds the cyclic garbage collector runs while installed."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._started = 0.0
-
-    def __enter__(self) -> GcTimer:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._started
 
 
 @dataclass(frozen=True)
@@ -785,28 +769,6 @@ EPOLL_WAIT = "<method 'poll' of 'select.epoll' objects>"
 HOTTEST_FUNCTIONS = 8
 
 
-@dataclass(frozen=True)
-class Rule:
-    """Functions defined in a file ending with ``path`` (and named one of ``names``, if given;
-    starting on one of ``lines``, if given)."""
-
-    stage: str
-    path: str
-    names: frozenset[str] | None = None
-    lines: range | None = None
-
-    def matches(self, filename: str, line: int, name: str) -> bool:
-        return (
-            filename.replace(os.sep, "/").endswith(self.path)
-            and (self.names is None or name in self.names)
-            and (self.lines is None or line in self.lines)
-        )
-
-
-def _rule(stage: str, path: str, *names: str, lines: range | None = None) -> Rule:
-    return Rule(stage, path, frozenset(names) if names else None, lines)
-
-
 def lines_of(function: Callable[..., Any]) -> range:
     """The source lines of ``function`` (its comprehensions start on one of them)."""
     source, start = inspect.getsourcelines(function)
@@ -819,15 +781,15 @@ ADAPTER_FILE = "adapters/pubsub.py"
 # dataclass __init__s, builtins, helpers shared by two stages such as subscription_path) takes
 # the stages of its callers.
 STAGE_RULES = (
-    _rule(RECEIVE_CALL, "reliable_sub/subscriber.py", "_receive"),
-    _rule(RECEIVE_CONVERT, ADAPTER_FILE, "_delivery", "_count_attempt"),
+    rule(RECEIVE_CALL, "reliable_sub/subscriber.py", "_receive"),
+    rule(RECEIVE_CONVERT, ADAPTER_FILE, "_delivery", "_count_attempt"),
     # the list comprehension in receive() that walks the proto-plus response into _delivery
-    _rule(RECEIVE_CONVERT, ADAPTER_FILE, "<listcomp>", lines=lines_of(PubSubAdapter.receive)),
-    _rule(RECEIVE_CALL, ADAPTER_FILE, "receive", "subscription_ack_deadline"),
-    _rule(RECEIVE_CALL, "google/pubsub_v1/services/subscriber/async_client.py", "pull"),
-    _rule(LEASE, "reliable_sub/lease.py"),
-    _rule(LEASE, "reliable_sub/histogram.py"),
-    _rule(
+    rule(RECEIVE_CONVERT, ADAPTER_FILE, "<listcomp>", lines=lines_of(PubSubAdapter.receive)),
+    rule(RECEIVE_CALL, ADAPTER_FILE, "receive", "subscription_ack_deadline"),
+    rule(RECEIVE_CALL, "google/pubsub_v1/services/subscriber/async_client.py", "pull"),
+    rule(LEASE, "reliable_sub/lease.py"),
+    rule(LEASE, "reliable_sub/histogram.py"),
+    rule(
         TASK,
         "reliable_sub/subscriber.py",
         "_receive_loop",
@@ -837,76 +799,21 @@ STAGE_RULES = (
         "_invoke",
         "_call_async",
     ),
-    _rule(TASK, "reliable_sub/_eager.py"),
-    _rule(TASK, THIS_FILE, "handle"),
-    _rule(SETTLE, "reliable_sub/subscriber.py", "_settle", "_count_refused"),
-    _rule(SETTLE, "reliable_sub/_settler.py"),
-    _rule(
-        SETTLE, ADAPTER_FILE, "ack", "_acknowledge", "_in_chunks", "_by_subscription", "_chunks"
-    ),
-    _rule(SETTLE, "google/pubsub_v1/services/subscriber/async_client.py", "acknowledge"),
-    _rule(FLOW, "reliable_sub/_flow.py"),
-    _rule(FLOW, "reliable_sub/message.py", "size"),
-    _rule(GRPC, "grpc/aio/_call.py"),
-    _rule(GRPC, "grpc/aio/_channel.py"),
-    _rule(IO_WAIT, "~", EPOLL_WAIT),
-    _rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
-    _rule(LOOP, "asyncio/events.py", "_run"),
-    _rule(HARNESS, THIS_FILE, "serve_subscriber", "counting_ack", "add_acked", "complete"),
+    rule(TASK, "reliable_sub/_eager.py"),
+    rule(TASK, THIS_FILE, "handle"),
+    rule(SETTLE, "reliable_sub/subscriber.py", "_settle", "_count_refused"),
+    rule(SETTLE, "reliable_sub/_settler.py"),
+    rule(SETTLE, ADAPTER_FILE, "ack", "_acknowledge", "_in_chunks", "_by_subscription", "_chunks"),
+    rule(SETTLE, "google/pubsub_v1/services/subscriber/async_client.py", "acknowledge"),
+    rule(FLOW, "reliable_sub/_flow.py"),
+    rule(FLOW, "reliable_sub/message.py", "size"),
+    rule(GRPC, "grpc/aio/_call.py"),
+    rule(GRPC, "grpc/aio/_channel.py"),
+    rule(IO_WAIT, "~", EPOLL_WAIT),
+    rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
+    rule(LOOP, "asyncio/events.py", "_run"),
+    rule(HARNESS, THIS_FILE, "serve_subscriber", "counting_ack", "add_acked", "complete"),
 )
-
-FunctionKey = tuple[str, int, str]
-Share = dict[str, float]
-
-
-def stage_of(key: FunctionKey) -> str | None:
-    filename, line, name = key
-    for rule in STAGE_RULES:
-        if rule.matches(filename, line, name):
-            return rule.stage
-    return None
-
-
-def attribute(stats: pstats.Stats) -> dict[str, float]:
-    """Seconds of own time per stage; unassigned functions follow their callers."""
-    raw: dict[FunctionKey, Any] = stats.stats  # type: ignore[attr-defined]
-    shares: dict[FunctionKey, Share] = {}
-    visiting: set[FunctionKey] = set()
-
-    def share(key: FunctionKey) -> Share:
-        """The fraction of ``key``'s time that belongs to each stage."""
-        if key in shares:
-            return shares[key]
-        stage = stage_of(key)
-        callers = raw[key][4] if key in raw else {}
-        if stage is not None:
-            result = {stage: 1.0}
-        elif not callers or key in visiting:  # a root (the loop itself) or a call cycle
-            result = {LOOP: 1.0}
-        else:  # as its callers, weighted by the cumulative time spent under each
-            visiting.add(key)
-            total = sum(timing[3] for timing in callers.values()) or 1.0
-            result = {}
-            for caller, timing in callers.items():
-                for caller_stage, fraction in share(caller).items():
-                    result[caller_stage] = (
-                        result.get(caller_stage, 0.0) + fraction * timing[3] / total
-                    )
-            visiting.discard(key)
-        shares[key] = result
-        return result
-
-    seconds = dict.fromkeys(STAGES, 0.0)
-    for key, (_, _, own, _, callers) in raw.items():
-        portions: Iterable[tuple[Share, float]]
-        if stage_of(key) is not None or not callers:
-            portions = [(share(key), own)]
-        else:  # split the function's own time by the caller it was spent under
-            portions = [(share(caller), timing[2]) for caller, timing in callers.items()]
-        for stage_share, spent in portions:
-            for stage, fraction in stage_share.items():
-                seconds[stage] += fraction * spent
-    return seconds
 
 
 @dataclass(frozen=True)
@@ -941,7 +848,7 @@ def profile(bench: Bench, messages: int) -> Profile:
     profiler = cProfile.Profile()
     run_once(bench, SUB, messages, profiler)
     stats = pstats.Stats(profiler)
-    seconds = attribute(stats)
+    seconds = stage_seconds(stats, STAGE_RULES, STAGES, LOOP)
     raw: dict[FunctionKey, Any] = stats.stats  # type: ignore[attr-defined]
     hottest = sorted(
         ((describe(key), timing[2]) for key, timing in raw.items() if key[2] != EPOLL_WAIT),
@@ -1729,23 +1636,6 @@ def report(
     return "\n".join(lines)
 
 
-def write_readme(section: str) -> None:
-    text = README.read_text()
-    replacement = f"{SECTION_START}\n{section}\n{SECTION_END}"
-    if SECTION.search(text):
-        text = SECTION.sub(lambda _: replacement, text, count=1)
-    else:  # the section goes after the existing ones
-        text = text.rstrip("\n") + f"\n\n{replacement}\n"
-    README.write_text(text)
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
@@ -1776,7 +1666,7 @@ def main(argv: list[str] | None = None) -> None:
     print(section)
     print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     if args.write:
-        write_readme(section)
+        write_section(SECTION_NAME, section, append=True)
         print(f"wrote {README}", file=sys.stderr)
 
 

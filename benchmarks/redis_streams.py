@@ -63,17 +63,15 @@ import gc
 import os
 import platform
 import pstats
-import re
 import shlex
 import statistics
 import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -82,6 +80,16 @@ from faststream.redis import RedisBroker, StreamSub
 from faststream.redis.schemas import stream_sub as faststream_stream_sub
 from redis.commands.core import AsyncScript
 
+from benchmarks._common import (
+    README,
+    GcTimer,
+    has_section,
+    positive_int,
+    rule,
+    section_markers,
+    stage_seconds,
+    write_section,
+)
 from reliable_sub import Message, Subscriber
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
 from reliable_sub.dedup import RedisDedupStore
@@ -134,10 +142,7 @@ VARIANTS = (RAW, FS_ONE, FS_BATCH, SUB, SUB_DEDUP)
 SLUGS = {RAW: "raw", FS_ONE: "fs1", FS_BATCH: "fsb", SUB: "sub", SUB_DEDUP: "dedup"}
 PROFILED = (RAW, SUB, SUB_DEDUP)
 
-README = Path(__file__).with_name("README.md")
-SECTION_START = "<!-- redis_streams:start -->"
-SECTION_END = "<!-- redis_streams:end -->"
-SECTION = re.compile(re.escape(SECTION_START) + r".*?" + re.escape(SECTION_END), re.DOTALL)
+SECTION_NAME = "redis_streams"
 
 # Every key this process writes starts with this (letters, digits, '-' and ':' only: it is also
 # a SCAN pattern).
@@ -525,27 +530,6 @@ async def verify_group(control: aioredis.Redis, keys: RunKeys, total: int) -> No
     raise RuntimeError(f"group {keys.group} not found")
 
 
-class GcTimer:
-    """Adds up the seconds the cyclic garbage collector runs while installed."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._started = 0.0
-
-    def __enter__(self) -> GcTimer:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def _callback(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._started
-
-
 @dataclass(frozen=True)
 class Run:
     """One timed run: wall seconds until drained, this process's CPU and GC seconds within."""
@@ -707,31 +691,13 @@ IDLE_ROW = "idle: waiting for Redis (timed runs: wall − process CPU)"
 EPOLL_WAIT = "<method 'poll' of 'select.epoll' objects>"
 
 
-@dataclass(frozen=True)
-class Rule:
-    """Functions defined in a file ending with ``path`` (and named one of ``names``, if given)."""
-
-    stage: str
-    path: str
-    names: frozenset[str] | None = None
-
-    def matches(self, filename: str, name: str) -> bool:
-        return filename.replace(os.sep, "/").endswith(self.path) and (
-            self.names is None or name in self.names
-        )
-
-
-def _rule(stage: str, path: str, *names: str) -> Rule:
-    return Rule(stage, path, frozenset(names) if names else None)
-
-
 THIS_FILE = "benchmarks/redis_streams.py"
 ADAPTER_FILE = "adapters/redis_streams.py"
 # The first matching rule wins. Everything unmatched (redis-py, asyncio streams, tenacity,
 # dataclass __init__s, builtins, helpers shared by two stages) takes the stages of its callers.
 STAGE_RULES = (
-    _rule(RECEIVE, "reliable_sub/subscriber.py", "_receive"),
-    _rule(
+    rule(RECEIVE, "reliable_sub/subscriber.py", "_receive"),
+    rule(
         RECEIVE,
         ADAPTER_FILE,
         "receive",
@@ -743,11 +709,11 @@ STAGE_RULES = (
         "_text",
         "_subscription",
     ),
-    _rule(RECEIVE, THIS_FILE, "raw_read"),
-    _rule(LEASE, "reliable_sub/lease.py"),
-    _rule(LEASE, "reliable_sub/histogram.py"),
-    _rule(DEDUP_CLAIM, "reliable_sub/subscriber.py", "_claim_and_start"),
-    _rule(
+    rule(RECEIVE, THIS_FILE, "raw_read"),
+    rule(LEASE, "reliable_sub/lease.py"),
+    rule(LEASE, "reliable_sub/histogram.py"),
+    rule(DEDUP_CLAIM, "reliable_sub/subscriber.py", "_claim_and_start"),
+    rule(
         DEDUP_CLAIM,
         "reliable_sub/dedup_redis.py",
         "claim_many",
@@ -755,9 +721,9 @@ STAGE_RULES = (
         "_decode_result",
         "_remaining",
     ),
-    _rule(DEDUP_CLAIM, "reliable_sub/dedup.py", "scoped_key"),
-    _rule(DEDUP_CLAIM, "reliable_sub/message.py", "idempotency_key"),
-    _rule(
+    rule(DEDUP_CLAIM, "reliable_sub/dedup.py", "scoped_key"),
+    rule(DEDUP_CLAIM, "reliable_sub/message.py", "idempotency_key"),
+    rule(
         TASK,
         "reliable_sub/subscriber.py",
         "_receive_loop",
@@ -767,15 +733,15 @@ STAGE_RULES = (
         "_invoke",
         "_call_async",
     ),
-    _rule(TASK, "reliable_sub/_eager.py"),
-    _rule(TASK, THIS_FILE, "raw_loop", "handle_entry", "handle_message"),
-    _rule(SETTLE, "reliable_sub/subscriber.py", "_settle", "_count_refused", "_encode"),
-    _rule(SETTLE, "reliable_sub/_settler.py"),
-    _rule(SETTLE, "reliable_sub/dedup.py", "encode_result"),
-    _rule(
+    rule(TASK, "reliable_sub/_eager.py"),
+    rule(TASK, THIS_FILE, "raw_loop", "handle_entry", "handle_message"),
+    rule(SETTLE, "reliable_sub/subscriber.py", "_settle", "_count_refused", "_encode"),
+    rule(SETTLE, "reliable_sub/_settler.py"),
+    rule(SETTLE, "reliable_sub/dedup.py", "encode_result"),
+    rule(
         SETTLE, "reliable_sub/dedup_redis.py", "complete_many", "completion_records", "same_server"
     ),
-    _rule(
+    rule(
         SETTLE,
         ADAPTER_FILE,
         "ack",
@@ -784,74 +750,21 @@ STAGE_RULES = (
         "_by_subscription",
         "_pairs",
     ),
-    _rule(SETTLE, THIS_FILE, "raw_ack"),
-    _rule(FLOW, "reliable_sub/_flow.py"),
-    _rule(FLOW, "reliable_sub/message.py", "size"),
-    _rule(
+    rule(SETTLE, THIS_FILE, "raw_ack"),
+    rule(FLOW, "reliable_sub/_flow.py"),
+    rule(FLOW, "reliable_sub/message.py", "size"),
+    rule(
         SOCKET,
         "asyncio/selector_events.py",
         "_read_ready",
         "_read_ready__get_buffer",
         "_read_ready__data_received",
     ),
-    _rule(IO_WAIT, "~", EPOLL_WAIT),
-    _rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
-    _rule(LOOP, "asyncio/events.py", "_run"),
-    _rule(HARNESS, THIS_FILE, "wait_drained"),
+    rule(IO_WAIT, "~", EPOLL_WAIT),
+    rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
+    rule(LOOP, "asyncio/events.py", "_run"),
+    rule(HARNESS, THIS_FILE, "wait_drained"),
 )
-
-FunctionKey = tuple[str, int, str]
-Share = dict[str, float]
-
-
-def stage_of(key: FunctionKey) -> str | None:
-    filename, _, name = key
-    for rule in STAGE_RULES:
-        if rule.matches(filename, name):
-            return rule.stage
-    return None
-
-
-def attribute(stats: pstats.Stats) -> dict[str, float]:
-    """Seconds of own time per stage; unassigned functions follow their callers (module doc)."""
-    raw: dict[FunctionKey, Any] = stats.stats  # type: ignore[attr-defined]
-    shares: dict[FunctionKey, Share] = {}
-    visiting: set[FunctionKey] = set()
-
-    def share(key: FunctionKey) -> Share:
-        """The fraction of ``key``'s time that belongs to each stage."""
-        if key in shares:
-            return shares[key]
-        stage = stage_of(key)
-        callers = raw[key][4] if key in raw else {}
-        if stage is not None:
-            result = {stage: 1.0}
-        elif not callers or key in visiting:  # a root (the loop itself) or a call cycle
-            result = {LOOP: 1.0}
-        else:  # as its callers, weighted by the cumulative time spent under each
-            visiting.add(key)
-            total = sum(timing[3] for timing in callers.values()) or 1.0
-            result = {}
-            for caller, timing in callers.items():
-                for caller_stage, fraction in share(caller).items():
-                    result[caller_stage] = (
-                        result.get(caller_stage, 0.0) + fraction * timing[3] / total
-                    )
-            visiting.discard(key)
-        shares[key] = result
-        return result
-
-    seconds = dict.fromkeys(STAGES, 0.0)
-    for key, (_, _, own, _, callers) in raw.items():
-        portions: Iterable[tuple[Share, float]]
-        if stage_of(key) is not None or not callers:
-            portions = [(share(key), own)]
-        else:  # split the function's own time by the caller it was spent under
-            portions = [(share(caller), timing[2]) for caller, timing in callers.items()]
-        for stage_share, spent in portions:
-            for stage, fraction in stage_share.items():
-                seconds[stage] += fraction * spent
-    return seconds
 
 
 @dataclass
@@ -875,7 +788,7 @@ async def profile(bench: Bench, messages: int) -> dict[str, StageProfile]:
     for variant in PROFILED:
         profiler = cProfile.Profile()
         await run_once(bench, variant, messages, profiler=profiler)
-        seconds = attribute(pstats.Stats(profiler))
+        seconds = stage_seconds(pstats.Stats(profiler), STAGE_RULES, STAGES, LOOP)
         profiles[variant] = StageProfile(
             variant, {stage: spent * MICROS / messages for stage, spent in seconds.items()}
         )
@@ -1109,19 +1022,6 @@ def report(
     return "\n".join(lines)
 
 
-def write_readme(section: str) -> None:
-    text = README.read_text()
-    replacement = f"{SECTION_START}\n{section}\n{SECTION_END}"
-    README.write_text(SECTION.sub(lambda _: replacement, text, count=1))
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 async def with_bench(url: str, work: Callable[[Bench], Awaitable[Any]]) -> Any:
     """Run ``work`` with a control client; delete every key this process wrote, whatever happens."""
     control = aioredis.Redis.from_url(url, decode_responses=False)
@@ -1143,8 +1043,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help=f"rewrite the section in {README}")
     args = parser.parse_args(argv)
-    if args.write and not SECTION.search(README.read_text()):
-        parser.error(f"{README}: markers {SECTION_START} / {SECTION_END} not found")
+    if args.write and not has_section(SECTION_NAME):
+        start, end = section_markers(SECTION_NAME)
+        parser.error(f"{README}: markers {start} / {end} not found")
     command = shlex.join(
         [sys.executable, "-m", "benchmarks.redis_streams", *sys.argv[1:]]
         if argv is None
@@ -1166,7 +1067,7 @@ def main(argv: list[str] | None = None) -> None:
     print(section)
     print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
     if args.write:
-        write_readme(section)
+        write_section(SECTION_NAME, section)
         print(f"wrote {README}", file=sys.stderr)
 
 

@@ -1,0 +1,180 @@
+"""Pieces the benchmarks share: stage attribution of a cProfile run, GC timing, README sections.
+
+* :class:`Rule`, :func:`rule`, :func:`stage_of` and :func:`stage_seconds` split a profile's time
+  over a benchmark's pipeline stages. Each benchmark keeps its own stages and rule list and
+  passes them in.
+* :class:`GcTimer` adds up the time the cyclic garbage collector runs.
+* :func:`section_markers`, :func:`has_section` and :func:`write_section` find and rewrite one
+  benchmark's section of ``benchmarks/README.md``, between ``<!-- NAME:start -->`` and
+  ``<!-- NAME:end -->``.
+* :func:`positive_int` is an ``argparse`` type for counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import pstats
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+README = Path(__file__).with_name("README.md")
+
+# -- stage attribution -------------------------------------------------------------------------
+
+FunctionKey = tuple[str, int, str]  # (filename, first line, name), as pstats keys functions
+Share = dict[str, float]  # stage -> fraction of a function's time
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Functions defined in a file ending with ``path`` (and named one of ``names``, if given;
+    starting on one of ``lines``, if given)."""
+
+    stage: str
+    path: str
+    names: frozenset[str] | None = None
+    lines: range | None = None
+
+    def matches(self, filename: str, line: int, name: str) -> bool:
+        return (
+            filename.replace(os.sep, "/").endswith(self.path)
+            and (self.names is None or name in self.names)
+            and (self.lines is None or line in self.lines)
+        )
+
+
+def rule(stage: str, path: str, *names: str, lines: range | None = None) -> Rule:
+    """A :class:`Rule`; no ``names`` means every function in the file."""
+    return Rule(stage, path, frozenset(names) if names else None, lines)
+
+
+def stage_of(key: FunctionKey, rules: Sequence[Rule]) -> str | None:
+    """The stage of the first rule that matches ``key``, or ``None``."""
+    filename, line, name = key
+    for candidate in rules:
+        if candidate.matches(filename, line, name):
+            return candidate.stage
+    return None
+
+
+def stage_seconds(
+    stats: pstats.Stats, rules: Sequence[Rule], stages: Iterable[str], root: str
+) -> dict[str, float]:
+    """Seconds of own time (``tottime``) per stage, over the whole profile.
+
+    A function that a rule matches puts its own time in that rule's stage. A function that no
+    rule matches has the stages of its callers, weighted by the cumulative time spent under each,
+    and its own time is split by the caller it was spent under; a root (no callers) or a call
+    cycle goes to ``root``. So the stages add up to the whole profile.
+    """
+    raw: dict[FunctionKey, Any] = stats.stats  # type: ignore[attr-defined]
+    shares: dict[FunctionKey, Share] = {}
+    visiting: set[FunctionKey] = set()
+
+    def share(key: FunctionKey) -> Share:
+        """The fraction of ``key``'s time that belongs to each stage."""
+        if key in shares:
+            return shares[key]
+        stage = stage_of(key, rules)
+        callers = raw[key][4] if key in raw else {}
+        if stage is not None:
+            result = {stage: 1.0}
+        elif not callers or key in visiting:  # a root (the loop itself) or a call cycle
+            result = {root: 1.0}
+        else:  # as its callers, weighted by the cumulative time spent under each
+            visiting.add(key)
+            total = sum(timing[3] for timing in callers.values()) or 1.0
+            result = {}
+            for caller, timing in callers.items():
+                for caller_stage, fraction in share(caller).items():
+                    result[caller_stage] = (
+                        result.get(caller_stage, 0.0) + fraction * timing[3] / total
+                    )
+            visiting.discard(key)
+        shares[key] = result
+        return result
+
+    seconds = dict.fromkeys(stages, 0.0)
+    for key, (_, _, own, _, callers) in raw.items():
+        portions: Iterable[tuple[Share, float]]
+        if stage_of(key, rules) is not None or not callers:
+            portions = [(share(key), own)]
+        else:  # split the function's own time by the caller it was spent under
+            portions = [(share(caller), timing[2]) for caller, timing in callers.items()]
+        for stage_share, spent in portions:
+            for stage, fraction in stage_share.items():
+                seconds[stage] += fraction * spent
+    return seconds
+
+
+# -- timing ------------------------------------------------------------------------------------
+
+
+class GcTimer:
+    """Adds up the seconds the cyclic garbage collector runs while installed."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def __enter__(self) -> GcTimer:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+
+# -- README sections and command line ----------------------------------------------------------
+
+
+def section_markers(name: str) -> tuple[str, str]:
+    """The start and end markers of section ``name`` in the README."""
+    return f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+
+
+def _section_pattern(name: str) -> re.Pattern[str]:
+    start, end = section_markers(name)
+    return re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+
+
+def has_section(name: str, readme: Path = README) -> bool:
+    """Whether ``readme`` has both markers of section ``name``, in order."""
+    return _section_pattern(name).search(readme.read_text()) is not None
+
+
+def write_section(name: str, section: str, *, append: bool = False, readme: Path = README) -> None:
+    """Replace what is between the markers of section ``name`` in ``readme`` with ``section``.
+
+    Without the markers the file is left as it is, unless ``append``: then the section, with its
+    markers, goes after the existing text.
+    """
+    text = readme.read_text()
+    start, end = section_markers(name)
+    replacement = f"{start}\n{section}\n{end}"
+    pattern = _section_pattern(name)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: replacement, text, count=1)
+    elif append:
+        text = text.rstrip("\n") + f"\n\n{replacement}\n"
+    readme.write_text(text)
+
+
+def positive_int(text: str) -> int:
+    """``argparse`` type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
