@@ -317,7 +317,7 @@ class RedisStreamsAdapter:
                 f"ensure_subscription: start must be '$' (new entries) or '0' (the whole "
                 f"stream), got {start!r}"
             )
-        return json.dumps({"topic": topic, "ack_deadline": ack_deadline, "start": start}).encode()
+        return _settings_json(topic, ack_deadline, start)
 
     async def ensure_subscription(
         self,
@@ -335,12 +335,7 @@ class RedisStreamsAdapter:
             start: ``"$"`` to deliver entries added from now on, ``"0"`` for the whole stream.
         """
         settings = self._settings(topic, ack_deadline, start, options)
-        try:
-            await self._client.xgroup_create(topic, subscription, id=start, mkstream=True)
-        except ResponseError as error:
-            if "BUSYGROUP" not in str(error):
-                raise
-        await self._client.hsetnx(self._settings_key, subscription, settings)
+        await self._create_group(topic, subscription, start, settings)
         self._subscriptions.pop(subscription, None)
         await self._subscription(subscription)
 
@@ -357,8 +352,7 @@ class RedisStreamsAdapter:
         try:
             self._sync.xgroup_create(topic, subscription, id=start, mkstream=True)
         except ResponseError as error:
-            if "BUSYGROUP" not in str(error):
-                raise
+            _raise_unless_group_exists(error)
         self._sync.hsetnx(self._settings_key, subscription, settings)
         self._subscriptions.pop(subscription, None)
 
@@ -393,15 +387,16 @@ class RedisStreamsAdapter:
         """
         logger.warning("consumer group %r on stream %r is gone (Redis restarted?); recreating "
                        "it at the start of the stream", sub.name, sub.stream)
+        settings = _settings_json(sub.stream, sub.ack_deadline, sub.start)
+        await self._create_group(sub.stream, sub.name, "0", settings)
+
+    async def _create_group(self, stream: str, group: str, start: str, settings: bytes) -> None:
+        """Create ``group`` at ``start`` (idempotent) and record its settings if none are."""
         try:
-            await self._client.xgroup_create(sub.stream, sub.name, id="0", mkstream=True)
+            await self._client.xgroup_create(stream, group, id=start, mkstream=True)
         except ResponseError as error:
-            if "BUSYGROUP" not in str(error):
-                raise
-        settings = json.dumps(
-            {"topic": sub.stream, "ack_deadline": sub.ack_deadline, "start": sub.start}
-        ).encode()
-        await self._client.hsetnx(self._settings_key, sub.name, settings)
+            _raise_unless_group_exists(error)
+        await self._client.hsetnx(self._settings_key, group, settings)
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -611,6 +606,16 @@ class RedisStreamsAdapter:
     async def close(self) -> None:
         await self._client.aclose()
         self._sync.close()
+
+
+def _settings_json(topic: str, ack_deadline: float, start: str) -> bytes:
+    return json.dumps({"topic": topic, "ack_deadline": ack_deadline, "start": start}).encode()
+
+
+def _raise_unless_group_exists(error: ResponseError) -> None:
+    """XGROUP CREATE of an existing group is fine (BUSYGROUP); anything else is not."""
+    if "BUSYGROUP" not in str(error):
+        raise error
 
 
 def _ack_ids(deliveries: Sequence[Delivery]) -> list[str]:
