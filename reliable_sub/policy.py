@@ -35,6 +35,12 @@ def _check_range(
         )
 
 
+def check_count(owner: str, name: str, value: object) -> None:
+    """Refuse ``value`` unless it is an int of at least 1, naming ``owner.name``."""
+    if not isinstance(value, int) or value < 1:
+        raise ConfigurationError(f"{owner}.{name} must be an int in [1, inf), got {value!r}")
+
+
 @dataclass(frozen=True)
 class LeasePolicy:
     """How the lease manager keeps in-flight messages' ack deadlines ahead of their handlers.
@@ -88,11 +94,7 @@ class RetryPolicy:
     def __post_init__(self) -> None:
         _check_range("RetryPolicy", "min_backoff", self.min_backoff, 0)
         _check_range("RetryPolicy", "max_backoff", self.max_backoff, self.min_backoff)
-        if not isinstance(self.in_process_attempts, int) or self.in_process_attempts < 1:
-            raise ConfigurationError(
-                "RetryPolicy.in_process_attempts must be an int in [1, inf), "
-                f"got {self.in_process_attempts!r}"
-            )
+        check_count("RetryPolicy", "in_process_attempts", self.in_process_attempts)
         _check_range("RetryPolicy", "in_process_wait", self.in_process_wait, 0)
         if not isinstance(self.retry_on, tuple) or not all(
             isinstance(t, type) and issubclass(t, BaseException) for t in self.retry_on
@@ -156,9 +158,5 @@ class FlowControl:
     max_bytes: int = 100 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("max_messages", "max_bytes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigurationError(
-                    f"FlowControl.{name} must be an int in [1, inf), got {value!r}"
-                )
+        check_count("FlowControl", "max_messages", self.max_messages)
+        check_count("FlowControl", "max_bytes", self.max_bytes)

@@ -47,7 +47,7 @@ from .errors import ConfigurationError, ResultNotSerializableError
 from .lease import LeaseManager
 from .message import Delivery, Message
 from .outcome import Outcome, SubscriberStats
-from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
+from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, check_count
 
 logger = logging.getLogger(__name__)
 
@@ -159,14 +159,8 @@ class Subscriber:
             raise ConfigurationError(
                 f"Subscriber.stop_timeout must be in [0, inf), got {stop_timeout!r}"
             )
-        if not isinstance(sync_workers, int) or sync_workers < 1:
-            raise ConfigurationError(
-                f"Subscriber.sync_workers must be an int in [1, inf), got {sync_workers!r}"
-            )
-        if not isinstance(receive_batch, int) or receive_batch < 1:
-            raise ConfigurationError(
-                f"Subscriber.receive_batch must be an int in [1, inf), got {receive_batch!r}"
-            )
+        check_count("Subscriber", "sync_workers", sync_workers)
+        check_count("Subscriber", "receive_batch", receive_batch)
         self._sync_workers = sync_workers
         self._receive_batch = receive_batch
         self._receive_timeout = receive_timeout
