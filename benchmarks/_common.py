@@ -8,6 +8,8 @@
   benchmark's section of ``benchmarks/README.md``, between ``<!-- NAME:start -->`` and
   ``<!-- NAME:end -->``.
 * :func:`positive_int` is an ``argparse`` type for counts.
+* :class:`Throughput` holds one variant's timed repetitions and their medians; a benchmark whose
+  runs record more (CPU, emulator time) subclasses it.
 """
 
 from __future__ import annotations
@@ -17,13 +19,60 @@ import gc
 import os
 import pstats
 import re
+import statistics
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
 
 README = Path(__file__).with_name("README.md")
+MICROS = 1e6
+
+# -- throughput ----------------------------------------------------------------------------------
+
+
+class TimedRun(Protocol):
+    """What every benchmark's Run records: wall seconds and cyclic-GC seconds."""
+
+    @property
+    def seconds(self) -> float: ...
+
+    @property
+    def gc_seconds(self) -> float: ...
+
+
+RunT = TypeVar("RunT", bound=TimedRun)
+
+
+@dataclass
+class Throughput(Generic[RunT]):
+    """The timed repetitions of one variant."""
+
+    variant: str
+    messages: int
+    runs: list[RunT] = field(default_factory=list)
+
+    @property
+    def rates(self) -> list[float]:
+        return [self.messages / run.seconds for run in self.runs]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.rates)
+
+    @property
+    def micros_per_message(self) -> float:
+        return MICROS / self.median
+
+    def median_micros(self, seconds: Iterable[float]) -> float:
+        """The median of per-run ``seconds``, as µs per message."""
+        return statistics.median(seconds) * MICROS / self.messages
+
+    @property
+    def gc_micros_per_message(self) -> float:
+        return self.median_micros(run.gc_seconds for run in self.runs)
+
 
 # -- stage attribution -------------------------------------------------------------------------
 

@@ -51,12 +51,12 @@ import os
 import platform
 import pstats
 import shlex
-import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from benchmarks._common import (
+    MICROS,
     README,
     GcTimer,
     has_section,
@@ -65,6 +65,9 @@ from benchmarks._common import (
     section_markers,
     stage_seconds,
     write_section,
+)
+from benchmarks._common import (
+    Throughput as _common_throughput,
 )
 from reliable_sub import MemoryDedupStore, Message, Subscriber
 from reliable_sub.adapters.memory import MemoryAdapter
@@ -89,7 +92,6 @@ RUN_DEADLINE = 60.0
 SHUTDOWN_TIMEOUT = 5.0
 # The issue's aim: the full pipeline at no less than this fraction of the bare loop's rate.
 TARGET_RATIO = 0.5
-MICROS = 1e6
 
 BARE = "bare loop"
 BARE_TASKS = "bare loop, task per message (reference)"
@@ -204,29 +206,7 @@ async def run_once(variant: str, messages: int, profiler: cProfile.Profile | Non
 # -- throughput --------------------------------------------------------------------------------
 
 
-@dataclass
-class Throughput:
-    """The timed repetitions of one variant."""
-
-    variant: str
-    messages: int
-    runs: list[Run] = field(default_factory=list)
-
-    @property
-    def rates(self) -> list[float]:
-        return [self.messages / run.seconds for run in self.runs]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.rates)
-
-    @property
-    def micros_per_message(self) -> float:
-        return MICROS / self.median
-
-    @property
-    def gc_micros_per_message(self) -> float:
-        return statistics.median(run.gc_seconds for run in self.runs) * MICROS / self.messages
+Throughput = _common_throughput[Run]
 
 
 async def measure(messages: int, repetitions: int) -> dict[str, Throughput]:

@@ -100,6 +100,7 @@ from google.pubsub_v1.services.subscriber.transports import (
 )
 
 from benchmarks._common import (
+    MICROS,
     README,
     FunctionKey,
     GcTimer,
@@ -107,6 +108,9 @@ from benchmarks._common import (
     rule,
     stage_seconds,
     write_section,
+)
+from benchmarks._common import (
+    Throughput as _common_throughput,
 )
 from reliable_sub import Message, Subscriber
 from reliable_sub.adapters.pubsub import PubSubAdapter
@@ -157,7 +161,6 @@ RUN_DEADLINE = 120.0
 LIVENESS_INTERVAL = 0.5
 # Seconds the consumers get to stop; nothing is in flight when they are asked to.
 SHUTDOWN_TIMEOUT = 10.0
-MICROS = 1e6
 
 # -- workload 2 -----------------------------------------------------------------------------------
 
@@ -679,28 +682,8 @@ def run_once(
 # -- workload 1: repetitions ---------------------------------------------------------------------
 
 
-@dataclass
-class Throughput:
-    """The timed repetitions of one variant."""
-
-    variant: str
-    messages: int
-    runs: list[Run] = field(default_factory=list)
-
-    @property
-    def rates(self) -> list[float]:
-        return [self.messages / run.seconds for run in self.runs]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.rates)
-
-    @property
-    def micros_per_message(self) -> float:
-        return MICROS / self.median
-
-    def _median_micros(self, seconds: Iterable[float]) -> float:
-        return statistics.median(seconds) * MICROS / self.messages
+class Throughput(_common_throughput[Run]):
+    """The timed repetitions of one variant, with client, thread and emulator CPU time."""
 
     @property
     def cpus(self) -> list[float]:
@@ -713,18 +696,14 @@ class Throughput:
 
     @property
     def thread_micros_per_message(self) -> float:
-        return self._median_micros(run.thread_cpu_seconds for run in self.runs)
-
-    @property
-    def gc_micros_per_message(self) -> float:
-        return self._median_micros(run.gc_seconds for run in self.runs)
+        return self.median_micros(run.thread_cpu_seconds for run in self.runs)
 
     @property
     def emulator_micros_per_message(self) -> float | None:
         spent = [run.emulator_cpu_seconds for run in self.runs]
         if any(seconds is None for seconds in spent):
             return None
-        return self._median_micros(seconds for seconds in spent if seconds is not None)
+        return self.median_micros(seconds for seconds in spent if seconds is not None)
 
 
 def measure(bench: Bench, messages: int, repetitions: int) -> dict[str, Throughput]:

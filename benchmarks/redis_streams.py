@@ -64,7 +64,6 @@ import os
 import platform
 import pstats
 import shlex
-import statistics
 import sys
 import time
 import uuid
@@ -81,6 +80,7 @@ from faststream.redis.schemas import stream_sub as faststream_stream_sub
 from redis.commands.core import AsyncScript
 
 from benchmarks._common import (
+    MICROS,
     README,
     GcTimer,
     has_section,
@@ -89,6 +89,9 @@ from benchmarks._common import (
     section_markers,
     stage_seconds,
     write_section,
+)
+from benchmarks._common import (
+    Throughput as _common_throughput,
 )
 from reliable_sub import Message, Subscriber
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
@@ -122,7 +125,6 @@ POLL_INTERVAL = 0.001
 RUN_DEADLINE = 120.0
 # Seconds the Subscriber gets to stop; nothing is in flight when it is asked to.
 SHUTDOWN_TIMEOUT = 5.0
-MICROS = 1e6
 
 # Goals from the issue.
 NO_DEDUP_MIN_RATIO = 0.3  # (c) >= 0.3x the raw loop, and ahead of FastStream's batch mode
@@ -600,33 +602,12 @@ async def run_once(
 # -- throughput --------------------------------------------------------------------------------
 
 
-@dataclass
-class Throughput:
-    """The timed repetitions of one variant."""
-
-    variant: str
-    messages: int
-    runs: list[Run] = field(default_factory=list)
-
-    @property
-    def rates(self) -> list[float]:
-        return [self.messages / run.seconds for run in self.runs]
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.rates)
-
-    @property
-    def micros_per_message(self) -> float:
-        return MICROS / self.median
+class Throughput(_common_throughput[Run]):
+    """The timed repetitions of one variant, with the process's CPU time."""
 
     @property
     def cpu_micros_per_message(self) -> float:
-        return statistics.median(run.cpu_seconds for run in self.runs) * MICROS / self.messages
-
-    @property
-    def gc_micros_per_message(self) -> float:
-        return statistics.median(run.gc_seconds for run in self.runs) * MICROS / self.messages
+        return self.median_micros(run.cpu_seconds for run in self.runs)
 
     @property
     def idle_micros_per_message(self) -> float:
