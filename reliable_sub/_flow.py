@@ -21,10 +21,6 @@ class FlowGate:
         self._waiters = 0
         self._changed = asyncio.Event()
 
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
     async def free_slots(self) -> int:
         """Wait until at least one message slot is free; return how many are."""
         while self._in_flight >= self._limits.max_messages:

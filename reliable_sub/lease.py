@@ -23,7 +23,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .adapters.base import Adapter
 from .clock import Clock, sleep_or_event
@@ -77,7 +77,6 @@ class LeaseStats:
     max_lease_nacks: int = 0
     extend_errors: int = 0
     lost_claims: int = 0
-    durations: list[float] = field(default_factory=list, repr=False)
 
 
 class LeaseManager:
