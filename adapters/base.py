@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from ..dedup import Claimed, Completion, DedupStore
 from ..message import Delivery
 
 
@@ -76,7 +77,25 @@ class Adapter(Protocol):
         ...
 
     async def ensure_subscription(self, topic: str, subscription: str, **options: Any) -> None:
-        """Create ``topic`` and ``subscription`` if missing; a no-op when both exist."""
+        """Create ``topic`` and ``subscription`` if missing; a no-op when both exist.
+
+        A subscription name already used for another topic is refused with a
+        ``ConfigurationError`` naming both topics.
+        """
+        ...
+
+    async def ensure_topic(self, topic: str) -> None:
+        """Create ``topic`` if missing (a dead-letter topic, say); a no-op when it exists."""
+        ...
+
+    async def topic_exists(self, topic: str) -> bool:
+        """Whether ``topic`` exists (the Subscriber checks its dead-letter topic at start)."""
+        ...
+
+    def dedup_namespace(self, subscription: str) -> str:
+        """The default dedup namespace of ``subscription``: unique per broker, topic and
+        subscription, and the same for every consumer of it (message ids are only unique
+        within it)."""
         ...
 
     async def publish(
@@ -118,7 +137,15 @@ class Adapter(Protocol):
         ...
 
     async def close(self) -> None:
-        """Release connections; the adapter is unusable afterwards."""
+        """Release the connections of the running event loop and of the blocking twins.
+
+        The adapter stays usable: the next call opens new connections. A Subscriber calls it
+        when it stops, because its connections belong to the event loop of that run.
+        """
+        ...
+
+    def close_sync(self) -> None:
+        """Release the blocking twins' connections (from any thread, outside a loop)."""
         ...
 
     def publish_sync(
@@ -133,4 +160,31 @@ class Adapter(Protocol):
 
     def ensure_subscription_sync(self, topic: str, subscription: str, **options: Any) -> None:
         """Blocking twin of :meth:`ensure_subscription`."""
+        ...
+
+
+@runtime_checkable
+class AcksWithCompletions(Protocol):
+    """An optional capability: record dedup completions in the same call as the acks.
+
+    The Settler uses it (one round trip instead of two per batch) when ``shares_store`` says the
+    adapter can reach the store's records, as the Redis Streams adapter can with a
+    ``RedisDedupStore`` on the same Redis server and database.
+    """
+
+    def shares_store(self, store: DedupStore) -> bool:
+        """True when :meth:`ack_with_completions` can write ``store``'s records."""
+        ...
+
+    async def ack_with_completions(
+        self,
+        deliveries: Sequence[Delivery],
+        store: DedupStore,
+        completions: Sequence[Completion],
+        ttl: float,
+    ) -> tuple[list[Delivery], list[Claimed]]:
+        """Record ``completions`` (fenced as ``complete_many`` does) and ack ``deliveries``.
+
+        Returns the refused deliveries (stale ack ids) and the refused completions' claims.
+        """
         ...

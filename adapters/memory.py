@@ -17,6 +17,7 @@ import asyncio
 import heapq
 import itertools
 import threading
+import uuid
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..clock import Clock, SystemClock, sleep_or_event
-from ..errors import AdapterError, ConfigurationError, UnknownSubscriptionError
+from ..errors import ConfigurationError, UnknownSubscriptionError, UnknownTopicError
 from ..message import Delivery, Message
 from .base import Capabilities, checked_message
 
@@ -96,7 +97,8 @@ class MemoryAdapter:
         self._message_ids = itertools.count(1)
         self._ack_ids = itertools.count(1)
         self._sequence = itertools.count()
-        self._closed = False
+        self._closings = 0  # close() wakes receivers waiting when it was called
+        self.instance = uuid.uuid4().hex[:12]
 
     @property
     def capabilities(self) -> Capabilities:
@@ -117,6 +119,15 @@ class MemoryAdapter:
     async def ensure_topic(self, topic: str) -> None:
         """Create ``topic`` if it does not exist."""
         self.ensure_topic_sync(topic)
+
+    async def topic_exists(self, topic: str) -> bool:
+        with self._lock:
+            return topic in self._topics
+
+    def dedup_namespace(self, subscription: str) -> str:
+        """``memory:<this broker instance>:<subscription>``: message ids restart at 1 in
+        every MemoryAdapter, so two brokers sharing one dedup store must not share keys."""
+        return f"memory:{self.instance}:{subscription}"
 
     def ensure_subscription_sync(
         self,
@@ -192,7 +203,7 @@ class MemoryAdapter:
         with self._lock:
             subscriptions = self._topics.get(topic)
             if subscriptions is None:
-                raise UnknownSubscriptionError(
+                raise UnknownTopicError(
                     f"topic {topic!r} does not exist; create it with ensure_subscription or "
                     f"ensure_topic (known topics: {sorted(self._topics)})"
                 )
@@ -221,15 +232,14 @@ class MemoryAdapter:
             raise ValueError(f"receive: max_messages must be >= 1, got {max_messages}")
         give_up_at = self._clock.now() + max(0.0, timeout)
         loop = asyncio.get_running_loop()
-        if self._closed:
-            raise AdapterError("MemoryAdapter is closed; receive needs an open adapter")
+        closings = self._closings
         while True:
             event = asyncio.Event()
             with self._lock:
                 sub = self._subscription(subscription)
                 now = self._clock.now()
                 batch = self._take(sub, max_messages, now)
-                if batch or self._closed or now >= give_up_at:
+                if batch or self._closings != closings or now >= give_up_at:
                     return batch
                 wake_at = min(give_up_at, self._next_due(sub))
                 waiter = (loop, event)
@@ -287,8 +297,12 @@ class MemoryAdapter:
         return refused
 
     async def close(self) -> None:
+        """Wake waiting receivers (they return empty); messages stay, the broker stays usable."""
+        self.close_sync()
+
+    def close_sync(self) -> None:
         with self._lock:
-            self._closed = True
+            self._closings += 1
             for sub in self._subscriptions.values():
                 self._notify(sub)
 

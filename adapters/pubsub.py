@@ -22,12 +22,19 @@ import logging
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import ConfigurationError, MissingExtraError
+from ..errors import (
+    AccessDeniedError,
+    ConfigurationError,
+    MissingExtraError,
+    UnknownSubscriptionError,
+    UnknownTopicError,
+)
+from ..loops import PerLoop
 from ..message import Delivery, Message
 from ..policy import DeadLetterPolicy, RetryPolicy
 from .base import Capabilities, checked_message
@@ -82,11 +89,15 @@ class PubSubAdapter:
 
     Args:
         project_id: the Google Cloud project (the emulator needs 6+ characters).
-        subscriber_client: an asyncio ``SubscriberAsyncClient`` (default: one made on first use,
-            inside the running event loop).
-        publisher_client: a ``pubsub_v1.PublisherClient`` (default: one with ordering enabled).
+        subscriber_client: an asyncio ``SubscriberAsyncClient`` you own, used in every loop
+            (default: one made per event loop on first use, closed by :meth:`close`).
+        publisher_client: a ``pubsub_v1.PublisherClient`` you own (default: one with ordering
+            enabled, made on first use and stopped by :meth:`close`).
         admin_client: a sync ``pubsub_v1.SubscriberClient`` for creating and reading
-            subscriptions (default: a new one).
+            subscriptions (default: one made on first use, closed by :meth:`close`).
+
+    Not-found and permission errors of the service are raised as ``UnknownSubscriptionError``,
+    ``UnknownTopicError`` and ``AccessDeniedError`` naming the resource.
     """
 
     def __init__(
@@ -103,11 +114,12 @@ class PubSubAdapter:
                 f"got {project_id!r}"
             )
         self.project_id = project_id
-        self._subscriber = subscriber_client
-        self._publisher = publisher_client or pubsub_v1.PublisherClient(
-            publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=True)
-        )
-        self._admin = admin_client or pubsub_v1.SubscriberClient()
+        self._given_subscriber = subscriber_client
+        self._subscribers: PerLoop[SubscriberAsyncClient] = PerLoop(_new_subscriber_client)
+        self._given_publisher = publisher_client
+        self._own_publisher: pubsub_v1.PublisherClient | None = None
+        self._given_admin = admin_client
+        self._own_admin: pubsub_v1.SubscriberClient | None = None
         self._deadlines: dict[str, float] = {}
         self._native_attempts: dict[str, bool] = {}
         self._attempts: OrderedDict[tuple[str, str], int] = OrderedDict()
@@ -116,6 +128,24 @@ class PubSubAdapter:
     @property
     def capabilities(self) -> Capabilities:
         return CAPABILITIES
+
+    @property
+    def _publisher(self) -> pubsub_v1.PublisherClient:
+        if self._given_publisher is not None:
+            return self._given_publisher
+        if self._own_publisher is None:
+            self._own_publisher = pubsub_v1.PublisherClient(
+                publisher_options=pubsub_v1.types.PublisherOptions(enable_message_ordering=True)
+            )
+        return self._own_publisher
+
+    @property
+    def _admin(self) -> pubsub_v1.SubscriberClient:
+        if self._given_admin is not None:
+            return self._given_admin
+        if self._own_admin is None:
+            self._own_admin = pubsub_v1.SubscriberClient()
+        return self._own_admin
 
     # -- names -------------------------------------------------------------------------------
 
@@ -129,12 +159,30 @@ class PubSubAdapter:
             return subscription
         return f"projects/{self.project_id}/subscriptions/{subscription}"
 
+    def dedup_namespace(self, subscription: str) -> str:
+        """``gcp-pubsub:`` + the full subscription path (short and full names agree)."""
+        return "gcp-pubsub:" + self.subscription_path(subscription)
+
     # -- administration -------------------------------------------------------------------
 
     def ensure_topic_sync(self, topic: str) -> None:
         """Create ``topic`` if it does not exist."""
-        with contextlib.suppress(google_errors.AlreadyExists):
+        with contextlib.suppress(google_errors.AlreadyExists), _named_errors(topic=topic):
             self._publisher.create_topic(name=self.topic_path(topic))
+
+    async def ensure_topic(self, topic: str) -> None:
+        await asyncio.to_thread(self.ensure_topic_sync, topic)
+
+    async def topic_exists(self, topic: str) -> bool:
+        def exists() -> bool:
+            try:
+                with _named_errors(topic=topic):
+                    self._publisher.get_topic(topic=self.topic_path(topic))
+            except UnknownTopicError:
+                return False
+            return True
+
+        return await asyncio.to_thread(exists)
 
     def ensure_subscription_sync(
         self,
@@ -195,9 +243,18 @@ class PubSubAdapter:
                 maximum_backoff=f"{min(retry.max_backoff, MAX_ACK_DEADLINE)}s",
             )
         self.ensure_topic_sync(topic)
-        with contextlib.suppress(google_errors.AlreadyExists):
+        with contextlib.suppress(google_errors.AlreadyExists), _named_errors(
+            topic=topic, subscription=subscription
+        ):
             self._admin.create_subscription(request=request)
-        self._remember(self._admin.get_subscription(subscription=request["name"]))
+        with _named_errors(subscription=subscription):
+            found = self._admin.get_subscription(subscription=request["name"])
+        if found.topic != request["topic"]:
+            raise ConfigurationError(
+                f"subscription {subscription!r} already exists on topic {found.topic!r}, not "
+                f"{request['topic']!r}; choose another subscription name"
+            )
+        self._remember(found)
 
     async def ensure_subscription(self, topic: str, subscription: str, **options: Any) -> None:
         await asyncio.to_thread(self.ensure_subscription_sync, topic, subscription, **options)
@@ -205,7 +262,8 @@ class PubSubAdapter:
     async def subscription_ack_deadline(self, subscription: str) -> float:
         path = self.subscription_path(subscription)
         if path not in self._deadlines:
-            found = await asyncio.to_thread(self._admin.get_subscription, subscription=path)
+            with _named_errors(subscription=subscription):
+                found = await asyncio.to_thread(self._admin.get_subscription, subscription=path)
             self._remember(found)
         return self._deadlines[path]
 
@@ -239,7 +297,8 @@ class PubSubAdapter:
     ) -> str:
         future = self._publish_future(topic, data, attributes, ordering_key)
         try:
-            return await asyncio.wrap_future(future)
+            with _named_errors(topic=topic):
+                return await asyncio.wrap_future(future)
         except Exception:
             self._resume(topic, ordering_key)
             raise
@@ -253,7 +312,8 @@ class PubSubAdapter:
     ) -> str:
         future = self._publish_future(topic, data, attributes, ordering_key)
         try:
-            return future.result()
+            with _named_errors(topic=topic):
+                return future.result()
         except Exception:
             self._resume(topic, ordering_key)
             raise
@@ -266,15 +326,9 @@ class PubSubAdapter:
     # -- consuming -------------------------------------------------------------------------
 
     def _client(self) -> SubscriberAsyncClient:
-        if self._subscriber is None:
-            host = os.environ.get("PUBSUB_EMULATOR_HOST")
-            if host:
-                channel = grpc.aio.insecure_channel(host)
-                transport = SubscriberGrpcAsyncIOTransport(channel=channel)
-                self._subscriber = SubscriberAsyncClient(transport=transport)
-            else:
-                self._subscriber = SubscriberAsyncClient()
-        return self._subscriber
+        if self._given_subscriber is not None:
+            return self._given_subscriber
+        return self._subscribers.get()
 
     async def receive(
         self, subscription: str, max_messages: int, timeout: float
@@ -290,12 +344,13 @@ class PubSubAdapter:
             remaining = give_up_at - loop.time()
             self.stats["pull_calls"] += 1
             try:
-                response = await client.pull(
-                    subscription=path,
-                    max_messages=min(max_messages, MAX_PULL_MESSAGES),
-                    timeout=max(MIN_PULL_TIMEOUT, remaining),
-                    retry=None,
-                )
+                with _named_errors(subscription=subscription):
+                    response = await client.pull(
+                        subscription=path,
+                        max_messages=min(max_messages, MAX_PULL_MESSAGES),
+                        timeout=max(MIN_PULL_TIMEOUT, remaining),
+                        retry=None,
+                    )
             except google_errors.DeadlineExceeded:
                 response = None
             if response is not None:
@@ -382,6 +437,8 @@ class PubSubAdapter:
             for chunk in _chunks(group, MAX_ACK_IDS_PER_REQUEST):
                 try:
                     await call(path, [d.ack_id for d in chunk], *args)
+                except (google_errors.NotFound, google_errors.PermissionDenied) as error:
+                    raise _named(error, subscription=path) from error
                 except google_errors.GoogleAPICallError as error:
                     failed = _failed_ack_ids(error)
                     if failed is None:
@@ -416,11 +473,65 @@ class PubSubAdapter:
         return groups
 
     async def close(self) -> None:
-        if self._subscriber is not None:
-            await self._subscriber.transport.close()
-            self._subscriber = None
-        self._publisher.stop()
-        self._admin.close()
+        """Close this loop's subscriber client and the clients this adapter made; the adapter
+        makes new ones on next use."""
+        client = self._subscribers.pop()
+        if client is not None:
+            await client.transport.close()
+        await asyncio.to_thread(self.close_sync)
+
+    def close_sync(self) -> None:
+        """Stop the publisher (flushing what it batched) and close the admin client, if this
+        adapter made them."""
+        publisher, self._own_publisher = self._own_publisher, None
+        if publisher is not None:
+            publisher.stop()
+        admin, self._own_admin = self._own_admin, None
+        if admin is not None:
+            admin.close()
+
+
+def _new_subscriber_client() -> SubscriberAsyncClient:
+    """An asyncio subscriber client for the running loop (the emulator's when configured)."""
+    host = os.environ.get("PUBSUB_EMULATOR_HOST")
+    if host:
+        channel = grpc.aio.insecure_channel(host)
+        return SubscriberAsyncClient(transport=SubscriberGrpcAsyncIOTransport(channel=channel))
+    return SubscriberAsyncClient()
+
+
+def _named(
+    error: google_errors.GoogleAPICallError, *, topic: str | None = None,
+    subscription: str | None = None,
+) -> Exception:
+    """``error`` as the library's named error, or itself when it is neither kind."""
+    text = getattr(error, "message", None) or str(error)
+    if isinstance(error, google_errors.PermissionDenied):
+        what = f"subscription {subscription!r}" if subscription else f"topic {topic!r}"
+        return AccessDeniedError(
+            f"Pub/Sub refused access to {what} ({text}); grant the service account the "
+            "Pub/Sub subscriber/publisher role on it"
+        )
+    if isinstance(error, google_errors.NotFound):
+        if subscription is not None and (topic is None or "ubscription" in text):
+            return UnknownSubscriptionError(
+                f"subscription {subscription!r} does not exist on Pub/Sub ({text}); create it "
+                "with ensure_subscription"
+            )
+        return UnknownTopicError(
+            f"topic {topic!r} does not exist on Pub/Sub ({text}); create it with ensure_topic "
+            "or ensure_subscription"
+        )
+    return error
+
+
+@contextlib.contextmanager
+def _named_errors(*, topic: str | None = None, subscription: str | None = None) -> Iterator[None]:
+    """Raise NotFound and PermissionDenied as the library's named errors."""
+    try:
+        yield
+    except (google_errors.NotFound, google_errors.PermissionDenied) as error:
+        raise _named(error, topic=topic, subscription=subscription) from error
 
 
 def _failed_ack_ids(

@@ -26,7 +26,12 @@ pseudo-consumer ``NACKED_CONSUMER`` until reclaimed).
 copy of the message is written. ``delivery_attempt`` is Redis's delivery counter.
 
 Subscription settings (topic, ack deadline) are kept in the hash ``{key_prefix}:subscriptions``
-so every consumer of a group agrees on the deadline.
+so every consumer of a group agrees on the deadline. A group name belongs to one stream: using it
+for a second stream is refused (as Pub/Sub refuses a second subscription of one name).
+
+An entry this adapter cannot read as a message (no ``data`` field, attributes that are not a JSON
+object of strings, a non-UTF-8 ordering key) is still delivered, marked malformed, so the
+Subscriber dead-letters it instead of letting it block its batch.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from ..dedup import Claimed, Completion, DedupStore
 from ..errors import ConfigurationError, MissingExtraError, UnknownSubscriptionError
 from ..message import Delivery, Message
 from .base import Capabilities, checked_message
@@ -49,11 +55,10 @@ from .base import Capabilities, checked_message
 try:
     import redis
     import redis.asyncio as aioredis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import ExponentialBackoff
-    from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import ResponseError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from ..dedup_redis import COMPLETE_LUA, RedisDedupStore
+    from ..redis_clients import RedisClients, script
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("RedisStreamsAdapter", "redis", "redis") from error
 
@@ -71,10 +76,8 @@ NACKED_CONSUMER = "reliable-sub:nacked"
 RECLAIM_INTERVAL_MIN = 0.02
 RECLAIM_INTERVAL_MAX = 1.0
 RECLAIM_FRACTION = 0.1
-# A command that meets a dropped connection is retried on a fresh one this many times, up to
-# this many seconds apart; longer outages are the caller's to retry (the Subscriber does).
-CONNECT_RETRIES = 3
-CONNECT_RETRY_CAP = 1.0
+# ensure_topic makes an empty stream by creating, then destroying, a group of this name.
+TOPIC_PROBE_GROUP = "reliable-sub:ensure-topic"
 
 CAPABILITIES = Capabilities(
     min_ack_deadline=0.0,
@@ -167,24 +170,30 @@ return stale
 """
 )
 
-# The dedup fast path: completions and the acks of a batch in one call.
-# KEYS: stream, then the completion keys. ARGV: group, consumer, ttl_ms, n (completions), the n
-# values, then ack ids. Returns the stale positions (1-based) of the ack ids.
+# The dedup fast path: completions and the acks of a batch in one call. Completions are fenced
+# as RedisDedupStore.complete_many fences them (COMPLETE_LUA).
+# KEYS: stream, then the n completion keys. ARGV: group, consumer, n, ttl_ms, then a (token,
+# value) pair per completion, then ack ids.
+# Returns {stale positions (1-based) of the ack ids, refused positions of the completions}.
 _ACK_COMPLETE = (
     _OWNED
+    + COMPLETE_LUA
     + """
-local n = tonumber(ARGV[4])
+local n = tonumber(ARGV[3])
+local refused = {}
 for i = 1, n do
-  redis.call('SET', KEYS[i + 1], ARGV[4 + i], 'PX', ARGV[3])
+  if complete(KEYS[i + 1], ARGV[3 + 2 * i], ARGV[4 + 2 * i], ARGV[4]) == 1 then
+    refused[#refused + 1] = i
+  end
 end
 local stale, ids = {}, {}
-local first = 5 + n
+local first = 5 + 2 * n
 for i = first, #ARGV do
   local id = owned(ARGV[i])
   if id then ids[#ids + 1] = id else stale[#stale + 1] = i - first + 1 end
 end
 if #ids > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(ids)) end
-return stale
+return {stale, refused}
 """
 )
 
@@ -234,7 +243,10 @@ class RedisStreamsAdapter:
     """Redis Streams consumer groups behind the Adapter contract.
 
     Args:
-        url_or_client: a ``redis://`` URL or a ``redis.asyncio.Redis`` client (bytes responses).
+        url_or_client: a ``redis://`` URL (a client is made per event loop, retrying commands
+            that meet a dropped connection), or a ``redis.asyncio.Redis`` client (bytes
+            responses) that you own: it is used in every loop, and closing the adapter only
+            releases its connections.
         consumer: this consumer's name in its groups (default: host and pid).
         key_prefix: prefix of the keys this adapter keeps besides the streams.
         max_len: cap streams at about this many entries on publish (XADD MAXLEN ~), or None.
@@ -251,26 +263,11 @@ class RedisStreamsAdapter:
         max_len: int | None = None,
         sync_client: redis.Redis | None = None,
     ) -> None:
-        if isinstance(url_or_client, str):
-            # redis-py 8's asyncio client does not retry by default: after a Redis restart the
-            # first command on each pooled connection would fail although Redis is back.
-            self._client = aioredis.Redis.from_url(
-                url_or_client,
-                decode_responses=False,
-                retry=Retry(ExponentialBackoff(cap=CONNECT_RETRY_CAP), CONNECT_RETRIES),
-                retry_on_error=[RedisConnectionError, RedisTimeoutError],
-            )
-            self._sync = sync_client or redis.Redis.from_url(url_or_client, decode_responses=False)
-        else:
-            self._client = url_or_client
-            kwargs = dict(url_or_client.connection_pool.connection_kwargs)
-            self._sync = sync_client or redis.Redis(
-                host=kwargs.get("host", "localhost"),
-                port=kwargs.get("port", 6379),
-                db=kwargs.get("db", 0),
-                username=kwargs.get("username"),
-                password=kwargs.get("password"),
-            )
+        # redis-py 8's asyncio client does not retry by default: after a Redis restart the first
+        # command on each pooled connection would fail although Redis is back; ours do.
+        self.clients = RedisClients(
+            url_or_client, owner="RedisStreamsAdapter", sync_client=sync_client
+        )
         if max_len is not None and max_len < 1:
             raise ConfigurationError(f"RedisStreamsAdapter.max_len must be >= 1, got {max_len!r}")
         self.consumer = consumer or default_consumer_name()
@@ -278,12 +275,12 @@ class RedisStreamsAdapter:
         self._max_len = max_len
         self._settings_key = f"{key_prefix}:subscriptions"
         self._subscriptions: dict[str, _Subscription] = {}
-        self._reclaim = self._client.register_script(_RECLAIM)
-        self._extend = self._client.register_script(_EXTEND)
-        self._ack = self._client.register_script(_ACK)
-        self._nack = self._client.register_script(_NACK)
-        self._ack_complete = self._client.register_script(_ACK_COMPLETE)
-        self.stats = {"reclaimed": 0, "gone": 0}
+        self._reclaim = script(_RECLAIM)
+        self._extend = script(_EXTEND)
+        self._ack = script(_ACK)
+        self._nack = script(_NACK)
+        self._ack_complete = script(_ACK_COMPLETE)
+        self.stats = {"reclaimed": 0, "gone": 0, "malformed": 0}
 
     @property
     def capabilities(self) -> Capabilities:
@@ -291,8 +288,12 @@ class RedisStreamsAdapter:
 
     @property
     def client(self) -> aioredis.Redis:
-        """The asyncio client (shared with a RedisDedupStore for the fast path)."""
-        return self._client
+        """The asyncio client of the running event loop."""
+        return self.clients.get()
+
+    @property
+    def _sync(self) -> redis.Redis:
+        return self.clients.sync
 
     # -- administration -------------------------------------------------------------------
 
@@ -335,7 +336,14 @@ class RedisStreamsAdapter:
             start: ``"$"`` to deliver entries added from now on, ``"0"`` for the whole stream.
         """
         settings = self._settings(topic, ack_deadline, start, options)
-        await self._create_group(topic, subscription, start, settings)
+        client = self.client
+        _check_same_topic(subscription, topic,
+                          await _record_settings(client, self._settings_key, subscription,
+                                                 settings))
+        try:
+            await client.xgroup_create(topic, subscription, id=start, mkstream=True)
+        except ResponseError as error:
+            _raise_unless_group_exists(error)
         self._subscriptions.pop(subscription, None)
         await self._subscription(subscription)
 
@@ -349,12 +357,50 @@ class RedisStreamsAdapter:
         **options: Any,
     ) -> None:
         settings = self._settings(topic, ack_deadline, start, options)
+        sync = self._sync
+        sync.hsetnx(self._settings_key, subscription, settings)
+        recorded: Any = sync.hget(self._settings_key, subscription)
+        _check_same_topic(subscription, topic, recorded)
         try:
-            self._sync.xgroup_create(topic, subscription, id=start, mkstream=True)
+            sync.xgroup_create(topic, subscription, id=start, mkstream=True)
         except ResponseError as error:
             _raise_unless_group_exists(error)
-        self._sync.hsetnx(self._settings_key, subscription, settings)
         self._subscriptions.pop(subscription, None)
+
+    async def ensure_topic(self, topic: str) -> None:
+        """Create ``topic`` as an empty stream if it does not exist."""
+        client = self.client
+        try:
+            await client.xgroup_create(topic, TOPIC_PROBE_GROUP, id="$", mkstream=True)
+        except ResponseError as error:
+            _raise_unless_group_exists(error)
+        await client.xgroup_destroy(topic, TOPIC_PROBE_GROUP)
+
+    def ensure_topic_sync(self, topic: str) -> None:
+        """Blocking twin of :meth:`ensure_topic`."""
+        try:
+            self._sync.xgroup_create(topic, TOPIC_PROBE_GROUP, id="$", mkstream=True)
+        except ResponseError as error:
+            _raise_unless_group_exists(error)
+        self._sync.xgroup_destroy(topic, TOPIC_PROBE_GROUP)
+
+    async def topic_exists(self, topic: str) -> bool:
+        """Whether stream ``topic`` exists (a key of another type raises a clear error)."""
+        kind = _text(await self.client.type(topic))
+        if kind not in ("stream", "none"):
+            raise ConfigurationError(f"topic {topic!r} is a Redis {kind}, not a stream")
+        return kind == "stream"
+
+    def dedup_namespace(self, subscription: str) -> str:
+        """``redis:<key prefix>:<stream>:<group>`` (known once the subscription was looked up:
+        Redis entry ids are only unique within one stream)."""
+        sub = self._subscriptions.get(subscription)
+        if sub is None:
+            raise UnknownSubscriptionError(
+                f"subscription {subscription!r} has not been looked up yet; call "
+                "subscription_ack_deadline (the Subscriber does at start) first"
+            )
+        return f"redis:{self._prefix}:{sub.stream}:{sub.name}"
 
     async def subscription_ack_deadline(self, subscription: str) -> float:
         return (await self._subscription(subscription)).ack_deadline
@@ -363,7 +409,7 @@ class RedisStreamsAdapter:
         sub = self._subscriptions.get(name)
         if sub is not None:
             return sub
-        raw = await self._client.hget(self._settings_key, name)
+        raw = await self.client.hget(self._settings_key, name)
         if raw is None:
             raise UnknownSubscriptionError(
                 f"subscription {name!r} does not exist; create it with ensure_subscription"
@@ -392,11 +438,12 @@ class RedisStreamsAdapter:
 
     async def _create_group(self, stream: str, group: str, start: str, settings: bytes) -> None:
         """Create ``group`` at ``start`` (idempotent) and record its settings if none are."""
+        client = self.client
         try:
-            await self._client.xgroup_create(stream, group, id=start, mkstream=True)
+            await client.xgroup_create(stream, group, id=start, mkstream=True)
         except ResponseError as error:
             _raise_unless_group_exists(error)
-        await self._client.hsetnx(self._settings_key, group, settings)
+        await client.hsetnx(self._settings_key, group, settings)
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -419,7 +466,7 @@ class RedisStreamsAdapter:
         ordering_key: str | None = None,
     ) -> str:
         fields = self._fields(data, attributes, ordering_key)
-        entry_id = await self._client.xadd(
+        entry_id = await self.client.xadd(
             topic, fields, maxlen=self._max_len, approximate=True  # type: ignore[arg-type]
         )
         return _text(entry_id)
@@ -465,7 +512,7 @@ class RedisStreamsAdapter:
     ) -> list[Delivery]:
         block_ms = int(block * 1000)
         try:
-            reply = await self._client.xreadgroup(
+            reply = await self.client.xreadgroup(
                 sub.name,
                 self.consumer,
                 {sub.stream: ">"},
@@ -490,6 +537,7 @@ class RedisStreamsAdapter:
             claimed, counts, gone, next_start = await self._reclaim(
                 keys=[sub.stream, sub.delayed_key],
                 args=[sub.name, self.consumer, min_idle_ms, max_messages, sub.reclaim_from],
+                client=self.client,
             )
         except ResponseError as error:
             if "NOGROUP" not in str(error):
@@ -508,57 +556,81 @@ class RedisStreamsAdapter:
     def _delivery(
         self, sub: _Subscription, entry_id: str, fields: dict[bytes, bytes], attempt: int
     ) -> Delivery:
-        attributes_raw = fields.get(b"attributes")
-        ordering_key = fields.get(b"ordering-key")
         milliseconds = int(entry_id.split("-", 1)[0])
+        problem = None
+        try:
+            attributes = _attributes(fields.get(b"attributes"))
+        except ValueError as error:
+            attributes, problem = {}, f"attributes field: {error}"
+        ordering_key = None
+        raw_key = fields.get(b"ordering-key")
+        if raw_key:
+            try:
+                ordering_key = raw_key.decode()
+            except UnicodeDecodeError as error:
+                problem = f"ordering-key field is not UTF-8 ({error})"
+        data = fields.get(b"data")
+        if data is None:
+            names = sorted(name.decode("utf-8", "replace") for name in fields)
+            problem = f"no data field (fields: {names})"
         message = Message(
             id=entry_id,
-            data=fields.get(b"data", b""),
-            attributes=json.loads(attributes_raw) if attributes_raw else {},
+            data=data or b"",
+            attributes=attributes,
             delivery_attempt=attempt,
             publish_time=datetime.fromtimestamp(milliseconds / 1000, tz=timezone.utc),
-            ordering_key=ordering_key.decode() if ordering_key else None,
+            ordering_key=ordering_key,
             subscription=sub.name,
         )
-        return Delivery(message, f"{entry_id}/{attempt}")
+        if problem is not None:
+            self.stats["malformed"] += 1
+            logger.warning("entry %s of stream %r cannot be read as a message: %s", entry_id,
+                           sub.stream, problem)
+        return Delivery(message, f"{entry_id}/{attempt}", malformed=problem)
 
     async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         refused: list[Delivery] = []
         for sub, group in self._by_subscription(deliveries).items():
             stale = await self._ack(
-                keys=[sub.stream], args=[sub.name, self.consumer, *_ack_ids(group)]
+                keys=[sub.stream], args=[sub.name, self.consumer, *_ack_ids(group)],
+                client=self.client,
             )
             refused.extend(group[int(i) - 1] for i in stale)
         return refused
 
-    def shares_store(self, store: object) -> bool:
+    def shares_store(self, store: DedupStore) -> bool:
         """True when ``store`` is a RedisDedupStore on this adapter's Redis (the fast path)."""
-        same_server = getattr(store, "same_server", None)
-        return (
-            callable(same_server)
-            and hasattr(store, "completion_records")
-            and bool(same_server(self._client))
-        )
+        return isinstance(store, RedisDedupStore) and store.same_server(self.clients)
 
     async def ack_with_completions(
         self,
         deliveries: Sequence[Delivery],
-        store: Any,
-        completions: Sequence[tuple[str, str]],
+        store: DedupStore,
+        completions: Sequence[Completion],
         ttl: float,
-    ) -> list[Delivery]:
+    ) -> tuple[list[Delivery], list[Claimed]]:
         """Record ``completions`` in ``store`` and ack ``deliveries``: one script call per
-        subscription in the batch (usually one), instead of a pipeline and then a script."""
-        keys, values, ttl_ms = store.completion_records(completions, ttl)
+        subscription in the batch (usually one), instead of a store call and then a script.
+
+        Completions are fenced as ``complete_many`` fences them; returns the refused deliveries
+        and the claims of refused completions.
+        """
+        assert isinstance(store, RedisDedupStore)
+        keys, args = store.completion_records(completions, ttl)
+        ttl_ms, pairs = args[0], args[1:]
         refused: list[Delivery] = []
+        lost: list[Claimed] = []
+        client = self.client
         for sub, group in self._by_subscription(deliveries).items():
-            stale = await self._ack_complete(
+            stale, refused_completions = await self._ack_complete(
                 keys=[sub.stream, *keys],
-                args=[sub.name, self.consumer, ttl_ms, len(values), *values, *_ack_ids(group)],
+                args=[sub.name, self.consumer, len(keys), ttl_ms, *pairs, *_ack_ids(group)],
+                client=client,
             )
-            keys, values = [], []  # written with the first call
+            lost.extend(completions[int(i) - 1].claim for i in refused_completions)
+            keys, pairs = [], []  # written with the first call
             refused.extend(group[int(i) - 1] for i in stale)
-        return refused
+        return refused, lost
 
     async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
         for sub, group in self._by_subscription(deliveries).items():
@@ -566,6 +638,7 @@ class RedisStreamsAdapter:
                 keys=[sub.stream, sub.delayed_key],
                 args=[sub.name, self.consumer, NACKED_CONSUMER, int(sub.ack_deadline * 1000),
                       max(0, int(delay * 1000)), *_ack_ids(group)],
+                client=self.client,
             )
             self._count_gone(sub, int(gone))
 
@@ -574,7 +647,8 @@ class RedisStreamsAdapter:
         for sub, group in self._by_subscription(deliveries).items():
             idle_ms = max(0, int((sub.ack_deadline - seconds) * 1000))
             stale, gone = await self._extend(
-                keys=[sub.stream], args=[sub.name, self.consumer, idle_ms, *_ack_ids(group)]
+                keys=[sub.stream], args=[sub.name, self.consumer, idle_ms, *_ack_ids(group)],
+                client=self.client,
             )
             self._count_gone(sub, int(gone))
             refused.extend(group[int(i) - 1] for i in stale)
@@ -604,12 +678,55 @@ class RedisStreamsAdapter:
         return groups
 
     async def close(self) -> None:
-        await self._client.aclose()
-        self._sync.close()
+        """Release this loop's connections and the blocking client's; reconnects on next use."""
+        await self.clients.close()
+
+    def close_sync(self) -> None:
+        """Release the blocking client's connections."""
+        self.clients.close_sync()
 
 
 def _settings_json(topic: str, ack_deadline: float, start: str) -> bytes:
     return json.dumps({"topic": topic, "ack_deadline": ack_deadline, "start": start}).encode()
+
+
+async def _record_settings(
+    client: aioredis.Redis, key: str, group: str, settings: bytes
+) -> bytes | None:
+    """Record ``group``'s settings unless some are; return what is recorded now."""
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.hsetnx(key, group, settings)
+        pipe.hget(key, group)
+        _, recorded = await pipe.execute()
+    return recorded  # type: ignore[no-any-return]
+
+
+def _check_same_topic(group: str, topic: str, recorded: bytes | None) -> None:
+    """Refuse a group name that is already the subscription of another stream."""
+    if recorded is None:
+        return
+    existing = json.loads(recorded).get("topic")
+    if existing != topic:
+        raise ConfigurationError(
+            f"subscription {group!r} already exists on topic {existing!r}, not {topic!r}; "
+            "a subscription (consumer group) name belongs to one stream: choose another name"
+        )
+
+
+def _attributes(raw: bytes | None) -> dict[str, str]:
+    """The attributes field as a dict of str, or ValueError naming what is wrong."""
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON {type(value).__name__}, not an object")
+    for name, item in value.items():
+        if not isinstance(item, str):
+            raise ValueError(f"attribute {name!r} is a {type(item).__name__}, not a string")
+    return value
 
 
 def _raise_unless_group_exists(error: ResponseError) -> None:

@@ -5,15 +5,29 @@ before its handler finished, duplicates turned into no-ops by a dedup store, ack
 ahead of running handlers from a rolling p99, retries with backoff and dead-lettering.
 """
 
+from ._runtime import current_claim
 from .clock import Clock, ManualClock, SystemClock
-from .dedup import Claimed, Completed, DedupStore, InProgress, MemoryDedupStore
+from .dedup import (
+    Claimed,
+    Completed,
+    Completion,
+    DedupKey,
+    DedupStore,
+    InProgress,
+    MemoryDedupStore,
+)
 from .errors import (
+    AccessDeniedError,
     AdapterError,
     ConfigurationError,
+    HandlerTimeoutError,
+    MalformedMessageError,
     MissingExtraError,
     ReliableSubError,
     ResultNotSerializableError,
+    StoredResultError,
     UnknownSubscriptionError,
+    UnknownTopicError,
 )
 from .lease import LeaseManager
 from .message import Delivery, Message
@@ -24,18 +38,23 @@ from .subscriber import Subscriber
 __version__ = "0.1.0"
 
 __all__ = [
+    "AccessDeniedError",
     "AdapterError",
     "Claimed",
     "Clock",
     "Completed",
+    "Completion",
     "ConfigurationError",
     "DeadLetterPolicy",
+    "DedupKey",
     "DedupStore",
     "Delivery",
     "FlowControl",
+    "HandlerTimeoutError",
     "InProgress",
     "LeaseManager",
     "LeasePolicy",
+    "MalformedMessageError",
     "ManualClock",
     "MemoryDedupStore",
     "Message",
@@ -44,9 +63,12 @@ __all__ = [
     "ReliableSubError",
     "ResultNotSerializableError",
     "RetryPolicy",
+    "StoredResultError",
     "Subscriber",
     "SubscriberStats",
     "SystemClock",
     "UnknownSubscriptionError",
+    "UnknownTopicError",
     "__version__",
+    "current_claim",
 ]

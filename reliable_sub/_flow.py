@@ -10,8 +10,9 @@ from .policy import FlowControl
 class FlowGate:
     """Backpressure for one Subscriber (all its subscriptions share it).
 
-    A message is *in flight* from the receive that returned it until its ack or nack is queued;
-    receive asks for no more than the free slots. Its payload bytes count while its handler runs.
+    A message is *in flight* from the receive that returned it until the broker confirmed its
+    ack or nack; receive asks for no more than the free slots. Its payload bytes count while its
+    handler runs.
     """
 
     def __init__(self, limits: FlowControl) -> None:
@@ -20,12 +21,22 @@ class FlowGate:
         self._running_bytes = 0
         self._waiters = 0
         self._changed = asyncio.Event()
+        self._closed = False
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
 
     async def free_slots(self) -> int:
-        """Wait until at least one message slot is free; return how many are."""
-        while self._in_flight >= self._limits.max_messages:
+        """Wait until at least one message slot is free; return how many are (0 once closed)."""
+        while self._in_flight >= self._limits.max_messages and not self._closed:
             await self._wait()
-        return self._limits.max_messages - self._in_flight
+        return 0 if self._closed else self._limits.max_messages - self._in_flight
+
+    def close(self) -> None:
+        """Wake every receive loop waiting for a slot: the Subscriber is stopping."""
+        self._closed = True
+        self._changed.set()
 
     def taken(self, count: int) -> None:
         self._in_flight += count

@@ -1,8 +1,15 @@
-"""Batches acks and nacks: one broker call for everything that settled since the last call.
+"""Settles deliveries in batches: the dedup store write first, then one broker call.
 
-There is no flush timer. The settler waits for the first settlement, lets the event loop run once
-so that handlers finishing together join in, and sends the batch; while that call is in flight the
-next batch gathers. Under load batches grow by themselves; when idle an ack goes out at once.
+What settled since the last call goes out together: completions and releases in one store call,
+then acks in one broker call and nacks in one call per delay (the Redis fast path writes the
+completions inside its ack script). Up to ``MAX_CALLS_IN_FLIGHT`` batches travel at once, so one
+slow or failing call does not hold up the acks behind it.
+
+A failed call is retried with backoff until it succeeds: a message whose result is not yet
+recorded must not be acked (its redelivery would run the handler again), and its lease and claim
+stay alive meanwhile (the lease manager keeps both until the settle is confirmed). Only when the
+Subscriber stops, and its stop deadline has passed, does a batch give up: then its messages come
+back after their ack deadline, and a completion that was never written is logged at ERROR.
 """
 
 from __future__ import annotations
@@ -12,21 +19,26 @@ import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
-
-from .adapters.base import Adapter
-from .dedup import DedupStore
+from ._inflight import InFlight, Stage
+from .adapters.base import AcksWithCompletions, Adapter
+from .dedup import Claimed, Completion, DedupStore
+from .errors import ConfigurationError
 from .message import Delivery
+from .outcome import Outcome, SubscriberStats
 
 logger = logging.getLogger(__name__)
 
-# A failed ack or nack call is retried this many times (waits of 0.1, 0.2, 0.4, 0.8 and 1.6 s:
-# about 3 s in all) before the messages are left to their ack deadline: they come back, and the
-# dedup store makes the redelivery harmless.
-SETTLE_ATTEMPTS = 6
-SETTLE_WAIT_MIN = 0.1
-SETTLE_WAIT_MAX = 2.0
+T = TypeVar("T")
+
+# Waits between tries of a failed call: from 0.1 s, doubling, at most 5 s.
+RETRY_WAIT_MIN = 0.1
+RETRY_WAIT_MAX = 5.0
+# A call that keeps failing is logged on its first failure and then every this many tries.
+LOG_EVERY = 10
+# Batches sent at once; more wait and grow meanwhile.
+MAX_CALLS_IN_FLIGHT = 4
 
 
 def quantize_delay(delay: float) -> float:
@@ -37,132 +49,251 @@ def quantize_delay(delay: float) -> float:
     return math.ceil(delay / step - 1e-9) * step
 
 
-class Settler:
-    """Queues acks and nacks and sends them to the adapter in batches.
+class Settle:
+    """How one delivery ends: ack or nack (with a delay), and what the store records."""
 
-    An ack may carry a dedup completion ``(key, result_json)``: completions of a batch are written
-    with one ``complete_many`` call just before its acks, so a message is recorded as done before
-    the broker forgets it.
+    __slots__ = ("ack", "completion", "delay", "item", "outcome", "release")
+
+    def __init__(
+        self,
+        item: InFlight,
+        outcome: Outcome,
+        *,
+        ack: bool,
+        delay: float = 0.0,
+        completion: Completion | None = None,
+        release: Claimed | None = None,
+    ) -> None:
+        self.item = item
+        self.outcome = outcome
+        self.ack = ack
+        self.delay = delay
+        self.completion = completion
+        self.release = release
+
+
+class _GiveUp(Exception):
+    """The stop deadline passed while a call was still failing."""
+
+
+class Settler:
+    """Queues settles and sends them in batches, confirming each with ``on_settled``.
+
+    Args:
+        adapter: the broker.
+        dedup: the store completions and releases go to.
+        dedup_ttl: retention of completed records and failure counts.
+        stats: counters of store and broker errors and refused acks.
+        on_settled: called with each settle and whether the broker refused its ack.
+        sleep: waits between retries (the Subscriber's clock).
     """
 
     def __init__(
         self,
         adapter: Adapter,
         *,
-        dedup: DedupStore | None = None,
-        dedup_ttl: float = 0.0,
+        dedup: DedupStore | None,
+        dedup_ttl: float,
+        stats: SubscriberStats,
+        on_settled: Callable[[Settle, bool], None],
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        on_refused: Callable[[list[Delivery]], None] | None = None,
-        on_error: Callable[[str, int], None] | None = None,
     ) -> None:
         self._adapter = adapter
         self._dedup = dedup
         self._dedup_ttl = dedup_ttl
+        self._stats = stats
+        self._on_settled = on_settled
         self._sleep = sleep
-        self._on_refused = on_refused
-        self._on_error = on_error
-        self._acks: list[Delivery] = []
-        self._completions: list[tuple[str, str]] = []
-        self._nacks: dict[float, list[Delivery]] = {}
-        self._pending = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self._queue: list[Settle] = []
+        self._queued = asyncio.Event()
+        self._slot_free = asyncio.Event()
+        self._calls: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
-        # The fast path: an adapter that can write completions in its ack call (Redis Streams
-        # with a RedisDedupStore on the same server) saves one round trip per batch.
-        shares_store = getattr(adapter, "shares_store", None)
-        self._combined = bool(
-            dedup is not None and callable(shares_store) and shares_store(dedup)
-            and hasattr(adapter, "ack_with_completions")
-        )
+        self._give_up_at: float | None = None
+        self._combined: AcksWithCompletions | None = None
+        if (dedup is not None and isinstance(adapter, AcksWithCompletions)
+                and adapter.shares_store(dedup)):
+            self._combined = adapter
 
-    def ack(self, delivery: Delivery, completion: tuple[str, str] | None = None) -> None:
-        """Queue an ack, after recording ``completion`` (key, result JSON) in the dedup store."""
-        self._acks.append(delivery)
-        if completion is not None:
-            self._completions.append(completion)
-        if self._idle.is_set():
-            self._wake()
+    @property
+    def pending(self) -> int:
+        """Settles queued or in a call not yet confirmed."""
+        return len(self._queue) + len(self._calls)
 
-    def nack(self, delivery: Delivery, delay: float) -> None:
-        self._nacks.setdefault(quantize_delay(delay), []).append(delivery)
-        if self._idle.is_set():
-            self._wake()
-
-    def _wake(self) -> None:
-        self._idle.clear()
-        self._pending.set()
+    def add(self, settle: Settle) -> None:
+        """Queue ``settle``; it is sent with the next batch."""
+        settle.item.stage = Stage.SETTLING
+        self._queue.append(settle)
+        self._queued.set()
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="settler")
+            self._task = asyncio.get_running_loop().create_task(self.run(), name="settler")
 
-    async def flush(self) -> None:
-        """Wait until everything queued so far has been sent (or given up on)."""
-        if self._task is None or self._task.done():
-            await self._send_all()
-            return
-        await self._idle.wait()
+    async def drain(self, give_up_at: float) -> None:
+        """Wait until everything queued is confirmed; calls still failing at ``give_up_at``
+        (the event loop's clock) give up."""
+        self._give_up_at = give_up_at
+        while self._queue or self._calls:
+            if self._queue and len(self._calls) < MAX_CALLS_IN_FLIGHT:
+                self._send_queued()
+            if self._calls:
+                await asyncio.wait(set(self._calls), return_when=asyncio.FIRST_COMPLETED)
+            else:
+                await asyncio.sleep(0)
+
+    def give_up_now(self) -> None:
+        """Failing calls stop retrying at their next failure (a forced stop)."""
+        self._give_up_at = -math.inf
 
     async def stop(self) -> None:
-        await self.flush()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """Send batches as settles arrive, until cancelled."""
         while True:
-            await self._pending.wait()
-            await asyncio.sleep(0)  # let handlers finishing in this loop turn join the batch
-            await self._send_all()
+            await self._queued.wait()
+            await asyncio.sleep(0)  # let deliveries finishing in this loop turn join the batch
+            while self._queue and len(self._calls) >= MAX_CALLS_IN_FLIGHT:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+            self._queued.clear()
+            self._send_queued()
 
-    async def _send_all(self) -> None:
-        while self._acks or self._nacks or self._completions:
-            self._pending.clear()
-            acks, self._acks = self._acks, []
-            completions, self._completions = self._completions, []
-            nacks, self._nacks = self._nacks, {}
-            if completions and acks and self._combined:
-                refused = await self._call(
-                    "recording completions and ack", len(acks),
-                    self._adapter.ack_with_completions,  # type: ignore[attr-defined]
-                    acks, self._dedup, completions, self._dedup_ttl,
-                )
-            else:
-                if completions and self._dedup is not None:
-                    await self._call(
-                        "recording completions", len(completions), self._dedup.complete_many,
-                        completions, self._dedup_ttl,
-                    )
-                refused = []
-                if acks:
-                    refused = await self._call("ack", len(acks), self._adapter.ack, acks)
-            if refused and self._on_refused is not None:
-                self._on_refused(refused)
-            for delay, deliveries in nacks.items():
-                await self._call("nack", len(deliveries), self._adapter.nack, deliveries, delay)
-        self._pending.clear()
-        self._idle.set()
+    def _send_queued(self) -> None:
+        if not self._queue:
+            return
+        batch, self._queue = self._queue, []
+        task = asyncio.get_running_loop().create_task(self._send(batch))
+        self._calls.add(task)
+        task.add_done_callback(self._call_done)
 
-    async def _call(self, what: str, count: int, method, *args):  # type: ignore[no-untyped-def]
+    def _call_done(self, task: asyncio.Task[None]) -> None:
+        self._calls.discard(task)
+        self._slot_free.set()
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("settling a batch failed unexpectedly", exc_info=task.exception())
+
+    async def _send(self, batch: list[Settle]) -> None:
+        acks = [s for s in batch if s.ack]
+        nacks = [s for s in batch if not s.ack]
         try:
-            async for attempt in AsyncRetrying(
-                stop=stop_after_attempt(SETTLE_ATTEMPTS),
-                wait=wait_exponential(multiplier=SETTLE_WAIT_MIN, max=SETTLE_WAIT_MAX),
-                retry=retry_if_exception_type(Exception),
-                reraise=True,
-                sleep=self._sleep,
-            ):
-                with attempt:
-                    return await method(*args)
-        except Exception:
-            if self._on_error is not None:
-                self._on_error(what, count)
-            logger.error(
-                "%s for %d deliveries failed %d times; acks that fail are redelivered after "
-                "their ack deadline, completions that fail leave their claims to expire",
-                what, count, SETTLE_ATTEMPTS, exc_info=True,
+            refused = await self._send_acks(acks) if acks else set()
+        except _GiveUp:
+            self._abandon(acks, "acked")
+            refused = None
+        if refused is not None:
+            for settle in acks:
+                self._on_settled(settle, settle.item.delivery.ack_id in refused)
+        if nacks:
+            try:
+                await self._send_nacks(nacks)
+            except _GiveUp:
+                self._abandon(nacks, "nacked")
+                return
+            for settle in nacks:
+                self._on_settled(settle, False)
+
+    async def _send_acks(self, acks: list[Settle]) -> set[str]:
+        completions = [s.completion for s in acks if s.completion is not None]
+        releases = [s.release for s in acks if s.release is not None]
+        deliveries = [s.item.delivery for s in acks]
+        if releases:
+            await self._release(releases)
+        if completions and self._combined is not None:
+            assert self._dedup is not None
+            combined = self._combined
+            refused, lost = await self._retry(
+                "recording completions and acking", len(acks), ("store", "ack"),
+                combined.ack_with_completions, deliveries, self._dedup, completions,
+                self._dedup_ttl,
             )
-        return None
+            self._report_lost(lost)
+        else:
+            if completions:
+                assert self._dedup is not None
+                lost = await self._retry(
+                    "recording completions", len(completions), ("store",),
+                    self._dedup.complete_many, completions, self._dedup_ttl,
+                )
+                self._report_lost(lost)
+            refused = await self._retry("ack", len(deliveries), ("ack",),
+                                        self._adapter.ack, deliveries)
+        if refused:
+            self._stats.acks_refused += len(refused)
+            logger.info("broker refused %d acks (stale ack ids); those messages come back and "
+                        "are deduplicated", len(refused))
+        return {delivery.ack_id for delivery in refused}
+
+    async def _send_nacks(self, nacks: list[Settle]) -> None:
+        releases = [s.release for s in nacks if s.release is not None]
+        if releases:
+            await self._release(releases)
+        by_delay: dict[float, list[Delivery]] = {}
+        for settle in nacks:
+            by_delay.setdefault(quantize_delay(settle.delay), []).append(settle.item.delivery)
+        for delay, deliveries in by_delay.items():
+            await self._retry("nack", len(deliveries), ("ack",), self._adapter.nack,
+                              deliveries, delay)
+
+    async def _release(self, releases: list[Claimed]) -> None:
+        assert self._dedup is not None
+        await self._retry("releasing dedup claims", len(releases), ("store",),
+                          self._dedup.release_many, releases, self._dedup_ttl)
+
+    def _report_lost(self, lost: list[Claimed]) -> None:
+        if not lost:
+            return
+        self._stats.lost_claims += len(lost)
+        logger.warning(
+            "%d completions were refused: a peer holds their keys (their claims lapsed before "
+            "the results were recorded, so those messages may run twice)", len(lost),
+            extra={"keys": [claim.key for claim in lost[:20]]},
+        )
+
+    async def _retry(
+        self, what: str, count: int, errors: tuple[str, ...],
+        call: Callable[..., Awaitable[T]], *args: Any,
+    ) -> T:
+        tries = 0
+        while True:
+            try:
+                return await call(*args)
+            except ConfigurationError:
+                raise  # a bug, not an outage: retrying cannot help
+            except Exception:
+                tries += 1
+                for kind in errors:
+                    if kind == "store":
+                        self._stats.store_errors += 1
+                    else:
+                        self._stats.ack_errors += 1
+                if tries == 1 or tries % LOG_EVERY == 0:
+                    logger.warning("%s for %d deliveries failed (try %d); retrying", what,
+                                   count, tries, exc_info=True)
+                if self._give_up_at is not None and (
+                    asyncio.get_running_loop().time() >= self._give_up_at
+                ):
+                    logger.error("%s for %d deliveries failed %d times and the Subscriber is "
+                                 "stopping: giving up", what, count, tries)
+                    raise _GiveUp() from None
+                await self._sleep(min(RETRY_WAIT_MAX, RETRY_WAIT_MIN * 2 ** (tries - 1)))
+
+    def _abandon(self, settles: list[Settle], verb: str) -> None:
+        unrecorded = [s for s in settles if s.completion is not None]
+        if unrecorded:
+            logger.error(
+                "%d results were not recorded before the stop: their messages come back after "
+                "their ack deadline and their handlers run again",
+                len(unrecorded),
+                extra={"message_ids": [s.item.message_id for s in unrecorded[:20]]},
+            )
+        logger.warning("%d deliveries could not be %s before the stop; they come back after "
+                       "their ack deadline", len(settles), verb)
+        for settle in settles:
+            settle.outcome = Outcome.STOPPED
+            self._on_settled(settle, False)

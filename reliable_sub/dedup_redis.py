@@ -1,55 +1,62 @@
 """RedisDedupStore: the idempotent-consumer store on Redis, shared by every consumer process.
 
-Each store key (``namespace + "\\x1f" + idempotency_key``, see :func:`~reliable_sub.dedup.
-scoped_key`) is one Redis string::
+Each :class:`~reliable_sub.dedup.DedupKey` ``(namespace, key)`` is one Redis string::
 
-    <prefix>:{<namespace>}:<part>
+    <prefix>:{<namespace>}:<key>
 
 * ``{<namespace>}`` is a Redis Cluster hash tag: every key of one subscription lives in one
-  slot. On a single Redis a script may touch keys of any slots; on a cluster all keys of one
-  call must share a slot, which holds for the Subscriber because it calls ``claim_many`` and
-  ``renew`` with the keys of one subscription's batch (a caller mixing namespaces in one call
-  would get CROSSSLOT there). The namespace appears as it is when it is
-  printable ASCII without spaces or braces and at most ``READABLE_LIMIT`` characters; otherwise
-  (and for a namespace that is literally ``_`` or starts with ``h:``) as ``h:`` + the SHA-256 hex
-  of its UTF-8 bytes. A key without ``"\\x1f"`` has the empty namespace, written ``_``: ``"k"``
-  and ``"\\x1fk"`` are the same record.
-* ``<part>`` is the idempotency key as it is when it is printable ASCII without spaces, at most
-  ``READABLE_LIMIT`` characters and not starting with ``h:``; otherwise ``h:`` + the SHA-256 hex
-  of its UTF-8 bytes. Any key string (long, binary-ish, unicode, with spaces) is safe, distinct
-  store keys never share a record, and ordinary keys stay readable in ``redis-cli``.
+  slot (the Subscriber calls the batch methods with the keys of one subscription's batch). The
+  namespace appears as it is when it is printable ASCII without spaces or braces and at most
+  ``READABLE_LIMIT`` characters; otherwise (and for a namespace that is literally ``_`` or
+  starts with ``h:``) as ``h:`` + the SHA-256 hex of its UTF-8 bytes. The empty namespace is
+  written ``_``.
+* ``<key>`` is the idempotency key as it is when it is printable ASCII without spaces, at most
+  ``READABLE_LIMIT`` characters and not starting with ``h:``; otherwise ``h:`` + its SHA-256 hex.
 
-The value says the state::
+The namespace cannot contain a brace and the key part follows the tag, so distinct keys never
+share a record, and ordinary keys stay readable in ``redis-cli``. The value says the state::
 
-    p:<owner>      in progress, claimed by the store whose owner token is <owner>; PX = lease
-    c:<json>       completed; <json> is the handler's result as JSON text; PX = retention
+    p:<token>|<failures>   claimed under fencing token <token>; PX = the claim's lease
+    f:<failures>           released after <failures> failed attempts; PX = retention
+    c:<json>               completed; <json> is the handler's result; PX = retention
 
 A missing key is new (never seen, or its lease or retention ran out). Results are JSON text,
-never pickle. Claiming, releasing and renewing are Lua scripts (registered with
-``register_script``, so they are reloaded after a Redis restart); completing is a SET with PX.
-Every batch method is one round trip.
+never pickle. Every method is one Lua script call (registered with ``register_script``, so it is
+reloaded after a Redis restart) and one round trip per batch. Fencing tokens are made before the
+call, so a command that redis-py retries after a dropped connection finds its own claim and
+reports it Claimed rather than InProgress.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import math
 import re
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from .dedup import CLAIMED, ClaimResult, Completed, InProgress, encode_result
+from .dedup import (
+    Claimed,
+    ClaimResult,
+    Completed,
+    Completion,
+    DedupKey,
+    InProgress,
+    TokenSource,
+    check_owner,
+    checked_result_json,
+    encode_result,
+)
 from .errors import ConfigurationError, MissingExtraError
 
 try:
     import redis.asyncio as aioredis
-    from redis.commands.core import AsyncScript
 except ImportError as error:  # the redis extra is not installed
     raise MissingExtraError("RedisDedupStore", "redis", "redis") from error
+
+from .redis_clients import RedisClients, script
 
 logger = logging.getLogger(__name__)
 
@@ -60,68 +67,88 @@ DEFAULT_PREFIX = "reliable-sub:dedup"
 READABLE_LIMIT = 100
 # Connect and read timeouts of a client created from a URL: a claim is one short script, so a
 # Redis that does not answer within this is treated as down and the batch is redelivered later,
-# rather than the receive loop hanging on a dead socket (older redis-py had no default timeout).
+# rather than the receive loop hanging on a dead socket.
 SOCKET_TIMEOUT = 5.0
 # Connections of a client created from a URL: plenty for the Subscriber's few batch calls at a
-# time plus handlers' own claims. Beyond it a caller waits for a free connection (redis-py's
-# default pool instead fails with "Too many connections" past 100 concurrent commands) ...
+# time plus handlers' own claims. Beyond it a caller waits for a free connection ...
 MAX_CONNECTIONS = 50
 # ... for at most this long: every command ends within SOCKET_TIMEOUT, so a longer wait means
 # Redis is down and the call fails like any other Redis error.
 CONNECTION_WAIT = 2 * SOCKET_TIMEOUT
 
-# Value layout (see the module docstring).
-_IN_PROGRESS = b"p:"
-_COMPLETED = b"c:"
 _HASHED = "h:"
 _EMPTY_NAMESPACE = "_"
-_SEPARATOR = "\x1f"
 # What may appear as it is: printable ASCII without space ('!' to '~') ...
 _READABLE_PART = re.compile(rf"[!-~]{{1,{READABLE_LIMIT}}}")
 # ... and, inside the hash tag, also without braces, which would end or confuse the tag.
 _READABLE_NAMESPACE = re.compile(rf"[!-z|~]{{1,{READABLE_LIMIT}}}")
 
-# Claim states the claim script reports, one (state, detail) pair per key.
+# Claim states the claim script reports, one (state, a, b) triple per key.
 _STATE_CLAIMED = 0
 _STATE_COMPLETED = 1
 _STATE_IN_PROGRESS = 2
 
-# KEYS: the records to claim. ARGV[1]: this owner's in-progress value; ARGV[2]: lease in ms.
-# Per key, in order, a pair: 0, '' (claimed now) | 1, result JSON | 2, PTTL in ms.
-_CLAIM_SCRIPT = """
+# Parses a record: returns kind ('p', 'f', 'c', or nil for a missing or foreign value), the
+# token (for 'p'), and the failure count.
+_PARSE = """
+local function parse(value)
+  if not value then return nil, nil, 0 end
+  local kind = string.sub(value, 1, 2)
+  if kind == 'c:' then return 'c', nil, 0 end
+  if kind == 'f:' then return 'f', nil, tonumber(string.sub(value, 3)) or 0 end
+  if kind == 'p:' then
+    local bar = string.find(value, '|', 3, true)
+    if bar then
+      return 'p', string.sub(value, 3, bar - 1), tonumber(string.sub(value, bar + 1)) or 0
+    end
+    return 'p', string.sub(value, 3), 0
+  end
+  return 'p', '', 0
+end
+"""
+
+# complete(key, token, value, ttl_ms) records a completion unless a peer holds the key under
+# another token; returns 1 when refused. Shared with the Redis Streams adapter's fast path,
+# which runs it in the same script call as the batch's XACK.
+COMPLETE_LUA = _PARSE + """
+local function complete(key, token, value, ttl)
+  local kind, holder = parse(redis.call('GET', key))
+  if kind == 'c' then return 0 end
+  if kind == 'p' and holder ~= token then return 1 end
+  redis.call('SET', key, value, 'PX', ttl)
+  return 0
+end
+"""
+
+# KEYS: the records. ARGV[1]: lease ms; ARGV[1 + i]: the token for KEYS[i].
+_CLAIM_SCRIPT = _PARSE + """
 local reply = {}
 for i, key in ipairs(KEYS) do
+  local token = ARGV[i + 1]
   local value = redis.call('GET', key)
-  if not value then
-    redis.call('SET', key, ARGV[1], 'PX', ARGV[2])
-    reply[2 * i - 1] = 0
-    reply[2 * i] = ''
-  elseif string.sub(value, 1, 2) == 'c:' then
-    reply[2 * i - 1] = 1
-    reply[2 * i] = string.sub(value, 3)
+  local kind, holder, failures = parse(value)
+  local n = #reply
+  if kind == 'c' then
+    reply[n + 1] = 1; reply[n + 2] = string.sub(value, 3); reply[n + 3] = 0
+  elseif kind == 'p' and holder ~= token then
+    reply[n + 1] = 2; reply[n + 2] = redis.call('PTTL', key); reply[n + 3] = failures
   else
-    reply[2 * i - 1] = 2
-    reply[2 * i] = redis.call('PTTL', key)
+    redis.call('SET', key, 'p:' .. token .. '|' .. failures, 'PX', ARGV[1])
+    reply[n + 1] = 0; reply[n + 2] = ''; reply[n + 3] = failures
   end
 end
 return reply
 """
 
-# KEYS[1]: the record. ARGV[1]: this owner's in-progress value. 1 if deleted, else 0.
-_RELEASE_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
-# KEYS: the records. ARGV[1]: this owner's in-progress value; ARGV[2]: lease in ms.
-# Extends the claims this owner holds; returns the 1-based positions of the others.
-_RENEW_SCRIPT = """
+# KEYS: the records. ARGV[1]: lease ms; then per key its token and failure count.
+# Returns the 1-based positions of the claims no longer held.
+_RENEW_SCRIPT = _PARSE + """
 local lost = {}
 for i, key in ipairs(KEYS) do
-  if redis.call('GET', key) == ARGV[1] then
-    redis.call('PEXPIRE', key, ARGV[2])
+  local token, failures = ARGV[2 * i], ARGV[2 * i + 1]
+  local kind, holder = parse(redis.call('GET', key))
+  if kind == 'p' and holder == token then
+    redis.call('SET', key, 'p:' .. token .. '|' .. failures, 'PX', ARGV[1])
   else
     lost[#lost + 1] = i
   end
@@ -129,20 +156,46 @@ end
 return lost
 """
 
+# KEYS: the records. ARGV[1]: retention ms; then per key its token and failure count.
+_RELEASE_SCRIPT = _PARSE + """
+for i, key in ipairs(KEYS) do
+  local token, failures = ARGV[2 * i], tonumber(ARGV[2 * i + 1])
+  local kind, holder = parse(redis.call('GET', key))
+  if kind == 'p' and holder == token then
+    if failures > 0 and tonumber(ARGV[1]) > 0 then
+      redis.call('SET', key, 'f:' .. failures, 'PX', ARGV[1])
+    else
+      redis.call('DEL', key)
+    end
+  end
+end
+return 0
+"""
+
+# KEYS: the records. ARGV[1]: ttl ms; then per key its token and value.
+# Returns the 1-based positions of the refused completions.
+_COMPLETE_SCRIPT = COMPLETE_LUA + """
+local refused = {}
+for i, key in ipairs(KEYS) do
+  if complete(key, ARGV[2 * i], ARGV[2 * i + 1], ARGV[1]) == 1 then
+    refused[#refused + 1] = i
+  end
+end
+return refused
+"""
+
 
 class RedisDedupStore:
-    """A dedup store on Redis: one record per idempotency key, shared by every consumer.
+    """A dedup store on Redis: one record per key, shared by every consumer.
 
     Args:
-        url_or_client: a Redis URL (a client is created with ``decode_responses=False``, a
-            blocking pool of ``MAX_CONNECTIONS`` and ``SOCKET_TIMEOUT``, and closed by
-            :meth:`aclose`), or a ``redis.asyncio.Redis`` client the caller owns and closes.
+        url_or_client: a Redis URL (clients are made per event loop, with a blocking pool of
+            ``MAX_CONNECTIONS``, ``SOCKET_TIMEOUT`` and reconnect retries), or a
+            ``redis.asyncio.Redis`` client you own (closing the store only releases its
+            connections).
         prefix: the first part of every Redis key this store writes; no braces.
-        owner: this store's owner token (default: a fresh random one). Stores with the same
-            owner may renew and release each other's claims; give each process its own.
-
-    Like any ``redis.asyncio`` client, the store belongs to the event loop that first uses it
-    (the Subscriber's); to use Redis from another loop as well, create a second store.
+        owner: prefix of this store's fencing tokens (default: a fresh random one); no ``|``,
+            ``.`` or braces.
     """
 
     def __init__(
@@ -157,167 +210,150 @@ class RedisDedupStore:
                 f"RedisDedupStore.prefix must be a non-empty str without braces (they would "
                 f"move the cluster hash tag), got {prefix!r}"
             )
-        if owner is not None and (not isinstance(owner, str) or not owner):
-            raise ConfigurationError(
-                f"RedisDedupStore.owner must be a non-empty str or None, got {owner!r}"
-            )
-        if isinstance(url_or_client, str):
-            pool = aioredis.BlockingConnectionPool.from_url(
-                url_or_client,
-                max_connections=MAX_CONNECTIONS,
-                timeout=CONNECTION_WAIT,
-                decode_responses=False,
-                socket_timeout=SOCKET_TIMEOUT,
-                socket_connect_timeout=SOCKET_TIMEOUT,
-            )
-            client = aioredis.Redis.from_pool(pool)
-            self._owns_client = True
-        elif isinstance(url_or_client, aioredis.Redis):
-            client = url_or_client
-            self._owns_client = False
-        else:
-            raise ConfigurationError(
-                "RedisDedupStore needs a Redis URL or a redis.asyncio.Redis client, got "
-                f"{type(url_or_client).__name__}"
-            )
-        self._client = client
+        self._tokens = TokenSource(check_owner(owner, "RedisDedupStore"))
+        self.owner = self._tokens.owner
+        self.clients = RedisClients(
+            url_or_client,
+            owner="RedisDedupStore",
+            blocking_pool=True,
+            pool_options={
+                "max_connections": MAX_CONNECTIONS,
+                "timeout": CONNECTION_WAIT,
+                "socket_timeout": SOCKET_TIMEOUT,
+                "socket_connect_timeout": SOCKET_TIMEOUT,
+            },
+        )
         self.prefix = prefix
-        self.owner = owner or uuid.uuid4().hex
-        self._claim_value = _IN_PROGRESS + self.owner.encode("utf-8", "surrogatepass")
-        self._claim_script: AsyncScript = client.register_script(_CLAIM_SCRIPT)
-        self._release_script: AsyncScript = client.register_script(_RELEASE_SCRIPT)
-        self._renew_script: AsyncScript = client.register_script(_RENEW_SCRIPT)
+        # Scripts are bound to no client: each call names the running loop's client.
+        self._claim_script = script(_CLAIM_SCRIPT)
+        self._renew_script = script(_RENEW_SCRIPT)
+        self._release_script = script(_RELEASE_SCRIPT)
+        self._complete_script = script(_COMPLETE_SCRIPT)
 
     def __repr__(self) -> str:
         return f"RedisDedupStore(prefix={self.prefix!r}, owner={self.owner!r})"
 
     @property
     def client(self) -> aioredis.Redis:
-        """The ``redis.asyncio.Redis`` client this store talks through."""
-        return self._client
+        """The ``redis.asyncio.Redis`` client of the running event loop."""
+        return self.clients.get()
 
-    async def aclose(self) -> None:
-        """Close the client if this store created it from a URL (a passed client stays open)."""
-        if self._owns_client:
-            await self._client.aclose()
+    async def close(self) -> None:
+        """Release this loop's connections; the store reconnects on next use."""
+        await self.clients.close()
 
-    def redis_key(self, key: str) -> str:
-        """The Redis key that holds the record of store ``key`` (see the module docstring)."""
-        namespace, separator, idempotency_key = key.partition(_SEPARATOR)
-        if not separator:
-            namespace, idempotency_key = "", key
+    def close_sync(self) -> None:
+        """Release the blocking client's connections (the store keeps none other outside a
+        loop)."""
+        self.clients.close_sync()
+
+    def redis_key(self, key: DedupKey) -> str:
+        """The Redis key that holds the record of ``key`` (see the module docstring)."""
+        namespace, idempotency_key = key
         return f"{self.prefix}:{{{_namespace_tag(namespace)}}}:{_key_part(idempotency_key)}"
 
     # -- the DedupStore protocol ----------------------------------------------------------------
 
-    async def claim(self, key: str, lease_ttl: float) -> ClaimResult:
-        """Atomically claim ``key`` for ``lease_ttl`` seconds, or report why not."""
+    async def claim(self, key: DedupKey, lease_ttl: float) -> ClaimResult:
         return (await self.claim_many([key], lease_ttl))[0]
 
-    async def claim_many(self, keys: Sequence[str], lease_ttl: float) -> list[ClaimResult]:
-        """:meth:`claim` for each key, in order, in one script call (one round trip).
-
-        A key repeated in ``keys`` is claimed once; its later positions report InProgress.
-        """
+    async def claim_many(
+        self,
+        keys: Sequence[DedupKey],
+        lease_ttl: float,
+        tokens: Sequence[str] | None = None,
+    ) -> list[ClaimResult]:
         if not keys:
             return []
         lease = _milliseconds("lease_ttl", lease_ttl)
+        chosen = list(tokens) if tokens else [self._tokens.next() for _ in keys]
         reply = await self._claim_script(
-            keys=[self.redis_key(key) for key in keys], args=[self._claim_value, lease]
+            keys=[self.redis_key(key) for key in keys], args=[lease, *chosen],
+            client=self.client,
         )
         results: list[ClaimResult] = []
-        for index in range(len(keys)):
-            state, detail = int(reply[2 * index]), reply[2 * index + 1]
+        for index, key in enumerate(keys):
+            state = int(reply[3 * index])
+            detail, failures = reply[3 * index + 1], int(reply[3 * index + 2])
             if state == _STATE_CLAIMED:
-                results.append(CLAIMED)
+                results.append(Claimed(key, chosen[index], failures))
             elif state == _STATE_COMPLETED:
-                results.append(Completed(_decode_result(detail)))
+                results.append(Completed(_text(detail), key))
             else:
-                results.append(InProgress(self._remaining(keys[index], int(detail))))
+                results.append(InProgress(self._remaining(key, int(detail)), failures))
         return results
 
-    async def complete(self, key: str, result: Any, ttl: float) -> None:
-        """Record ``key`` as handled with a JSON-serializable ``result``, kept ``ttl`` seconds.
-
-        Raises :class:`~reliable_sub.errors.ResultNotSerializableError` (and stores nothing)
-        when ``result`` is not JSON-serializable.
-        """
-        await self.complete_many([(key, encode_result(result))], ttl)
-
-    async def complete_many(self, results: Sequence[tuple[str, str]], ttl: float) -> None:
-        """Record each ``(key, result_json)`` as handled, kept ``ttl`` seconds, in one round trip.
-
-        A completion is a fact, so it replaces whatever the key held (even a peer's claim).
-        """
-        if not results:
-            return
-        retention = _milliseconds("ttl", ttl)
-        async with self._client.pipeline(transaction=False) as pipe:
-            for key, result_json in results:
-                pipe.set(self.redis_key(key), _COMPLETED + result_json.encode(), px=retention)
-            await pipe.execute()
-
-    def completion_records(
-        self, results: Sequence[tuple[str, str]], ttl: float
-    ) -> tuple[list[str], list[bytes], int]:
-        """The Redis keys, values and TTL (ms) that :meth:`complete_many` would write.
-
-        For the Redis Streams adapter's fast path, which writes them in the same script call
-        as the batch's XACK when stream and store share a Redis.
-        """
-        keys = [self.redis_key(key) for key, _ in results]
-        values = [_COMPLETED + result_json.encode() for _, result_json in results]
-        return keys, values, _milliseconds("ttl", ttl)
-
-    def same_server(self, client: aioredis.Redis) -> bool:
-        """True when ``client`` talks to the same Redis server and database as this store."""
-        mine = self._client.connection_pool.connection_kwargs
-        theirs = client.connection_pool.connection_kwargs
-        fields = ("host", "port", "db", "path")
-        return all(mine.get(name) == theirs.get(name) for name in fields)
-
-    async def release(self, key: str) -> bool:
-        """Delete this owner's claim on ``key`` so a retry can run; False if it was not ours."""
-        deleted = await self._release_script(
-            keys=[self.redis_key(key)], args=[self._claim_value]
-        )
-        return bool(deleted)
-
-    async def renew(self, keys: Sequence[str], lease_ttl: float) -> list[str]:
-        """Extend this owner's claims to ``lease_ttl`` from now in one script call.
-
-        Returns the keys that are no longer ours (expired, taken by a peer, or completed); they
-        are left untouched.
-        """
-        if not keys:
+    async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+        if not claims:
             return []
         lease = _milliseconds("lease_ttl", lease_ttl)
+        args: list[Any] = [lease]
+        for claim in claims:
+            args += (claim.token, claim.failures)
         lost = await self._renew_script(
-            keys=[self.redis_key(key) for key in keys], args=[self._claim_value, lease]
+            keys=[self.redis_key(c.key) for c in claims], args=args, client=self.client
         )
-        lost_keys = [keys[int(position) - 1] for position in lost]
-        if lost_keys:
-            logger.debug("%d of %d dedup claims are no longer ours", len(lost_keys), len(keys))
-        return lost_keys
+        return [claims[int(position) - 1] for position in lost]
 
-    def _remaining(self, key: str, pttl: int) -> float:
+    async def complete(self, claim: Claimed, result: Any, ttl: float) -> bool:
+        refused = await self.complete_many([Completion(claim, encode_result(result))], ttl)
+        return not refused
+
+    async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+        if not completions:
+            return []
+        keys, args = self.completion_records(completions, ttl)
+        refused = await self._complete_script(keys=keys, args=args, client=self.client)
+        return [completions[int(position) - 1].claim for position in refused]
+
+    def completion_records(
+        self, completions: Sequence[Completion], ttl: float
+    ) -> tuple[list[str], list[Any]]:
+        """The KEYS and ARGV of ``COMPLETE_LUA`` calls for ``completions``: the keys, then the
+        TTL in ms followed by a (token, value) pair per key. For the Redis Streams adapter's
+        fast path, which writes completions in the same script call as the batch's XACK."""
+        args: list[Any] = [_milliseconds("ttl", ttl)]
+        for claim, result_json in completions:
+            args += (claim.token, b"c:" + checked_result_json(result_json).encode())
+        return [self.redis_key(c.claim.key) for c in completions], args
+
+    async def release(self, claim: Claimed, retention: float = 0.0) -> None:
+        await self.release_many([claim], retention)
+
+    async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
+        if not claims:
+            return
+        args: list[Any] = [max(0, round(retention * 1000)) if retention < math.inf else 0]
+        for claim in claims:
+            args += (claim.token, claim.failures)
+        await self._release_script(
+            keys=[self.redis_key(c.key) for c in claims], args=args, client=self.client
+        )
+
+    def same_server(self, clients: RedisClients) -> bool:
+        """True when ``clients`` talk to the same Redis server and database as this store."""
+        return self.clients.same_server(clients)
+
+    def _remaining(self, key: DedupKey, pttl: int) -> float:
         if pttl >= 0:
             return pttl / 1000.0
         # Only a write by something other than this store leaves a record without expiry.
         logger.warning(
             "dedup record %r (Redis key %r) is in progress without an expiry; it stays "
-            "claimed until someone deletes it",
-            key,
-            self.redis_key(key),
+            "claimed until someone deletes it", key, self.redis_key(key),
         )
         return math.inf
 
 
 def _milliseconds(name: str, seconds: float) -> int:
-    """``seconds`` as whole milliseconds for PX / PEXPIRE (at least 1)."""
+    """``seconds`` as whole milliseconds for PX (at least 1)."""
     if not isinstance(seconds, int | float) or not 0 < seconds < math.inf:
         raise ConfigurationError(f"RedisDedupStore: {name} must be in (0, inf), got {seconds!r}")
     return max(1, round(seconds * 1000))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 def _hashed(text: str) -> str:
@@ -343,9 +379,4 @@ def _namespace_tag(namespace: str) -> str:
     return _hashed(namespace)
 
 
-def _decode_result(detail: bytes | str) -> Any:
-    text = detail.decode() if isinstance(detail, bytes) else detail
-    return json.loads(text) if text else None
-
-
-__all__ = ["RedisDedupStore"]
+__all__ = ["COMPLETE_LUA", "RedisDedupStore"]

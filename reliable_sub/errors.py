@@ -19,7 +19,15 @@ class AdapterError(ReliableSubError):
 
 
 class UnknownSubscriptionError(AdapterError, LookupError):
-    """A call named a subscription (or topic) the broker does not have."""
+    """A call named a subscription the broker does not have; the message names it and the fix."""
+
+
+class UnknownTopicError(AdapterError, LookupError):
+    """A call named a topic the broker does not have; the message names it and the fix."""
+
+
+class AccessDeniedError(AdapterError, PermissionError):
+    """The broker refused a call for lack of permission; the message names the resource."""
 
 
 class MissingExtraError(ReliableSubError, ImportError):
@@ -35,3 +43,15 @@ class MissingExtraError(ReliableSubError, ImportError):
 
 class ResultNotSerializableError(ReliableSubError, TypeError):
     """A handler returned a value that cannot be stored as JSON in the dedup store."""
+
+
+class StoredResultError(ReliableSubError, ValueError):
+    """A dedup record's stored result is not valid JSON (written by something else)."""
+
+
+class MalformedMessageError(ReliableSubError, ValueError):
+    """A broker entry could not be read as a message; it is dead-lettered without a handler."""
+
+
+class HandlerTimeoutError(ReliableSubError, TimeoutError):
+    """A handler was still running at ``LeasePolicy.max_lease_duration``: a failed attempt."""

@@ -1,4 +1,4 @@
-"""The lease manager: keeps every in-flight message's ack deadline ahead of its handler.
+"""The lease manager: keeps every in-flight message's ack deadline and dedup claim alive.
 
 How it differs from Pub/Sub's own leaser (which extends *every* leased message on every tick by a
 lifetime p99 of whole seconds):
@@ -8,11 +8,15 @@ lifetime p99 of whole seconds):
   it and a workload that gets faster is followed within minutes;
 * a tick extends only the deliveries that are due (less than ``SAFETY_FRACTION`` of their lease
   left), together with those due soon (``BATCH_FRACTION``), in one batched ``extend`` call;
-* dedup claims of running handlers are renewed in the same tick, so a claim never lapses under a
-  live handler;
-* after ``max_lease_duration`` the message is nacked for redelivery (the claim stays renewed while
-  the handler still runs, so the redelivered copy waits instead of running twice);
-* an ``extend`` the broker refuses (a stale ack id) drops that delivery from the lease; nothing
+* a delivery stays leased until the settler has confirmed its ack or nack, not just until its
+  handler returned: a completion being written (or retried) is never left without a lease;
+* the dedup claim of a delivery is renewed in the same tick, from the moment its handler starts
+  until its result is recorded, each claim on its own schedule (its own length, not the
+  broker lease's, sets its safety margin);
+* ``max_lease_duration`` after receipt the Subscriber is told (``on_max_lease``): it gives back
+  what has not started, cancels an async handler, and counts a sync handler that runs on as a
+  failed attempt, once per further ``max_lease_duration``;
+* an ``extend`` the broker refuses (a stale ack id) stops the lease of that delivery; nothing
   crashes, and the handler's eventual ack is refused harmlessly.
 """
 
@@ -22,14 +26,14 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from ._inflight import InFlight, Stage
 from .adapters.base import Adapter
 from .clock import Clock, sleep_or_event
 from .dedup import DedupStore
 from .histogram import SlidingHistogram
-from .message import Delivery
 from .policy import LeasePolicy
 
 logger = logging.getLogger(__name__)
@@ -40,30 +44,11 @@ SAFETY_FRACTION = 0.2
 # A tick also takes leases that would fall due within this further fraction, so deliveries
 # received close together share one extend call instead of one call each.
 BATCH_FRACTION = 0.2
-# After a failed extend call (broker unreachable), try again this fraction of a lease later.
+# After a failed extend or renew call (broker or store unreachable), try again this fraction of
+# a lease later.
 RETRY_FRACTION = 0.05
 # The loop never spins faster than this, whatever the leases say (a guard, not a schedule).
 MIN_TICK_INTERVAL = 0.01
-
-
-@dataclass(eq=False, slots=True)
-class _Lease:
-    delivery: Delivery
-    deadline: float
-    length: float
-    expires_at: float
-    held: bool = True
-    started_at: float | None = None
-    claim_key: str | None = None
-    claim_deadline: float = math.inf
-    not_before: float = -math.inf  # after a failed broker or store call: retry from then
-
-    def due_at(self) -> float:
-        margin = self.length * SAFETY_FRACTION
-        due = self.deadline - margin if self.held else math.inf
-        if self.claim_key is not None:
-            due = min(due, self.claim_deadline - margin)
-        return max(due, self.not_before)
 
 
 @dataclass
@@ -73,9 +58,11 @@ class LeaseStats:
     extend_calls: int = 0
     extended_ack_ids: int = 0
     claim_renew_calls: int = 0
+    renewed_claims: int = 0
     refused: int = 0
-    max_lease_nacks: int = 0
+    max_lease_reached: int = 0
     extend_errors: int = 0
+    renew_errors: int = 0
     lost_claims: int = 0
 
 
@@ -88,6 +75,8 @@ class LeaseManager:
         clock: the time source (shared with the adapter in tests).
         initial_deadline: the deadline (seconds) a fresh delivery has from the broker.
         dedup: the store whose claims are renewed with the deliveries, if any.
+        on_max_lease: awaited with the deliveries that reached ``max_lease_duration`` (their
+            broker lease is no longer extended).
         histogram: processing-time histogram (default: a fresh sliding one).
     """
 
@@ -99,6 +88,7 @@ class LeaseManager:
         clock: Clock,
         initial_deadline: float,
         dedup: DedupStore | None = None,
+        on_max_lease: Callable[[list[InFlight]], Awaitable[None]] | None = None,
         histogram: SlidingHistogram | None = None,
     ) -> None:
         self._adapter = adapter
@@ -106,9 +96,10 @@ class LeaseManager:
         self._clock = clock
         self._initial_deadline = initial_deadline
         self._dedup = dedup
+        self._on_max_lease = on_max_lease
         self.histogram = histogram or SlidingHistogram(clock)
         self.stats = LeaseStats()
-        self._leases: dict[str, _Lease] = {}
+        self._leases: set[InFlight] = set()
         self._wakeup = asyncio.Event()
         self._idle = True
         self._planned_wake = math.inf
@@ -119,63 +110,65 @@ class LeaseManager:
 
     # -- what the Subscriber tells us --------------------------------------------------------
 
-    def add(
-        self,
-        deliveries: Sequence[Delivery],
-        claim_keys: Sequence[str] | None = None,
-        claim_ttl: float = 0.0,
-    ) -> None:
+    def add(self, items: Sequence[InFlight], claim_ttl: float = 0.0) -> None:
         """Lease deliveries from the moment their receive call returned (``received_at``).
 
-        ``claim_keys`` (one per delivery) are dedup claims taken for ``claim_ttl`` seconds at
-        ``received_at``; they are renewed together with the deliveries.
+        Items that are then claimed take their claim for ``claim_ttl`` seconds; it is renewed
+        once their handler starts (see :meth:`started`).
         """
         initial = self._initial_deadline
         max_lease = self._policy.max_lease_duration
         margin = initial * SAFETY_FRACTION
-        leases = self._leases
-        earliest_due = math.inf
-        for index, delivery in enumerate(deliveries):
-            received = delivery.received_at
-            lease = _Lease(delivery, received + initial, initial, received + max_lease)
-            due = received + initial - margin
-            if claim_keys is not None:
-                lease.claim_key = claim_keys[index]
-                lease.claim_deadline = received + claim_ttl
-                due = min(due, lease.claim_deadline - margin)
-            leases[delivery.ack_id] = lease
-            if due < earliest_due:
-                earliest_due = due
-        # The loop may be asleep until a later lease falls due (all others were just extended
-        # far ahead): wake it when a new one is due first, or it would miss its deadline.
-        if (self._idle and leases) or earliest_due < self._planned_wake:
-            self._idle = False
-            self._planned_wake = earliest_due
-            self._wakeup.set()
+        earliest = math.inf
+        for item in items:
+            received = item.delivery.received_at
+            item.leased = True
+            item.deadline = received + initial
+            item.length = initial
+            item.expires_at = received + max_lease
+            # a claim, if the batch is claimed, is taken just after this (at about received)
+            item.claim_deadline = received + claim_ttl
+            item.claim_length = claim_ttl
+            self._leases.add(item)
+            earliest = min(earliest, received + initial - margin)
+        self._schedule(earliest)
 
     def claim_ttl(self) -> float:
         """How long a fresh delivery's dedup claim should last: as long as its first lease."""
         return max(self._initial_deadline, self._policy.min_extension)
 
-    def started(self, delivery: Delivery) -> None:
-        """The handler for ``delivery`` starts now: processing time is measured from here."""
-        lease = self._leases.get(delivery.ack_id)
-        if lease is not None:
-            lease.started_at = self._clock.now()
+    def claim_needs_refresh(self, item: InFlight) -> bool:
+        """True when ``item``'s claim (taken at receipt, not renewed while it waited to start)
+        has too little time left to start a handler under it."""
+        margin = item.claim_length * SAFETY_FRACTION
+        return item.claim_deadline - margin <= self._clock.now()
 
-    def finish(self, delivery: Delivery) -> float | None:
-        """Stop leasing ``delivery`` and record its processing time; returns it, if measured."""
-        lease = self._leases.pop(delivery.ack_id, None)
-        if lease is None or lease.started_at is None:
+    def claim_taken(self, item: InFlight, ttl: float) -> None:
+        """``item``'s claim was (re)taken now for ``ttl`` seconds."""
+        item.claim_deadline = self._clock.now() + ttl
+        item.claim_length = ttl
+
+    def started(self, item: InFlight) -> None:
+        """The handler starts now: time is measured from here and the claim is kept alive."""
+        item.started_at = self._clock.now()
+        if item.claim is not None and item.leased:
+            item.claim_active = True
+            self._schedule(item.claim_deadline - item.claim_length * SAFETY_FRACTION)
+
+    def finished(self, item: InFlight) -> float | None:
+        """The handler returned: record its processing time (the lease stays until settled)."""
+        if item.started_at is None:
             return None
         now = self._clock.now()
-        duration = now - lease.started_at
+        duration = now - item.started_at
         self.histogram.add(duration, now)
         return duration
 
-    def drop(self, delivery: Delivery) -> None:
-        """Stop leasing ``delivery`` without recording a processing time."""
-        self._leases.pop(delivery.ack_id, None)
+    def drop(self, item: InFlight) -> None:
+        """Stop leasing ``item`` (settled, or given up)."""
+        self._leases.discard(item)
+        item.leased = False
+        item.claim_active = False
 
     def extension(self) -> float:
         """The current extension length: the policy's percentile, clamped to its range."""
@@ -192,7 +185,7 @@ class LeaseManager:
     def start(self) -> None:
         """Start the background task (inside a running event loop)."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="lease-manager")
+            self._task = asyncio.get_running_loop().create_task(self.run(), name="lease-manager")
 
     async def stop(self) -> None:
         """Stop extending; leases still held simply run out at the broker."""
@@ -202,7 +195,8 @@ class LeaseManager:
                 await self._task
             self._task = None
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """Tick whenever a lease falls due, until cancelled."""
         while True:
             next_due = await self.tick()
             if next_due is None or math.isinf(next_due):  # nothing to extend or renew
@@ -216,47 +210,75 @@ class LeaseManager:
             self._planned_wake = self._clock.now() + delay
             await sleep_or_event(self._clock, self._wakeup, delay)
 
+    def _schedule(self, due: float) -> None:
+        # The loop may be asleep until a later lease falls due: wake it when this one is due
+        # first, or it would miss its deadline.
+        if (self._idle and self._leases) or due < self._planned_wake:
+            self._idle = False
+            self._planned_wake = due
+            self._wakeup.set()
+
     async def tick(self) -> float | None:
-        """Extend what is due, renew due claims, release expired leases.
+        """Extend what is due, renew due claims, report leases at their maximum duration.
 
         Returns the clock time of the next due lease (inf when the remaining leases need
-        nothing until their handlers finish), or None when nothing is leased.
+        nothing until they settle), or None when nothing is leased.
         """
         now = self._clock.now()
-        to_extend: list[_Lease] = []
-        to_release: list[_Lease] = []
-        claims: list[_Lease] = []
-        for lease in self._leases.values():
-            if lease.not_before > now:
+        to_extend: list[InFlight] = []
+        expired: list[InFlight] = []
+        claims: list[InFlight] = []
+        window = SAFETY_FRACTION + BATCH_FRACTION
+        for item in self._leases:
+            if item.not_before > now:
                 continue
-            horizon = now + lease.length * (SAFETY_FRACTION + BATCH_FRACTION)
-            if lease.held and lease.deadline <= horizon:
-                if lease.expires_at <= horizon:
-                    to_release.append(lease)
-                else:
-                    to_extend.append(lease)
-            if lease.claim_key is not None and lease.claim_deadline <= horizon:
-                claims.append(lease)
-        if to_release:
-            await self._release(to_release)
+            if item.held:
+                horizon = now + item.length * window
+                if item.deadline <= horizon:
+                    if item.expires_at <= horizon:
+                        expired.append(item)
+                    else:
+                        to_extend.append(item)
+            elif item.stage is Stage.RUNNING and item.expires_at <= now:
+                expired.append(item)  # a handler that runs on: another max_lease_duration
+            if item.claim_active and item.claim_deadline <= now + item.claim_length * window:
+                claims.append(item)
+        if expired:
+            await self._expire(expired)
         # the percentile sorts the histogram: only worth it when something is due
         extension = self.extension() if (to_extend or claims) else 0.0
         if to_extend:
             await self._extend(to_extend, extension, now)
         if claims and self._dedup is not None:
-            await self._renew_claims(claims, extension, now)
+            await self._renew_claims(claims, max(extension, self.claim_ttl()), now)
         if not self._leases:
             return None
-        return min(lease.due_at() for lease in self._leases.values())
+        return min(_due_at(item) for item in self._leases)
 
-    async def _extend(self, leases: list[_Lease], extension: float, now: float) -> None:
-        groups: dict[float, list[_Lease]] = {}
-        for lease in leases:
-            seconds = min(extension, lease.expires_at - now)
-            seconds = self._adapter.capabilities.clamp_deadline(seconds)
-            groups.setdefault(seconds, []).append(lease)
+    async def _expire(self, items: list[InFlight]) -> None:
+        self.stats.max_lease_reached += len(items)
+        for item in items:
+            item.held = False
+            # a handler that runs on is reported again one max_lease_duration later
+            item.expires_at = max(item.expires_at, self._clock.now()) + (
+                self._policy.max_lease_duration
+            )
+        logger.warning(
+            "%d deliveries reached max_lease_duration=%gs",
+            len(items), self._policy.max_lease_duration,
+            extra={"message_ids": [item.message_id for item in items[:20]]},
+        )
+        if self._on_max_lease is not None:
+            await self._on_max_lease(items)
+
+    async def _extend(self, items: list[InFlight], extension: float, now: float) -> None:
+        groups: dict[float, list[InFlight]] = {}
+        clamp = self._adapter.capabilities.clamp_deadline
+        for item in items:
+            seconds = clamp(min(extension, item.expires_at - now))
+            groups.setdefault(seconds, []).append(item)
         for seconds, group in groups.items():
-            deliveries = [lease.delivery for lease in group]
+            deliveries = [item.delivery for item in group]
             try:
                 refused = await self._adapter.extend(deliveries, seconds)
             except Exception:
@@ -264,71 +286,62 @@ class LeaseManager:
                 logger.warning(
                     "extending %d deliveries failed; retrying shortly", len(group), exc_info=True
                 )
-                for lease in group:
-                    lease.not_before = now + lease.length * RETRY_FRACTION
+                for item in group:
+                    item.not_before = now + item.length * RETRY_FRACTION
                 continue
             self.stats.extend_calls += 1
             self.stats.extended_ack_ids += len(deliveries)
             refused_ids = {d.ack_id for d in refused}
-            for lease in group:
-                if lease.delivery.ack_id in refused_ids:
-                    self._drop_refused(lease)
+            for item in group:
+                if item.delivery.ack_id in refused_ids:
+                    self._refused(item)
                 else:
-                    lease.deadline = now + seconds
-                    lease.length = seconds
+                    item.deadline = now + seconds
+                    item.length = seconds
 
-    def _drop_refused(self, lease: _Lease) -> None:
+    def _refused(self, item: InFlight) -> None:
         self.stats.refused += 1
-        lease.held = False
+        item.held = False
         logger.info(
             "broker refused to extend message %s (ack id %s is stale); no longer leased",
-            lease.delivery.message.id,
-            lease.delivery.ack_id,
+            item.message_id, item.delivery.ack_id,
         )
-        if lease.claim_key is None:
-            self._leases.pop(lease.delivery.ack_id, None)
 
-    async def _release(self, leases: list[_Lease]) -> None:
-        deliveries = [lease.delivery for lease in leases]
-        for lease in leases:
-            lease.held = False
-            if lease.claim_key is None and lease.started_at is None:
-                self._leases.pop(lease.delivery.ack_id, None)
-        self.stats.max_lease_nacks += len(leases)
-        logger.warning(
-            "%d deliveries reached max_lease_duration=%gs; nacked for redelivery (their dedup "
-            "claims stay renewed while their handlers run)",
-            len(leases),
-            self._policy.max_lease_duration,
-        )
-        try:
-            await self._adapter.nack(deliveries, 0.0)
-        except Exception:
-            logger.warning("nack after max_lease_duration failed", exc_info=True)
-
-    async def _renew_claims(self, leases: list[_Lease], extension: float, now: float) -> None:
+    async def _renew_claims(self, items: list[InFlight], seconds: float, now: float) -> None:
         assert self._dedup is not None
-        keys = [lease.claim_key for lease in leases if lease.claim_key is not None]
+        claims = [item.claim for item in items if item.claim is not None]
         try:
-            lost = set(await self._dedup.renew(keys, extension))
+            lost = await self._dedup.renew(claims, seconds)
         except Exception:
-            logger.warning("renewing %d dedup claims failed; retrying shortly", len(keys),
+            self.stats.renew_errors += 1
+            logger.warning("renewing %d dedup claims failed; retrying shortly", len(claims),
                            exc_info=True)
-            for lease in leases:
-                lease.not_before = now + lease.length * RETRY_FRACTION
+            for item in items:
+                item.not_before = now + item.claim_length * RETRY_FRACTION
             return
         self.stats.claim_renew_calls += 1
-        for lease in leases:
-            if lease.claim_key in lost:
+        self.stats.renewed_claims += len(claims) - len(lost)
+        lost_tokens = {claim.token for claim in lost}
+        for item in items:
+            if item.claim is not None and item.claim.token in lost_tokens:
                 self.stats.lost_claims += 1
+                item.claim_active = False
                 logger.warning(
-                    "dedup claim %r of message %s was lost (expired and taken?)",
-                    lease.claim_key,
-                    lease.delivery.message.id,
+                    "dedup claim of message %s was lost (it lapsed and a peer took it?); its "
+                    "completion will be refused if the peer still holds it", item.message_id,
+                    extra={"message_id": item.message_id},
                 )
-                lease.claim_key = None
-                lease.claim_deadline = math.inf
-                if not lease.held:
-                    self._leases.pop(lease.delivery.ack_id, None)
             else:
-                lease.claim_deadline = now + extension
+                item.claim_deadline = now + seconds
+                item.claim_length = seconds
+
+
+def _due_at(item: InFlight) -> float:
+    due = math.inf
+    if item.held:
+        due = item.deadline - item.length * SAFETY_FRACTION
+    elif item.stage is Stage.RUNNING:
+        due = item.expires_at
+    if item.claim_active:
+        due = min(due, item.claim_deadline - item.claim_length * SAFETY_FRACTION)
+    return max(due, item.not_before)

@@ -42,11 +42,15 @@ class Delivery:
 
     ``ack_id`` identifies this one delivery: after a redelivery the old ``ack_id`` is stale.
     ``received_at`` is the Subscriber's clock reading when the receive call returned.
+    ``malformed`` is set by an adapter that could not read the broker's entry as a message (the
+    parse error); ``message`` then carries what could be read, and the Subscriber dead-letters
+    it without calling the handler.
     """
 
     message: Message
     ack_id: str
     received_at: float = 0.0
+    malformed: str | None = None
 
     @property
     def size(self) -> int:

@@ -11,17 +11,25 @@ class Outcome(str, enum.Enum):
     """The end of one delivery attempt."""
 
     ACKED = "acked"
-    """The handler succeeded; the message was acked."""
+    """The handler succeeded; its result was recorded and the broker confirmed the ack."""
     DUPLICATE = "duplicate"
     """The dedup store had it as completed; acked without calling the handler."""
     DEFERRED = "deferred"
     """A live peer holds its dedup claim; nacked to come back after the peer is done."""
     RETRY = "retry"
-    """The handler (or a store it needs) failed; nacked for redelivery after a backoff."""
+    """The handler (or the dedup claim) failed; nacked for redelivery after a backoff."""
     DEAD_LETTERED = "dead_lettered"
-    """Failed at the last allowed attempt; published to the dead-letter topic, then acked."""
+    """Failed ``max_delivery_attempts`` times (or could not be read); published to the
+    dead-letter topic, then acked."""
     STOPPED = "stopped"
-    """The Subscriber stopped before the handler finished; nacked for immediate redelivery."""
+    """The Subscriber stopped before the handler started or finished; nacked for immediate
+    redelivery."""
+    REQUEUED = "requeued"
+    """Given back without running: an earlier message of its ordering key failed or was
+    deferred, or it waited to start until ``max_lease_duration``."""
+    ACK_REFUSED = "ack_refused"
+    """Settled, but the broker refused the ack (the delivery was stale: redelivered or taken
+    over); it comes back, and a dedup store turns it into a duplicate."""
 
     # Hash as the plain string (as equality already does): Enum's own __hash__ is a Python call,
     # paid on every delivery when outcomes are counted.
@@ -38,6 +46,8 @@ class SubscriberStats:
     ack_errors: int = 0
     store_errors: int = 0
     acks_refused: int = 0
+    lost_claims: int = 0
+    malformed: int = 0
 
     def __getitem__(self, outcome: Outcome | str) -> int:
         return self.outcomes[Outcome(outcome)]

@@ -1,51 +1,36 @@
-"""The Subscriber: receives, leases, deduplicates, runs handlers, retries, dead-letters, acks.
+"""The Subscriber: register handlers, then run them with the full guarantees.
 
-The path of one delivery reads top to bottom in :meth:`Subscriber._handle`::
+The path of one delivery is in :mod:`reliable_sub._runtime`; this module is the facade users see:
+configuration checked up front, ``@sub.handler``, and the lifecycle -- ``start``/``stop`` (a
+background thread), ``run`` (blocking, stopped by SIGINT/SIGTERM), ``serve``/``shutdown`` (inside
+your event loop), and the ``with``/``async with`` forms.
 
-    claim in the dedup store ── completed before ──► ack (duplicate)
-        │  claimed by a live peer ──► nack until the peer is done (deferred)
-        ▼
-    handler (in-process retries) ── ok ──► complete in the store ► ack (acked)
-        │ failed
-        ▼
-    release the claim ► last attempt ? publish to the dead-letter topic ► ack (dead_lettered)
-                                     : nack with exponential backoff (retry)
+Ownership: the Subscriber closes the adapter and the dedup store when a run ends (their
+connections belong to the run's event loop). Both stay usable: the next call, or the next run,
+opens new connections.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
+import contextlib
 import functools
 import inspect
 import logging
 import random
 import signal
 import threading
-from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any, TypeVar
 
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_exponential,
-    wait_random_exponential,
-)
-
-from ._eager import start_eagerly
-from ._flow import FlowGate
-from ._settler import Settler
+from ._runtime import Config, Route, Runtime
 from .adapters.base import Adapter
 from .clock import Clock, SystemClock
-from .dedup import Claimed, Completed, DedupStore, encode_result, scoped_key
-from .errors import ConfigurationError, ResultNotSerializableError
+from .dedup import DedupStore
+from .errors import ConfigurationError
 from .lease import LeaseManager
-from .message import Delivery, Message
+from .message import Message
 from .outcome import Outcome, SubscriberStats
 from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, check_count
 
@@ -58,49 +43,15 @@ DEFAULT_DEDUP_TTL = 7 * 24 * 3600.0
 RECEIVE_BATCH = 100
 # Seconds one receive call waits for messages before it returns empty and is made again.
 RECEIVE_TIMEOUT = 5.0
-# Backoff between failed receive calls (broker unreachable): from 0.1 s up to 10 s, jittered.
-RECEIVE_RETRY_INITIAL = 0.1
-RECEIVE_RETRY_MAX = 10.0
 # Pub/Sub's own client runs callbacks on 10 threads by default; so do we for sync handlers.
 DEFAULT_SYNC_WORKERS = 10
-# A message a live peer is handling comes back when the peer's claim would lapse, but not sooner
-# than this (nor later than RetryPolicy.max_backoff).
-DEFER_MIN_DELAY = 1.0
-# Pub/Sub attribute values are limited to 1024 bytes; the error message is cut to fit.
-ERROR_MESSAGE_LIMIT = 1000
+# Real seconds running handlers get to finish when a stop does not name a timeout. Kubernetes
+# sends SIGKILL terminationGracePeriodSeconds (30 s by default) after SIGTERM: keep this below.
 DEFAULT_STOP_TIMEOUT = 30.0
-# Outcomes after which the next message of the same ordering key may run.
-_DONE = frozenset({Outcome.ACKED, Outcome.DUPLICATE, Outcome.DEAD_LETTERED})
-# On stop, receive loops are cancelled again at this interval until they have ended.
-RECEIVER_STOP_WAIT = 1.0
+# Real seconds of event-loop lag after which the watchdog warns that a handler blocks the loop.
+DEFAULT_LOOP_LAG_WARNING = 1.0
 
 HandlerT = TypeVar("HandlerT", bound=Callable[..., Any])
-
-
-@dataclass(eq=False)
-class _Route:
-    """One subscription and its handler."""
-
-    subscription: str
-    handler: Callable[[Message], Any]
-    is_async: bool
-    namespace: str
-    direct: bool = False  # async, no in-process retries: awaited without wrappers
-    lease: LeaseManager | None = None
-    receiver: asyncio.Task[None] | None = None
-    # ordering key -> deliveries waiting for the running one of that key (ordered brokers)
-    waiting: dict[str, deque[tuple[Delivery, str | None]]] = field(default_factory=dict)
-
-
-class _Attempt:
-    """What one delivery holds, so a stop can give back exactly that."""
-
-    __slots__ = ("claim_key", "in_thread", "result_json")
-
-    def __init__(self, claim_key: str | None) -> None:
-        self.claim_key = claim_key
-        self.in_thread = False
-        self.result_json = "null"
 
 
 class Subscriber:
@@ -113,16 +64,23 @@ class Subscriber:
         retry: in-process retries and redelivery backoff.
         dead_letter: where poison messages go; None retries them forever with backoff.
         flow_control: bounds on messages and bytes in flight.
-        dedup_ttl: seconds a completed record is kept. It must cover the longest redelivery span
-            (backoffs up to ``max_delivery_attempts`` plus ``max_lease_duration``).
+        dedup_ttl: seconds a completed record (and a failure count) is kept. It must cover the
+            longest redelivery span (backoffs up to ``max_delivery_attempts`` plus
+            ``max_lease_duration``).
         clock: time source for leases, backoff and retries (tests pass a ``ManualClock``).
         sync_workers: threads that run sync handlers.
-        on_outcome: called in the event loop with each delivery's message and outcome.
+        on_outcome: called in the event loop with each delivery's message and outcome, once
+            the broker confirmed its ack or nack.
         rng: random source for backoff jitter.
         receive_batch: most messages asked for in one receive call.
         receive_timeout: seconds one receive call waits for messages.
-        stop_timeout: seconds in-flight handlers get to finish when a stop comes from a signal
-            (``run``), a cancelled ``serve()``, or ``stop()``/``shutdown()`` without a timeout.
+        stop_timeout: real seconds running handlers get to finish when a stop names no timeout
+            (a signal under ``run``, a cancelled ``serve()``, ``stop()``/``shutdown()``).
+        loop_lag_warning: real seconds of event-loop lag after which a WARNING names the
+            handler blocking the loop; None turns the watchdog off.
+
+    The Subscriber closes ``adapter`` and ``dedup`` when a run ends; both reconnect if used
+    again (by you, or by the next run).
     """
 
     def __init__(
@@ -142,58 +100,61 @@ class Subscriber:
         receive_batch: int = RECEIVE_BATCH,
         receive_timeout: float = RECEIVE_TIMEOUT,
         stop_timeout: float = DEFAULT_STOP_TIMEOUT,
+        loop_lag_warning: float | None = DEFAULT_LOOP_LAG_WARNING,
     ) -> None:
-        self._adapter = adapter
-        self._dedup = dedup
-        self._lease_policy = lease or LeasePolicy()
-        self._retry = retry or RetryPolicy()
-        self._dead_letter = dead_letter
-        self._flow_control = flow_control or FlowControl()
-        self._dedup_ttl = dedup_ttl
-        self._clock: Clock = clock or SystemClock()
-        self._on_outcome = on_outcome
-        self._rng = rng or random.Random()
         _check_positive("dedup_ttl", dedup_ttl)
         _check_positive("receive_timeout", receive_timeout)
+        if loop_lag_warning is not None:
+            _check_positive("loop_lag_warning", loop_lag_warning)
         if not isinstance(stop_timeout, int | float) or not stop_timeout >= 0:
             raise ConfigurationError(
                 f"Subscriber.stop_timeout must be in [0, inf), got {stop_timeout!r}"
             )
         check_count("Subscriber", "sync_workers", sync_workers)
         check_count("Subscriber", "receive_batch", receive_batch)
-        self._sync_workers = sync_workers
-        self._receive_batch = receive_batch
-        self._receive_timeout = receive_timeout
+        self._config = Config(
+            adapter=adapter,
+            dedup=dedup,
+            lease=lease or LeasePolicy(),
+            retry=retry or RetryPolicy(),
+            dead_letter=dead_letter,
+            flow_control=flow_control or FlowControl(),
+            dedup_ttl=dedup_ttl,
+            clock=clock or SystemClock(),
+            sync_workers=sync_workers,
+            rng=rng or random.Random(),
+            receive_batch=receive_batch,
+            receive_timeout=receive_timeout,
+            loop_lag_warning=loop_lag_warning,
+            on_outcome=on_outcome,
+        )
         self._check_dedup_window()
-
+        self._stop_timeout = float(stop_timeout)
         self.stats = SubscriberStats()
-        self._routes: dict[str, _Route] = {}
+        self._routes: dict[str, Route] = {}
+        self._runtime: Runtime | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._stop_event: asyncio.Event | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self._force: asyncio.Event | None = None
         self._closed: asyncio.Event | None = None
-        self._default_stop_timeout = float(stop_timeout)
-        self._stop_timeout = self._default_stop_timeout
+        self._timeout = self._stop_timeout
         self._done = threading.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._flow: FlowGate | None = None
-        self._receiving = False
-        self._ordered = False
-        self._settler: Settler | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._serving: asyncio.Task[None] | None = None
 
     def _check_dedup_window(self) -> None:
         """Every dedup mechanism has a window, and the window is the bug: refuse a short one."""
-        if self._dedup is None or self._dead_letter is None:
+        config = self._config
+        if config.dedup is None or config.dead_letter is None:
             return
-        attempts = self._dead_letter.max_delivery_attempts
-        backoffs = sum(self._retry.max_backoff_for(a) for a in range(1, attempts))
-        span = backoffs + self._lease_policy.max_lease_duration
-        if self._dedup_ttl < span:
+        attempts = config.dead_letter.max_delivery_attempts
+        backoffs = sum(config.retry.max_backoff_for(a) for a in range(1, attempts))
+        span = backoffs + config.lease.max_lease_duration
+        if config.dedup_ttl < span:
             raise ConfigurationError(
-                f"Subscriber.dedup_ttl={self._dedup_ttl:g}s is shorter than the longest "
+                f"Subscriber.dedup_ttl={config.dedup_ttl:g}s is shorter than the longest "
                 f"redelivery span {span:g}s (backoffs for {attempts} attempts, {backoffs:g}s, "
-                f"plus max_lease_duration {self._lease_policy.max_lease_duration:g}s): a "
+                f"plus max_lease_duration {config.lease.max_lease_duration:g}s): a "
                 "duplicate could arrive after its record expired; raise dedup_ttl to at least "
                 f"{span:g}"
             )
@@ -205,13 +166,17 @@ class Subscriber:
     ) -> Callable[[HandlerT], HandlerT]:
         """Register the decorated function as the handler of ``subscription``.
 
-        Sync functions run in a worker thread, coroutine functions are awaited. The return value
-        is stored (as JSON) in the dedup store. ``namespace`` scopes dedup keys (default: the
-        subscription name).
+        Sync functions run in a worker thread, coroutine functions in their own task. The
+        return value is stored (as JSON) in the dedup store. ``namespace`` scopes dedup keys
+        (default: the adapter's name for the broker, topic and subscription).
         """
         if not isinstance(subscription, str) or not subscription:
             raise ConfigurationError(
                 f"handler: subscription must be a non-empty str, got {subscription!r}"
+            )
+        if namespace is not None and (not isinstance(namespace, str) or not namespace):
+            raise ConfigurationError(
+                f"handler: namespace must be a non-empty str or None, got {namespace!r}"
             )
 
         def register(function: HandlerT) -> HandlerT:
@@ -224,13 +189,12 @@ class Subscriber:
                 )
             if self._loop is not None:
                 raise ConfigurationError("register handlers before the Subscriber starts")
-            is_async = _is_async_callable(function)
-            self._routes[subscription] = _Route(
+            self._routes[subscription] = Route(
                 subscription=subscription,
                 handler=function,
-                is_async=is_async,
-                namespace=namespace or subscription,
-                direct=is_async and self._retry.in_process_attempts == 1,
+                is_async=_is_async_callable(function),
+                namespace=namespace,
+                name=_name_of(function),
             )
             return function
 
@@ -238,28 +202,41 @@ class Subscriber:
 
     def lease_manager(self, subscription: str) -> LeaseManager:
         """The running lease manager of ``subscription`` (for stats and inspection)."""
-        route = self._routes[subscription]
-        if route.lease is None:
+        runtime = self._runtime
+        if subscription not in self._routes:
+            raise ConfigurationError(f"subscription {subscription!r} has no handler")
+        if runtime is None or subscription not in runtime.lanes:
             raise RuntimeError(f"subscription {subscription!r} is not running")
-        return route.lease
+        return runtime.lanes[subscription].lease
 
     # -- lifecycle -------------------------------------------------------------------------
 
     @property
     def running(self) -> bool:
         """True between a successful start and the end of a stop."""
-        return self._loop is not None
+        return self._runtime is not None
+
+    def healthy(self) -> bool:
+        """True while running with every receive loop, lease manager and settler alive (for a
+        readiness probe); a loop that failed and is being restarted makes it False."""
+        runtime = self._runtime
+        if runtime is None:
+            return False
+        problems = runtime.problems()
+        if problems:
+            logger.debug("not healthy: %s", "; ".join(problems))
+        return not problems
 
     def start(self) -> None:
         """Run in a background thread; returns once receiving has begun (or raises why not)."""
-        if self._loop is not None:
+        if self._loop is not None or (self._thread is not None and self._thread.is_alive()):
             raise RuntimeError("Subscriber is already running")
         started = threading.Event()
         failure: list[BaseException] = []
 
         def main() -> None:
             try:
-                asyncio.run(self._serve(started))
+                asyncio.run(self._serve(started.set))
             except BaseException as error:
                 failure.append(error)
                 if started.is_set():
@@ -277,45 +254,54 @@ class Subscriber:
             raise failure[0]
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop gracefully from any thread but the Subscriber's own loop.
+        """Stop gracefully, from any thread but the Subscriber's own loop.
 
-        Receiving stops; in-flight handlers get ``timeout`` seconds (wall clock) to finish; the
-        rest are nacked for immediate redelivery; queued acks are flushed. Nothing is lost.
+        Receiving stops at once and nothing not yet started will start; running handlers get
+        ``timeout`` real seconds (default: ``stop_timeout``) to finish and are then acked as
+        usual; async handlers still running are cancelled and their messages given back; sync
+        handlers (threads cannot be interrupted) are waited for. A second ``stop()`` while one
+        is under way forces it: nothing more is waited for.
         """
-        loop, stop_event = self._loop, self._stop_event
-        if loop is None or stop_event is None:
+        loop = self._loop
+        if loop is None:
+            self._join_thread()
             return
         if _running_loop() is loop:
             raise RuntimeError(
                 "Subscriber.stop() blocks; inside its event loop use: await sub.shutdown(timeout)"
             )
-        self._stop_timeout = self._default_stop_timeout if timeout is None else timeout
-        loop.call_soon_threadsafe(stop_event.set)
+        with contextlib.suppress(RuntimeError):  # a closed loop: the run is over already
+            loop.call_soon_threadsafe(self._request_stop, timeout)
         self._done.wait()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._join_thread()
 
     async def shutdown(self, timeout: float | None = None) -> None:
         """The same as :meth:`stop`, awaited from inside the Subscriber's event loop."""
-        if self._stop_event is None:
+        closed = self._closed
+        if closed is None:
             return
-        self._stop_timeout = self._default_stop_timeout if timeout is None else timeout
-        self._stop_event.set()
-        if self._closed is not None:
-            await self._closed.wait()
+        self._request_stop(timeout)
+        await closed.wait()
 
     def run(self) -> None:
-        """Block until SIGINT or SIGTERM (or :meth:`stop` from another thread), then stop."""
+        """Block until SIGINT or SIGTERM (or :meth:`stop` from another thread), then stop.
+
+        The first signal stops gracefully (see :meth:`stop`); a second one forces the stop.
+        """
 
         async def main() -> None:
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 try:
-                    loop.add_signal_handler(sig, self._request_stop)
+                    loop.add_signal_handler(sig, self._on_signal, sig)
                 except (NotImplementedError, RuntimeError, ValueError):
                     logger.debug("cannot install a handler for %s outside the main thread", sig)
-            await self.serve()
+            try:
+                await self.serve()
+            finally:
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                        loop.remove_signal_handler(sig)
 
         asyncio.run(main())
 
@@ -323,11 +309,60 @@ class Subscriber:
         """Run inside the current event loop until stopped (or cancelled, which also stops)."""
         await self._serve(None)
 
-    def _request_stop(self) -> None:
-        if self._stop_event is not None:
-            self._stop_event.set()
+    def __enter__(self) -> Subscriber:
+        self.start()
+        return self
 
-    async def _serve(self, started: threading.Event | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> Subscriber:
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[None] = loop.create_future()
+
+        def on_started() -> None:
+            if not started.done():
+                started.set_result(None)
+
+        task = loop.create_task(self._serve(on_started), name="reliable-sub serve")
+        await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
+        if not started.done():
+            task.result()  # raises why it could not start
+        self._serving = task
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        task, self._serving = self._serving, None
+        await self.shutdown()
+        if task is not None:
+            await task
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        logger.info("received %s", sig.name)
+        self._request_stop(None)
+
+    def _request_stop(self, timeout: float | None) -> None:
+        stop, force = self._stop_requested, self._force
+        if stop is None or force is None:
+            return
+        if stop.is_set():
+            if not force.is_set():
+                logger.warning("second stop request: forcing the stop (running sync handlers "
+                               "are left to their threads, failing acks are given up)")
+                force.set()
+            return
+        self._timeout = self._stop_timeout if timeout is None else timeout
+        logger.info("stop requested; waiting up to %gs for running handlers (stop again to "
+                    "force)", self._timeout)
+        stop.set()
+
+    async def _serve(self, on_started: Callable[[], None] | None) -> None:
         if self._loop is not None:
             raise RuntimeError("Subscriber is already running")
         if not self._routes:
@@ -335,428 +370,57 @@ class Subscriber:
                 "Subscriber has no handlers; register one with @sub.handler(subscription)"
             )
         self._loop = asyncio.get_running_loop()
-        self._stop_timeout = self._default_stop_timeout
-        self._stop_event = asyncio.Event()
+        self._stop_requested = asyncio.Event()
+        self._force = asyncio.Event()
         self._closed = asyncio.Event()
+        self._timeout = self._stop_timeout
         self._done.clear()
+        runtime = Runtime(self._config, list(self._routes.values()), self.stats)
         try:
-            await self._open()
-            if started is not None:
-                started.set()
             try:
-                await self._stop_event.wait()
-            except asyncio.CancelledError:
-                await self._close(self._stop_timeout)  # cancelling serve() stops gracefully
+                await runtime.open()
+            except BaseException:
+                await runtime.abort()
                 raise
-            await self._close(self._stop_timeout)
+            self._runtime = runtime
+            self._log_started(runtime)
+            if on_started is not None:
+                on_started()
+            try:
+                await self._stop_requested.wait()
+            except asyncio.CancelledError:
+                # cancelling serve() stops gracefully
+                await runtime.close(self._stop_timeout, self._force)
+                raise
+            await runtime.close(self._timeout, self._force)
+            self._log_stopped()
         finally:
+            self._runtime = None
             self._closed.set()
             self._loop = None
-            self._stop_event = None
-            self._closed = None
+            self._stop_requested = self._force = self._closed = None
             self._done.set()
 
-    async def _open(self) -> None:
-        self._flow = FlowGate(self._flow_control)
-        self._settler = Settler(
-            self._adapter,
-            sleep=self._clock.sleep,
-            dedup=self._dedup,
-            dedup_ttl=self._dedup_ttl,
-            on_refused=self._count_refused,
-            on_error=self._count_settle_errors,
-        )
-        self._settler.start()
-        self._executor = ThreadPoolExecutor(self._sync_workers, thread_name_prefix="reliable-sub")
-        try:
-            for route in self._routes.values():
-                deadline = await self._adapter.subscription_ack_deadline(route.subscription)
-                route.lease = LeaseManager(
-                    self._adapter,
-                    self._lease_policy,
-                    clock=self._clock,
-                    initial_deadline=deadline,
-                    dedup=self._dedup,
-                )
-        except BaseException:
-            await self._settler.stop()
-            self._executor.shutdown(wait=False)
-            raise
-        loop = asyncio.get_running_loop()
-        self._receiving = True
-        self._ordered = self._adapter.capabilities.ordering
-        for route in self._routes.values():
-            assert route.lease is not None
-            route.lease.start()
-            route.receiver = loop.create_task(
-                self._receive_loop(route), name=f"receive {route.subscription}"
-            )
+    def _join_thread(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
-    async def _close(self, timeout: float) -> None:
-        self._receiving = False
-        receivers = {r.receiver for r in self._routes.values() if r.receiver is not None}
-        while receivers:
-            for task in receivers:
-                task.cancel()
-            # a client that swallows the cancellation still sees _receiving and stops
-            _, receivers = await asyncio.wait(receivers, timeout=RECEIVER_STOP_WAIT)
-        if self._tasks:
-            _, pending = await asyncio.wait(set(self._tasks), timeout=max(0.0, timeout))
-            for task in pending:
-                task.cancel()
-            if pending:
-                await asyncio.gather(*pending, return_exceptions=True)
-        for route in self._routes.values():
-            waiting, route.waiting = route.waiting, {}
-            for queue in waiting.values():
-                await self._give_back_waiting(route, queue, Outcome.STOPPED)
-            route.receiver = None
-            if route.lease is not None:
-                await route.lease.stop()
-        if self._settler is not None:
-            await self._settler.stop()
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
-
-    # -- receiving ---------------------------------------------------------------------------
-
-    async def _receive_loop(self, route: _Route) -> None:
-        assert self._flow is not None and route.lease is not None
-        flow, lease = self._flow, route.lease
-        loop = asyncio.get_running_loop()
-        while self._receiving:
-            free = await flow.free_slots()
-            deliveries = await self._receive(route, min(free, self._receive_batch))
-            if not deliveries:
-                continue
-            now = self._clock.now()
-            for delivery in deliveries:
-                delivery.received_at = now  # the lease clock starts when receive returns
-            flow.taken(len(deliveries))
-            if self._dedup is None:
-                lease.add(deliveries)
-                for delivery in deliveries:
-                    self._start(loop, route, delivery, None)
-            else:
-                await self._claim_and_start(loop, route, deliveries)
-
-    async def _claim_and_start(
-        self, loop: asyncio.AbstractEventLoop, route: _Route, deliveries: list[Delivery]
-    ) -> None:
-        """Claim a received batch in one store call; settle duplicates, start the rest."""
-        assert self._dedup is not None and route.lease is not None
-        namespace = route.namespace
-        keys = [scoped_key(namespace, d.message.idempotency_key) for d in deliveries]
-        ttl = route.lease.claim_ttl()
-        try:
-            claims = await self._dedup.claim_many(keys, ttl)
-        except asyncio.CancelledError:
-            for delivery in deliveries:
-                self._settle(delivery, Outcome.STOPPED, 0.0)
-            raise
-        except Exception:
-            self.stats.store_errors += 1
-            logger.warning("dedup claim of %d messages failed; redelivering them later",
-                           len(deliveries), exc_info=True)
-            for delivery in deliveries:
-                backoff = self._retry.backoff(delivery.message.delivery_attempt, self._rng)
-                # even with min_backoff=0, a broken store must not spin the receive loop
-                self._settle(delivery, Outcome.RETRY, max(DEFER_MIN_DELAY, backoff))
-            return
-        to_run: list[Delivery] = []
-        run_keys: list[str] = []
-        for delivery, key, claim in zip(deliveries, keys, claims, strict=True):
-            if isinstance(claim, Claimed):
-                to_run.append(delivery)
-                run_keys.append(key)
-            elif isinstance(claim, Completed):
-                self._settle(delivery, Outcome.DUPLICATE, 0.0)
-            else:
-                delay = min(self._retry.max_backoff, max(DEFER_MIN_DELAY, claim.expires_in))
-                self._settle(delivery, Outcome.DEFERRED, delay)
-        route.lease.add(to_run, run_keys, ttl)
-        for delivery, key in zip(to_run, run_keys, strict=True):
-            self._start(loop, route, delivery, key)
-
-    def _start(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        route: _Route,
-        delivery: Delivery,
-        claim_key: str | None,
-    ) -> None:
-        key = delivery.message.ordering_key
-        if key is not None and self._ordered:
-            # Pub/Sub may hand out several messages of one key at once: run them one at a time,
-            # in the order received, as its own client does.
-            queue = route.waiting.get(key)
-            if queue is not None:
-                queue.append((delivery, claim_key))
-                return
-            route.waiting[key] = deque()
-        task = start_eagerly(loop, self._process(route, delivery, claim_key))
-        if task is not None:
-            self._track(task)
-
-    def _track(self, task: asyncio.Task[None]) -> None:
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _next_of_key(self, route: _Route, key: str, succeeded: bool) -> None:
-        """After a delivery of ``key`` settled: start the next one, or give them all back.
-
-        When one fails, those after it are nacked too: the broker redelivers them after the
-        failed one, so nothing of the key overtakes it.
-        """
-        queue = route.waiting.get(key)
-        if queue is None:
-            return
-        if succeeded and queue and self._receiving:
-            delivery, claim_key = queue.popleft()
-            loop = asyncio.get_running_loop()
-            # a task, not an eager start: a long queue must not nest one call per message
-            self._track(loop.create_task(self._process(route, delivery, claim_key)))
-            return
-        del route.waiting[key]
-        outcome = Outcome.DEFERRED if self._receiving else Outcome.STOPPED
-        await self._give_back_waiting(route, queue, outcome)
-
-    async def _give_back_waiting(
-        self, route: _Route, queue: deque[tuple[Delivery, str | None]], outcome: Outcome
-    ) -> None:
-        assert route.lease is not None
-        while queue:
-            delivery, claim_key = queue.popleft()
-            route.lease.drop(delivery)
-            if claim_key is not None:
-                await self._release(claim_key)
-            self._settle(delivery, outcome, 0.0)
-
-    async def _receive(self, route: _Route, max_messages: int) -> list[Delivery]:
-        """One receive call, retried with jittered exponential backoff while the broker fails."""
-
-        def log_failure(state: Any) -> None:
-            self.stats.receive_errors += 1
-            logger.warning(
-                "receive from %r failed (attempt %d): %r; retrying",
-                route.subscription,
-                state.attempt_number,
-                state.outcome.exception() if state.outcome else None,
-            )
-
-        def retryable(error: BaseException) -> bool:
-            # Some clients turn a cancellation into a connection error: never retry once closing.
-            return self._receiving and isinstance(error, Exception)
-
-        async for attempt in AsyncRetrying(
-            wait=wait_random_exponential(
-                multiplier=RECEIVE_RETRY_INITIAL, max=RECEIVE_RETRY_MAX
-            ),
-            retry=retry_if_exception(retryable),
-            before_sleep=log_failure,
-            sleep=self._clock.sleep,
-        ):
-            with attempt:
-                return await self._adapter.receive(
-                    route.subscription, max_messages, self._receive_timeout
-                )
-        return []  # the retry loop ended because the Subscriber is closing
-
-    # -- one delivery --------------------------------------------------------------------------
-
-    async def _process(self, route: _Route, delivery: Delivery, claim_key: str | None) -> None:
-        attempt = _Attempt(claim_key)
-        try:
-            outcome, delay = await self._handle(route, delivery, attempt)
-        except asyncio.CancelledError:
-            await self._give_back(route, delivery, attempt)
-            raise
-        except Exception:  # a bug of ours must not lose the message
-            logger.exception("processing message %s failed unexpectedly", delivery.message.id)
-            assert route.lease is not None
-            route.lease.drop(delivery)
-            if attempt.claim_key is not None:
-                await self._release(attempt.claim_key)
-                attempt.claim_key = None
-            outcome = Outcome.RETRY
-            delay = self._retry.backoff(delivery.message.delivery_attempt, self._rng)
-        self._settle(delivery, outcome, delay, attempt)
-        key = delivery.message.ordering_key
-        if key is not None and self._ordered:
-            succeeded = outcome in _DONE
-            await self._next_of_key(route, key, succeeded)
-
-    async def _handle(
-        self, route: _Route, delivery: Delivery, attempt: _Attempt
-    ) -> tuple[Outcome, float]:
-        """Run the handler (the claim, if any, is held); decide ack, retry or dead-letter."""
-        assert route.lease is not None and self._flow is not None
-        lease, message, flow = route.lease, delivery.message, self._flow
-        size = delivery.size
-        if not flow.try_acquire_bytes(size):
-            await flow.acquire_bytes(size)
-        try:
-            lease.started(delivery)
-            try:
-                if route.direct:
-                    result = await route.handler(message)
-                else:
-                    result = await self._invoke(route, message, attempt)
-            except (Exception, SystemExit) as error:  # a handler's sys.exit() is its failure
-                lease.finish(delivery)
-                return await self._failed(delivery, attempt, error)
-            lease.finish(delivery)
-        finally:
-            flow.release_bytes(size)
-        if attempt.claim_key is not None:
-            attempt.result_json = self._encode(result, message)
-        return Outcome.ACKED, 0.0
-
-    async def _invoke(self, route: _Route, message: Message, attempt: _Attempt) -> Any:
-        """Call the handler, retrying in process the exceptions the RetryPolicy names."""
-        call = self._call_async if route.is_async else self._call_in_thread
-        retry = self._retry
-        if retry.in_process_attempts == 1:
-            return await call(route, message, attempt)
-        async for try_ in AsyncRetrying(
-            stop=stop_after_attempt(retry.in_process_attempts),
-            wait=wait_exponential(multiplier=retry.in_process_wait),
-            retry=retry_if_exception_type(retry.retry_on),
-            reraise=True,
-            sleep=self._clock.sleep,
-        ):
-            with try_:
-                return await call(route, message, attempt)
-        raise AssertionError("unreachable: reraise=True re-raises the last error")
-
-    async def _call_async(self, route: _Route, message: Message, attempt: _Attempt) -> Any:
-        result = route.handler(message)
-        if inspect.isawaitable(result):
-            result = await result
-        return result
-
-    async def _call_in_thread(self, route: _Route, message: Message, attempt: _Attempt) -> Any:
-        loop = asyncio.get_running_loop()
-        context = contextvars.copy_context()
-        call = functools.partial(context.run, route.handler, message)
-        attempt.in_thread = True
-        try:
-            result = await loop.run_in_executor(self._executor, call)
-        except asyncio.CancelledError:
-            raise  # the thread runs on: its claim must not be released under it
-        except BaseException:
-            attempt.in_thread = False
-            raise
-        attempt.in_thread = False
-        return result
-
-    async def _failed(
-        self, delivery: Delivery, attempt: _Attempt, error: BaseException
-    ) -> tuple[Outcome, float]:
-        message = delivery.message
-        self.stats.handler_errors += 1
-        if attempt.claim_key is not None:
-            await self._release(attempt.claim_key)
-            attempt.claim_key = None
-        policy = self._dead_letter
-        if policy is not None and message.delivery_attempt >= policy.max_delivery_attempts:
-            logger.warning(
-                "message %s failed delivery attempt %d of %d (%s: %s); dead-lettering to %r",
-                message.id, message.delivery_attempt, policy.max_delivery_attempts,
-                type(error).__name__, error, policy.topic,
-            )
-            try:
-                await self._adapter.publish(
-                    policy.topic, message.data, _dead_letter_attributes(message, error)
-                )
-            except Exception:
-                logger.error(
-                    "publishing message %s to dead-letter topic %r failed; it stays on %r and "
-                    "is retried", message.id, policy.topic, message.subscription, exc_info=True,
-                )
-                return Outcome.RETRY, self._retry.backoff(message.delivery_attempt, self._rng)
-            return Outcome.DEAD_LETTERED, 0.0
-        delay = self._retry.backoff(message.delivery_attempt, self._rng)
+    def _log_started(self, runtime: Runtime) -> None:
+        config = self._config
         logger.info(
-            "message %s failed delivery attempt %d (%s: %s); redelivering in %.1fs",
-            message.id, message.delivery_attempt, type(error).__name__, error, delay,
+            "started: subscriptions %s on %s, dedup %s, dead letter %s, %s, stop_timeout %gs",
+            sorted(self._routes), type(config.adapter).__name__,
+            config.dedup if config.dedup is not None else "off",
+            config.dead_letter if config.dead_letter is not None else "off",
+            config.flow_control, self._stop_timeout,
+            extra={"subscriptions": sorted(self._routes),
+                   "namespaces": {n: lane.namespace for n, lane in runtime.lanes.items()}},
         )
-        return Outcome.RETRY, delay
 
-    def _encode(self, result: Any, message: Message) -> str:
-        try:
-            return encode_result(result)
-        except ResultNotSerializableError as error:
-            logger.error("message %s: %s; storing null instead", message.id, error)
-            return "null"
-
-    async def _release(self, key: str) -> None:
-        assert self._dedup is not None
-        try:
-            await self._dedup.release(key)
-        except Exception:
-            self.stats.store_errors += 1
-            logger.warning("releasing dedup claim %r failed; it expires with its lease", key,
-                           exc_info=True)
-
-    async def _give_back(self, route: _Route, delivery: Delivery, attempt: _Attempt) -> None:
-        """On stop: nack for immediate redelivery; free the claim unless a thread still runs."""
-        assert route.lease is not None
-        route.lease.drop(delivery)
-        if attempt.claim_key is not None and not attempt.in_thread:
-            await self._release(attempt.claim_key)
-        self._settle(delivery, Outcome.STOPPED, 0.0)
-
-    def _settle(
-        self,
-        delivery: Delivery,
-        outcome: Outcome,
-        delay: float,
-        attempt: _Attempt | None = None,
-    ) -> None:
-        assert self._settler is not None and self._flow is not None
-        if outcome is Outcome.ACKED or outcome is Outcome.DUPLICATE or (
-            outcome is Outcome.DEAD_LETTERED
-        ):
-            completion = None
-            if attempt is not None and attempt.claim_key is not None:
-                completion = (attempt.claim_key, attempt.result_json)
-            self._settler.ack(delivery, completion)
-        else:
-            self._settler.nack(delivery, delay)
-        self._flow.settled()
-        self.stats.outcomes[outcome] += 1
-        if self._on_outcome is not None:
-            try:
-                self._on_outcome(delivery.message, outcome)
-            except Exception:
-                logger.exception("on_outcome callback failed")
-
-    def _count_refused(self, refused: list[Delivery]) -> None:
-        self.stats.acks_refused += len(refused)
-        logger.info("broker refused %d acks (stale ack ids); those messages come back and are "
-                    "deduplicated", len(refused))
-
-    def _count_settle_errors(self, what: str, count: int) -> None:
-        if what == "recording completions":
-            self.stats.store_errors += count
-        else:
-            self.stats.ack_errors += count
-
-
-def _dead_letter_attributes(message: Message, error: BaseException) -> dict[str, str]:
-    attributes = dict(message.attributes)
-    attributes.update(
-        {
-            "original-message-id": message.id,
-            "original-subscription": message.subscription,
-            "delivery-attempts": str(message.delivery_attempt),
-            "error-type": f"{type(error).__module__}.{type(error).__qualname__}",
-            "error-message": str(error)[:ERROR_MESSAGE_LIMIT],
-        }
-    )
-    return attributes
+    def _log_stopped(self) -> None:
+        counts = {outcome.value: n for outcome, n in self.stats.outcomes.items() if n}
+        logger.info("stopped: %s", counts or "no messages", extra={"outcomes": counts})
 
 
 def _is_async_callable(function: Callable[..., Any]) -> bool:
@@ -765,6 +429,14 @@ def _is_async_callable(function: Callable[..., Any]) -> bool:
     return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
         getattr(function, "__call__", None)  # noqa: B004
     )
+
+
+def _name_of(function: Callable[..., Any]) -> str:
+    while isinstance(function, functools.partial):
+        function = function.func
+    module = getattr(function, "__module__", None) or ""
+    name = getattr(function, "__qualname__", None) or type(function).__qualname__
+    return f"{module}.{name}" if module else name
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -780,4 +452,3 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 
 __all__ = ["Subscriber"]
-

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from reliable_sub import InProgress, LeasePolicy, MemoryDedupStore
+from reliable_sub import Claimed, DedupKey, InProgress, LeasePolicy, MemoryDedupStore
+from reliable_sub._inflight import InFlight, Stage
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.clock import ManualClock
 from reliable_sub.lease import LeaseManager
@@ -28,22 +29,36 @@ class RecordingBroker(MemoryAdapter):
         return await super().extend(deliveries, seconds)
 
 
-async def setup(policy: LeasePolicy | None = None, dedup: MemoryDedupStore | None = None):
+class CountingStore(MemoryDedupStore):
+    renew_calls = 0
+
+    async def renew(self, claims, lease_ttl):  # type: ignore[no-untyped-def]
+        self.renew_calls += 1
+        return await super().renew(claims, lease_ttl)
+
+
+async def setup(policy: LeasePolicy | None = None, dedup: MemoryDedupStore | None = None,
+                on_max_lease=None):
     clock = ManualClock()
     broker = RecordingBroker(clock)
     await broker.ensure_subscription("t", "s", ack_deadline=DEADLINE)
     lease = LeaseManager(broker, policy or LeasePolicy(), clock=clock,
-                         initial_deadline=DEADLINE, dedup=dedup)
+                         initial_deadline=DEADLINE, dedup=dedup, on_max_lease=on_max_lease)
     return clock, broker, lease
 
 
-async def receive(broker: RecordingBroker, clock: ManualClock, count: int) -> list[Delivery]:
+async def receive(broker: RecordingBroker, clock: ManualClock, count: int) -> list[InFlight]:
     for i in range(count):
         await broker.publish("t", f"m{i}".encode())
     deliveries = await broker.receive("s", count, 0)
     for delivery in deliveries:
         delivery.received_at = clock.now()
-    return deliveries
+    return [InFlight(delivery, None) for delivery in deliveries]
+
+
+def start(lease: LeaseManager, item: InFlight) -> None:
+    item.stage = Stage.RUNNING
+    lease.started(item)
 
 
 async def test_a_tick_extends_only_due_deliveries_in_one_call() -> None:
@@ -59,20 +74,20 @@ async def test_a_tick_extends_only_due_deliveries_in_one_call() -> None:
 
     assert len(broker.extend_calls) == 1
     ack_ids, seconds = broker.extend_calls[0]
-    assert sorted(ack_ids) == sorted(d.ack_id for d in early)
+    assert sorted(ack_ids) == sorted(i.delivery.ack_id for i in early)
     assert seconds == 10.0  # no data yet: the initial deadline, clamped to min_extension
     assert lease.stats.extended_ack_ids == 5
 
 
 async def test_extension_is_the_p99_of_processing_time_from_handler_start() -> None:
     clock, broker, lease = await setup(LeasePolicy(min_extension=10, max_extension=100))
-    deliveries = await receive(broker, clock, 100)
-    lease.add(deliveries)
+    items = await receive(broker, clock, 100)
+    lease.add(items)
     clock.advance(30)  # queued behind flow control: must not count
-    for i, delivery in enumerate(deliveries):
-        lease.started(delivery)
+    for i, item in enumerate(items):
+        start(lease, item)
         clock.advance(0.5 if i < 98 else 50)
-        lease.finish(delivery)
+        lease.finished(item)
     assert lease.histogram.percentile(99) == 50
     assert lease.extension() == 50
     lease.histogram.add(500.0)
@@ -82,37 +97,55 @@ async def test_extension_is_the_p99_of_processing_time_from_handler_start() -> N
 
 async def test_the_loop_keeps_a_long_handler_leased_with_few_calls() -> None:
     clock, broker, lease = await setup()
-    [delivery] = await receive(broker, clock, 1)
-    lease.add([delivery])
+    [item] = await receive(broker, clock, 1)
+    lease.add([item])
     lease.start()
-    lease.started(delivery)
+    start(lease, item)
     await pass_time(clock, 95)
-    lease.finish(delivery)
+    lease.finished(item)
     await lease.stop()
 
     assert await broker.receive("s", 10, 0) == [], "the message was redelivered under its handler"
-    assert await broker.ack([delivery]) == []
+    assert await broker.ack([item.delivery]) == []
     # extends at ~6-8 s of every 10 s lease: about one call per 7 s
     assert 10 <= len(broker.extend_calls) <= 16
 
 
-async def test_a_refused_extend_drops_the_delivery() -> None:
+async def test_a_finished_handler_stays_leased_until_its_settle_is_confirmed() -> None:
     clock, broker, lease = await setup()
-    [delivery] = await receive(broker, clock, 1)
-    lease.add([delivery])
-    await broker.ack([delivery])  # acked elsewhere: its ack id is now stale
+    [item] = await receive(broker, clock, 1)
+    lease.add([item])
+    lease.start()
+    start(lease, item)
+    await pass_time(clock, 3)
+    lease.finished(item)
+    item.stage = Stage.SETTLING  # the settler is still retrying the completion
+    await pass_time(clock, 60)
+    assert await broker.receive("s", 10, 0) == [], "redelivered while its result was pending"
+    lease.drop(item)
+    calls = len(broker.extend_calls)
+    await pass_time(clock, 60)
+    assert len(broker.extend_calls) == calls, "a dropped lease is not extended"
+    await lease.stop()
+
+
+async def test_a_refused_extend_stops_that_lease() -> None:
+    clock, broker, lease = await setup()
+    [item] = await receive(broker, clock, 1)
+    lease.add([item])
+    await broker.ack([item.delivery])  # acked elsewhere: its ack id is now stale
     clock.advance(7)
-    assert await lease.tick() is None
+    assert await lease.tick() == float("inf"), "nothing more to do for it"
     assert lease.stats.refused == 1
-    assert len(lease) == 0
+    assert not item.held
 
 
 async def test_extend_errors_are_retried_not_fatal() -> None:
     clock, broker, lease = await setup()
-    [delivery] = await receive(broker, clock, 1)
-    lease.add([delivery])
+    [item] = await receive(broker, clock, 1)
+    lease.add([item])
     lease.start()
-    lease.started(delivery)
+    start(lease, item)
     broker.fail_extends = 3
     await pass_time(clock, 30)
     assert lease.stats.extend_errors == 3
@@ -121,25 +154,74 @@ async def test_extend_errors_are_retried_not_fatal() -> None:
     await lease.stop()
 
 
-async def test_max_lease_duration_nacks_but_keeps_the_claim_while_the_handler_runs() -> None:
+async def test_max_lease_duration_is_reported_and_the_claim_stays_renewed() -> None:
+    reported: list[list[InFlight]] = []
+
+    async def on_max_lease(items: list[InFlight]) -> None:
+        reported.append(items)
+
     clock, broker, lease = await setup(LeasePolicy(max_lease_duration=30))
     store = MemoryDedupStore(clock=clock)
     lease = LeaseManager(broker, LeasePolicy(max_lease_duration=30), clock=clock,
-                         initial_deadline=DEADLINE, dedup=store)
-    [delivery] = await receive(broker, clock, 1)
-    await store.claim("key", lease.claim_ttl())
-    lease.add([delivery], ["key"], lease.claim_ttl())
-    lease.started(delivery)
+                         initial_deadline=DEADLINE, dedup=store, on_max_lease=on_max_lease)
+    [item] = await receive(broker, clock, 1)
+    claim = await store.claim(DedupKey("n", "key"), lease.claim_ttl())
+    assert isinstance(claim, Claimed)
+    item.claim = claim
+    lease.add([item], lease.claim_ttl())
+    start(lease, item)
     lease.start()
 
-    await pass_time(clock, 60)
+    await pass_time(clock, 50)
 
-    assert lease.stats.max_lease_nacks == 1
-    [again] = await broker.receive("s", 10, 0)
-    assert again.message.delivery_attempt == 2
-    assert isinstance(await store.claim("key", 10), InProgress), "claim lapsed under a live handler"
+    assert [[i is item for i in items] for items in reported] == [[True]]
+    assert not item.held, "past max_lease_duration the broker lease is no longer extended"
+    assert isinstance(await store.claim(claim.key, 10), InProgress), "claim lapsed under it"
     assert lease.stats.claim_renew_calls >= 4
-    lease.finish(delivery)
+    await pass_time(clock, 15)
+    assert len(reported) == 2, "a handler that runs on is reported once per further period"
+    await lease.stop()
+
+
+async def test_a_claim_is_renewed_on_its_own_schedule_not_every_tick() -> None:
+    """A claim whose broker lease is gone keeps its own length: no renewal storm (#7)."""
+    clock = ManualClock()
+    broker = RecordingBroker(clock)
+    await broker.ensure_subscription("t", "s", ack_deadline=DEADLINE)
+    store = CountingStore(clock=clock)
+    lease = LeaseManager(broker, LeasePolicy(min_extension=1, max_extension=600), clock=clock,
+                         initial_deadline=DEADLINE, dedup=store)
+    for _ in range(100):
+        lease.histogram.add(1.0)  # p99 of 1 s: the broker extension is short
+    [item] = await receive(broker, clock, 1)
+    claim = await store.claim(DedupKey("n", "key"), lease.claim_ttl())
+    assert isinstance(claim, Claimed)
+    item.claim = claim
+    lease.add([item], lease.claim_ttl())
+    start(lease, item)
+    item.held = False  # as after a refused extend or max_lease_duration
+    lease.start()
+    await pass_time(clock, 20)
+    await lease.stop()
+    assert 2 <= store.renew_calls <= 5, f"{store.renew_calls} renew calls in 20 s"
+    assert isinstance(await store.claim(claim.key, 10), InProgress)
+
+
+async def test_a_waiting_delivery_keeps_its_lease_but_its_claim_is_not_renewed() -> None:
+    clock, broker, lease = await setup()
+    store = CountingStore(clock=clock)
+    lease = LeaseManager(broker, LeasePolicy(), clock=clock, initial_deadline=DEADLINE,
+                         dedup=store)
+    [item] = await receive(broker, clock, 1)
+    claim = await store.claim(DedupKey("n", "key"), lease.claim_ttl())
+    assert isinstance(claim, Claimed)
+    item.claim = claim
+    lease.add([item], lease.claim_ttl())  # waits for a worker thread: never started
+    lease.start()
+    await pass_time(clock, 30)
+    assert store.renew_calls == 0
+    assert lease.claim_needs_refresh(item)
+    assert await broker.receive("s", 10, 0) == [], "its broker lease was kept"
     await lease.stop()
 
 
@@ -151,13 +233,13 @@ async def test_a_new_delivery_due_before_the_planned_wakeup_is_not_missed() -> N
     [long_job] = await receive(broker, clock, 1)
     lease.add([long_job])
     lease.start()
-    lease.started(long_job)
+    start(lease, long_job)
     await pass_time(clock, 9)  # extended at ~8 s to ~68 s; the loop now sleeps until ~56 s
     [newcomer] = await receive(broker, clock, 1)
     lease.add([newcomer])
-    lease.started(newcomer)
+    start(lease, newcomer)
     await pass_time(clock, 30)
 
     assert await broker.receive("s", 10, 0) == [], "the newcomer's deadline ran out"
-    assert await broker.ack([long_job, newcomer]) == []
+    assert await broker.ack([long_job.delivery, newcomer.delivery]) == []
     await lease.stop()

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from reliable_sub import ConfigurationError, UnknownSubscriptionError
+from reliable_sub import ConfigurationError, UnknownSubscriptionError, UnknownTopicError
 from reliable_sub.adapters.base import Adapter
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.clock import ManualClock
@@ -41,7 +41,7 @@ async def test_unknown_names_and_bad_input_get_clear_errors() -> None:
     broker = MemoryAdapter()
     with pytest.raises(UnknownSubscriptionError, match="'nope' does not exist"):
         await broker.receive("nope", 1, 0)
-    with pytest.raises(UnknownSubscriptionError, match="topic 'missing' does not exist"):
+    with pytest.raises(UnknownTopicError, match="topic 'missing' does not exist"):
         await broker.publish("missing", b"x")
     broker.ensure_subscription_sync("t", "s")
     with pytest.raises(TypeError, match="data must be bytes"):

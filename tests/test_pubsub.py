@@ -47,6 +47,8 @@ from reliable_sub import (
     Outcome,
     RetryPolicy,
     Subscriber,
+    UnknownSubscriptionError,
+    UnknownTopicError,
 )
 from reliable_sub.adapters.pubsub import PubSubAdapter
 from tests import pubsub_support
@@ -458,22 +460,33 @@ async def test_publish_refuses_bad_data_and_attributes(make_adapter) -> None:
     assert await adapter.receive(sub, 10, QUIET) == [], "nothing was published"
 
 
-async def test_publish_to_a_missing_topic_raises_not_found(make_adapter) -> None:
+async def test_missing_topics_and_subscriptions_raise_named_errors(make_adapter) -> None:
     adapter = make_adapter()
     topic = unique("topic")
-    with pytest.raises(google_errors.NotFound):
+    missing = f"topic '{topic}' does not exist on Pub/Sub"
+    with pytest.raises(UnknownTopicError, match=missing):
         await adapter.publish(topic, b"x")
-    with pytest.raises(google_errors.NotFound):
+    with pytest.raises(UnknownTopicError, match=missing):
         adapter.publish_sync(topic, b"x")
     # with an ordering key the failed publish pauses the key; the adapter resumes it so that a
     # retry is not refused as "paused" (it meets the real error again, or succeeds)
-    with pytest.raises(google_errors.NotFound):
+    with pytest.raises(UnknownTopicError):
         await adapter.publish(topic, b"x", ordering_key="k")
-    with pytest.raises(google_errors.NotFound):
+    with pytest.raises(UnknownTopicError):
         adapter.publish_sync(topic, b"x", ordering_key="k")
+    assert await adapter.topic_exists(topic) is False
+    nowhere = unique("sub")
+    with pytest.raises(UnknownSubscriptionError, match=f"subscription '{nowhere}' does not"):
+        await adapter.receive(nowhere, 10, QUIET)
+    with pytest.raises(UnknownSubscriptionError, match=f"subscription '{nowhere}' does not"):
+        await adapter.subscription_ack_deadline(nowhere)
 
     sub = unique("sub")
     await adapter.ensure_subscription(topic, sub, ordering=True)
+    assert await adapter.topic_exists(topic) is True
+    other = unique("topic")
+    with pytest.raises(ConfigurationError, match=f"subscription '{sub}' already exists on topic"):
+        await adapter.ensure_subscription(other, sub)
     message_id = await adapter.publish(topic, b"after", ordering_key="k")
     delivery = await receive_one(adapter, sub)
     assert (delivery.message.id, delivery.message.ordering_key) == (message_id, "k")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from reliable_sub import LeasePolicy, Message, Outcome, Subscriber
-from reliable_sub.dedup import Completed, scoped_key
+from reliable_sub.dedup import Completed, DedupKey
 from tests.redis_processes import Child, poll_until
 from tests.redis_support import redis_url
 
@@ -133,8 +133,8 @@ class Scene:
         self.children.append(child)
         return child
 
-    def dedup_key(self, message_id: str) -> str:
-        return scoped_key(self.subscription, message_id)
+    def dedup_key(self, message_id: str) -> DedupKey:
+        return DedupKey(self.adapter.dedup_namespace(self.subscription), message_id)
 
     async def effect_list(self) -> list[str]:
         return [item.decode() for item in await self.raw.lrange(self.effects, 0, -1)]
@@ -200,7 +200,7 @@ async def survivor(scene: Scene) -> AsyncIterator[Survivor]:
     finally:
         await sub.shutdown(timeout=5)
         await asyncio.wait_for(task, timeout=WITHIN)  # re-raises what serve() failed with
-        await store.aclose()
+        await store.close()
 
 
 def killed(child: Child) -> None:
@@ -216,7 +216,8 @@ async def test_a_consumer_killed_mid_handler_leaves_its_message_to_a_peer(scene:
     assert started == f"STARTED {message_id} 1", child.output
     key = scene.dedup_key(message_id)
     redis_key = RedisDedupStore(prefix=scene.dedup_prefix).redis_key(key)
-    assert await scene.raw.get(redis_key) == b"p:doomed", "the child holds the dedup claim"
+    held = await scene.raw.get(redis_key)
+    assert held is not None and held.startswith(b"p:doomed."), "the child holds the claim"
     killed(child)
 
     assert await scene.effect_list() == [], "the killed handler had no effect"
@@ -263,9 +264,10 @@ async def test_a_consumer_killed_between_completion_and_ack_is_deduplicated(
     assert json.loads(raw_record[2:]) == {"effect": message_id}, "the result is stored as JSON"
     checker = RedisDedupStore(scene.url, prefix=scene.dedup_prefix, owner="checker")
     try:
-        assert await checker.claim(key, 30) == Completed({"effect": message_id})
+        found = await checker.claim(key, 30)
+        assert isinstance(found, Completed) and found.result == {"effect": message_id}
     finally:
-        await checker.aclose()
+        await checker.close()
 
     async with survivor(scene) as peer:
         await poll_until(lambda: len(peer.outcomes) >= 1, "the survivor to settle it", WITHIN)

@@ -183,7 +183,8 @@ def test_importing_without_redis_names_the_extra() -> None:
 
 async def test_completions_ride_with_the_ack_when_store_and_stream_share_redis(names) -> None:
     from reliable_sub import Completed, Message, Outcome, Subscriber
-    from reliable_sub.dedup import RedisDedupStore, scoped_key
+    from reliable_sub.clock import SystemClock
+    from reliable_sub.dedup import DedupKey, RedisDedupStore
     from tests.timing import drive_until
 
     url, topic, prefix = names
@@ -214,14 +215,15 @@ async def test_completions_ride_with_the_ack_when_store_and_stream_share_redis(n
     for i in range(20):
         await adapter.publish(topic, f"m{i}".encode(), {"idempotency-key": f"k{i}"})
     task = asyncio.ensure_future(subscriber.serve())
-    await drive_until(subscriber._clock, lambda: subscriber.stats[Outcome.ACKED] == 20, 10,
+    await drive_until(SystemClock(), lambda: subscriber.stats[Outcome.ACKED] == 20, 10,
                       what="20 acks")
     await subscriber.shutdown(timeout=1)
     await task
 
     assert adapter.calls["ack"] == 0
     assert adapter.calls["ack_with_completions"] >= 1
-    assert await store.claim(scoped_key(sub_name, "k7"), 5) == Completed({"seen": "m7"})
+    found = await store.claim(DedupKey(adapter.dedup_namespace(sub_name), "k7"), 5)
+    assert isinstance(found, Completed) and found.result == {"seen": "m7"}
     assert (await adapter.client.xpending(topic, sub_name))["pending"] == 0
-    await store.aclose()
+    await store.close()
     await adapter.close()

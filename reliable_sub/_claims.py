@@ -1,0 +1,102 @@
+"""The one owner of the claim lifecycle: claim -> (refresh) -> renew -> complete | release.
+
+* **claim**: the keys of a received batch in one store call, each under a fresh fencing token;
+* **refresh**: a delivery that waited to start until its claim was nearly gone re-claims it
+  under the same token before its handler runs (claims are renewed only while handlers run);
+* **renew**: the lease manager renews the claims of running handlers, and of finished ones
+  until their result is recorded (:meth:`LeaseManager.tick`);
+* **complete** or **release**: the settler writes them with the broker's ack or nack; every one
+  is conditional on the token, so a lapsed claim never overwrites a peer's.
+
+It also counts handler failures per message: in the dedup store's record when there is a store
+(shared by every consumer and kept across restarts), in this process's memory otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ._inflight import InFlight
+from .dedup import Claimed, ClaimResult, Completion, DedupKey, DedupStore
+
+# Without a store, failure counts are kept for this many recent messages per Subscriber.
+FAILURE_MEMORY = 100_000
+
+
+class Claims:
+    """Claims, failure counts, completions and releases for one Subscriber run.
+
+    Args:
+        store: the dedup store, or None (no claims; failures counted in memory).
+    """
+
+    def __init__(self, store: DedupStore | None) -> None:
+        self.store = store
+        self._failures: OrderedDict[tuple[str, str], int] = OrderedDict()
+
+    @staticmethod
+    def key_of(namespace: str, item: InFlight) -> DedupKey:
+        return DedupKey(namespace, item.delivery.message.idempotency_key)
+
+    async def claim(
+        self, namespace: str, items: Sequence[InFlight], ttl: float
+    ) -> list[ClaimResult]:
+        """Claim the keys of ``items`` in one call; a Claimed result is kept on its item."""
+        assert self.store is not None
+        keys = [DedupKey(namespace, item.delivery.message.idempotency_key) for item in items]
+        results = await self.store.claim_many(keys, ttl)
+        for item, result in zip(items, results, strict=True):
+            if isinstance(result, Claimed):
+                item.claim = result
+                item.failures = result.failures
+        return results
+
+    async def refresh(self, item: InFlight, ttl: float) -> ClaimResult:
+        """Re-claim ``item``'s key under its own token (it waited long to start)."""
+        assert self.store is not None and item.claim is not None
+        [result] = await self.store.claim_many([item.claim.key], ttl, [item.claim.token])
+        if isinstance(result, Claimed):
+            item.claim = result
+            item.failures = result.failures
+        else:
+            item.claim = None
+        return result
+
+    def failures_without_store(self, namespace: str, item: InFlight) -> int:
+        """The failures this process counted for ``item``'s message (no store)."""
+        return self._failures.get((namespace, item.delivery.message.id), 0)
+
+    def record_failure(self, namespace: str, item: InFlight) -> int:
+        """Count one more handler failure of ``item``'s message; returns the new count.
+
+        With a store the count travels in the claim (renewals and the release write it);
+        without one it is remembered here.
+        """
+        item.failures += 1
+        if item.claim is not None:
+            item.claim = dataclasses.replace(item.claim, failures=item.failures)
+        elif self.store is None:
+            key = (namespace, item.delivery.message.id)
+            self._failures[key] = item.failures
+            self._failures.move_to_end(key)
+            if len(self._failures) > FAILURE_MEMORY:
+                self._failures.popitem(last=False)
+        return item.failures
+
+    def forget(self, namespace: str, item: InFlight) -> None:
+        """The message is done with (acked or dead-lettered): drop its in-memory count."""
+        if self.store is None and self._failures:
+            self._failures.pop((namespace, item.delivery.message.id), None)
+
+    def completion(self, item: InFlight, result_json: str) -> Completion | None:
+        """What to record for ``item`` when its handler succeeded (None without a claim)."""
+        return Completion(item.claim, result_json) if item.claim is not None else None
+
+    def release(self, item: InFlight) -> Claimed | None:
+        """The claim to release for ``item`` (with its failure count), dropping it from the
+        item so it is released once."""
+        claim, item.claim = item.claim, None
+        item.claim_active = False
+        return claim

@@ -1,0 +1,94 @@
+"""One received delivery from receipt until the broker confirmed its ack or nack.
+
+A single object per delivery, shared by the dispatcher (which runs it), the lease manager (which
+keeps its ack deadline and dedup claim alive) and the settler (which acks or nacks it): the
+fields of all three live here so a delivery costs one allocation, not three.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+from typing import Any
+
+from .dedup import Claimed
+from .message import Delivery
+
+
+class Stage(enum.IntEnum):
+    """Where a delivery is in its life."""
+
+    WAITING = 0
+    """Received, not started: waiting for its ordering key, a worker thread or byte budget."""
+    RUNNING = 1
+    """Its handler runs."""
+    SETTLING = 2
+    """Decided (ack or nack); the store write and broker call are not confirmed yet."""
+    DONE = 3
+    """Settled; nothing of it is kept."""
+
+
+class CancelReason(str, enum.Enum):
+    """Why the Subscriber cancelled a delivery's task (a handler's own CancelledError has none)."""
+
+    STOP = "stop"
+    """The Subscriber is stopping: give the message back at once."""
+    TIMEOUT = "timeout"
+    """The handler ran past max_lease_duration: a failed attempt."""
+    EXPIRED = "expired"
+    """It waited to start until max_lease_duration: give it back, unstarted."""
+
+
+class InFlight:
+    """A delivery in flight, with its lease, its dedup claim and its task."""
+
+    __slots__ = (
+        "cancel_reason",
+        "claim",
+        "claim_active",
+        "claim_deadline",
+        "claim_length",
+        "deadline",
+        "delivery",
+        "expires_at",
+        "failures",
+        "held",
+        "leased",
+        "length",
+        "not_before",
+        "route",
+        "stage",
+        "started_at",
+        "task",
+        "thread_running",
+    )
+
+    def __init__(self, delivery: Delivery, route: Any) -> None:
+        self.delivery = delivery
+        self.route = route
+        self.stage = Stage.WAITING
+        self.claim: Claimed | None = None
+        self.failures = 0  # handler failures recorded for this message, this one included
+        self.task: asyncio.Task[None] | None = None
+        self.cancel_reason: CancelReason | None = None
+        self.thread_running = False
+        # the broker lease
+        self.leased = False
+        self.held = True
+        self.deadline = 0.0
+        self.length = 0.0
+        self.expires_at = math.inf
+        self.not_before = -math.inf  # after a failed broker or store call: retry from then
+        self.started_at: float | None = None
+        # the dedup claim: renewed only while the handler runs and until the result is recorded
+        self.claim_active = False
+        self.claim_deadline = math.inf
+        self.claim_length = 0.0
+
+    @property
+    def message_id(self) -> str:
+        return self.delivery.message.id
+
+    def __repr__(self) -> str:
+        return f"<InFlight {self.delivery.message.id} {self.stage.name}>"

@@ -1,0 +1,895 @@
+"""One run of a Subscriber inside one event loop: receive, claim, dispatch, decide, settle.
+
+The path of one delivery reads top to bottom here::
+
+    receive ─► lease ─► claim (batch) ── completed ─► ack "duplicate"
+                            │  held by a peer ─► nack "deferred" (dead-letter if it has failed
+                            │                    max_delivery_attempts times meanwhile)
+                            ▼ claimed
+               its own task: wait for its ordering key, a worker thread, byte budget
+                            ▼ (no handler starts once a stop began)
+               handler (in-process retries) ── ok ─► record result + ack "acked"
+                            │ raised anything
+                            ▼
+               failures += 1 ─► failures >= max_delivery_attempts ? dead-letter + ack
+                                : release claim + nack with backoff "retry"
+
+Every ack and nack goes through the settler, which confirms it with the broker (and the result
+with the store) before the delivery's lease, claim and flow-control slot are let go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import inspect
+import logging
+import math
+import random
+import sys
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential,
+    wait_random_exponential,
+)
+
+from ._claims import Claims
+from ._flow import FlowGate
+from ._inflight import CancelReason, InFlight, Stage
+from ._settler import Settle, Settler
+from ._supervisor import Supervisor
+from ._watchdog import LoopWatchdog
+from ._workers import WorkerThreads
+from .adapters.base import Adapter
+from .clock import Clock
+from .dedup import Claimed, Completed, DedupStore, InProgress, encode_result
+from .errors import (
+    HandlerTimeoutError,
+    MalformedMessageError,
+    ResultNotSerializableError,
+    UnknownTopicError,
+)
+from .lease import LeaseManager
+from .message import Delivery, Message
+from .outcome import Outcome, SubscriberStats
+from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
+
+logger = logging.getLogger("reliable_sub.subscriber")
+
+# A message a live peer is handling comes back when the peer's claim would lapse, but not sooner
+# than this (nor later than RetryPolicy.max_backoff, unless that is shorter than this).
+DEFER_MIN_DELAY = 1.0
+# Backoff between failed receive calls (broker unreachable): from 0.1 s up to 10 s, jittered.
+RECEIVE_RETRY_INITIAL = 0.1
+RECEIVE_RETRY_MAX = 10.0
+# Pub/Sub attribute values are limited to 1024 bytes; the error message is cut to fit.
+ERROR_MESSAGE_LIMIT = 1000
+# After a stop cancels the async handlers still running at its deadline, each gets this long
+# (real seconds) to end; one that swallows the cancellation is then left behind, logged.
+CANCEL_GRACE = 5.0
+# Queued acks and nacks get at least this long (real seconds) after the handlers are done,
+# even when the stop timeout has already passed.
+FLUSH_GRACE = 5.0
+# Outcomes after which the next message of the same ordering key may run.
+_DONE = frozenset({Outcome.ACKED, Outcome.DUPLICATE, Outcome.DEAD_LETTERED})
+# Attribute names the dead-letter copy sets; a publisher's attributes of the same names are
+# kept under PUBLISHER_ATTRIBUTE_PREFIX + name.
+DEAD_LETTER_ATTRIBUTES = (
+    "original-message-id",
+    "original-subscription",
+    "delivery-attempts",
+    "handler-failures",
+    "error-type",
+    "error-message",
+)
+PUBLISHER_ATTRIBUTE_PREFIX = "publisher-"
+
+_current_claim: contextvars.ContextVar[Claimed | None] = contextvars.ContextVar(
+    "reliable_sub_current_claim", default=None
+)
+
+
+def current_claim() -> Claimed | None:
+    """The dedup claim the running handler holds (its key and fencing token), or None.
+
+    Pass ``claim.token`` to a system that can reject writes from a stale claim holder.
+    """
+    return _current_claim.get()
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a Subscriber was configured with; a Runtime reads it."""
+
+    adapter: Adapter
+    dedup: DedupStore | None
+    lease: LeasePolicy
+    retry: RetryPolicy
+    dead_letter: DeadLetterPolicy | None
+    flow_control: FlowControl
+    dedup_ttl: float
+    clock: Clock
+    sync_workers: int
+    rng: random.Random
+    receive_batch: int
+    receive_timeout: float
+    loop_lag_warning: float | None
+    on_outcome: Callable[[Message, Outcome], None] | None
+
+
+@dataclass(eq=False)
+class Route:
+    """A subscription and its handler, as registered."""
+
+    subscription: str
+    handler: Callable[[Message], Any]
+    is_async: bool
+    namespace: str | None
+    name: str
+
+
+@dataclass(eq=False)
+class Lane:
+    """One route during one run."""
+
+    route: Route
+    namespace: str
+    lease: LeaseManager
+    ordered: bool
+    direct: bool  # async, no in-process retries: awaited without wrappers
+    receive_call: asyncio.Task[list[Delivery]] | None = None
+    # ordering key -> deliveries waiting for the running one of that key
+    keys: dict[str, deque[InFlight]] = field(default_factory=dict)
+
+
+class Runtime:
+    """Receives, runs and settles the messages of every route, until :meth:`close`."""
+
+    def __init__(self, config: Config, routes: list[Route], stats: SubscriberStats) -> None:
+        self.config = config
+        self.routes = routes
+        self.stats = stats
+        self.lanes: dict[str, Lane] = {}
+        self.claims = Claims(config.dedup)
+        self.flow = FlowGate(config.flow_control)
+        self.workers = WorkerThreads(config.sync_workers)
+        self.items: set[InFlight] = set()
+        self.settler = Settler(
+            config.adapter, dedup=config.dedup, dedup_ttl=config.dedup_ttl, stats=stats,
+            on_settled=self._on_settled, sleep=config.clock.sleep,
+        )
+        self.supervisor = Supervisor(config.clock.sleep, config.clock.now)
+        self.watchdog: LoopWatchdog | None = None
+        self.receiving = False
+        self.accepting = False  # False once a stop began: no handler starts after that
+        self._side_tasks: set[asyncio.Task[None]] = set()
+
+    # -- opening -------------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        """Check names, build lanes, start receiving (raises why not, having started nothing)."""
+        config, adapter = self.config, self.config.adapter
+        policy = config.dead_letter
+        if policy is not None and not await adapter.topic_exists(policy.topic):
+            raise UnknownTopicError(
+                f"dead-letter topic {policy.topic!r} does not exist; create it before "
+                f"starting (adapter.ensure_topic_sync({policy.topic!r}))"
+            )
+        for route in self.routes:
+            deadline = await adapter.subscription_ack_deadline(route.subscription)
+            lease = LeaseManager(
+                adapter, config.lease, clock=config.clock, initial_deadline=deadline,
+                dedup=config.dedup, on_max_lease=self._max_lease_reached,
+            )
+            self.lanes[route.subscription] = Lane(
+                route=route,
+                namespace=route.namespace or adapter.dedup_namespace(route.subscription),
+                lease=lease,
+                ordered=adapter.capabilities.ordering,
+                direct=route.is_async and config.retry.in_process_attempts == 1,
+            )
+        self.receiving = self.accepting = True
+        self.supervisor.spawn("settler", self.settler.run)
+        for lane in self.lanes.values():
+            name = lane.route.subscription
+            self.supervisor.spawn(f"lease manager of {name!r}", lane.lease.run)
+            self.supervisor.spawn(
+                f"receive loop of {name!r}", functools.partial(self._receive_loop, lane),
+                keep_running=lambda: self.receiving,
+            )
+        if config.loop_lag_warning is not None:
+            self.watchdog = LoopWatchdog(
+                asyncio.get_running_loop(), config.loop_lag_warning, self._describe_task
+            )
+            self.watchdog.start()
+
+    # (methods, not attribute reads: a stop may flip these while a coroutine awaits)
+    def _still_receiving(self) -> bool:
+        return self.receiving
+
+    def _still_accepting(self) -> bool:
+        return self.accepting
+
+    def problems(self) -> list[str]:
+        """What is wrong with this run's loops (empty when healthy)."""
+        return self.supervisor.problems()
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    async def _receive_loop(self, lane: Lane) -> None:
+        config, flow = self.config, self.flow
+        loop = asyncio.get_running_loop()
+        while self.receiving:
+            free = await flow.free_slots()
+            if not self.receiving or free <= 0:
+                return
+            call = loop.create_task(self._receive(lane, min(free, config.receive_batch)))
+            lane.receive_call = call
+            try:
+                deliveries = await call
+            except asyncio.CancelledError:
+                if call.cancelled() and not self._still_receiving():
+                    return  # the stop cancelled the receive call
+                raise
+            finally:
+                lane.receive_call = None
+            if deliveries:
+                await self._admit(lane, deliveries)
+            # yield between batches: handlers that never wait must not starve the loop
+            await asyncio.sleep(0)
+
+    async def _receive(self, lane: Lane, max_messages: int) -> list[Delivery]:
+        """One receive call, retried with jittered exponential backoff while the broker fails."""
+        subscription = lane.route.subscription
+
+        def log_failure(state: Any) -> None:
+            self.stats.receive_errors += 1
+            logger.warning(
+                "receive from %r failed (attempt %d): %r; retrying", subscription,
+                state.attempt_number, state.outcome.exception() if state.outcome else None,
+                extra={"subscription": subscription},
+            )
+
+        def retryable(error: BaseException) -> bool:
+            # Some clients turn a cancellation into a connection error: never retry once closing.
+            return self.receiving and isinstance(error, Exception)
+
+        async for attempt in AsyncRetrying(
+            wait=wait_random_exponential(multiplier=RECEIVE_RETRY_INITIAL, max=RECEIVE_RETRY_MAX),
+            retry=retry_if_exception(retryable),
+            before_sleep=log_failure,
+            sleep=self.config.clock.sleep,
+        ):
+            with attempt:
+                return await self.config.adapter.receive(
+                    subscription, max_messages, self.config.receive_timeout
+                )
+        return []  # the retry loop ended because the Subscriber is closing
+
+    async def _admit(self, lane: Lane, deliveries: list[Delivery]) -> None:
+        """Lease a received batch, claim it in one store call, and start or settle each."""
+        now = self.config.clock.now()
+        items = []
+        for delivery in deliveries:
+            delivery.received_at = now  # the lease clock starts when receive returns
+            items.append(InFlight(delivery, lane))
+        self.flow.taken(len(items))
+        self.items.update(items)
+        ttl = lane.lease.claim_ttl()
+        lane.lease.add(items, ttl)
+        if not self.accepting:  # the stop began while this batch was being received
+            for item in items:
+                self._settle(item, Outcome.STOPPED, ack=False)
+            return
+        good = [item for item in items if item.delivery.malformed is None]
+        for item in items:
+            if item.delivery.malformed is not None:
+                self._malformed(item)
+        if not good:
+            return
+        if self.claims.store is None:
+            for item in good:
+                item.failures = self.claims.failures_without_store(lane.namespace, item)
+                self._dispatch(lane, item)
+            return
+        try:
+            verdicts = await self.claims.claim(lane.namespace, good, ttl)
+        except asyncio.CancelledError:
+            for item in good:  # claims taken by the cancelled call lapse with their TTL
+                self._settle(item, Outcome.STOPPED, ack=False)
+            raise
+        except Exception:
+            self.stats.store_errors += 1
+            logger.warning("dedup claim of %d messages of %r failed; redelivering them later",
+                           len(good), lane.route.subscription, exc_info=True)
+            delay = self._defer_delay(self.config.retry.backoff(1, self.config.rng))
+            for item in good:
+                self._settle(item, Outcome.RETRY, ack=False, delay=delay)
+            return
+        blocked: set[str] = set()  # ordering keys with a message that must not be overtaken
+        for item, verdict in zip(good, verdicts, strict=True):
+            key = item.delivery.message.ordering_key if lane.ordered else None
+            if key is not None and key in blocked:
+                self._settle(item, Outcome.REQUEUED, ack=False, delay=DEFER_MIN_DELAY,
+                             release=self.claims.release(item))
+            elif isinstance(verdict, Completed):
+                self._settle(item, Outcome.DUPLICATE, ack=True)
+            elif isinstance(verdict, InProgress):
+                if key is not None:
+                    blocked.add(key)
+                self._in_progress_elsewhere(item, verdict)
+            elif not self._still_accepting():
+                self._settle(item, Outcome.STOPPED, ack=False, release=self.claims.release(item))
+            else:
+                self._dispatch(lane, item)
+
+    def _in_progress_elsewhere(self, item: InFlight, verdict: InProgress) -> None:
+        policy = self.config.dead_letter
+        if policy is not None and verdict.failures >= policy.max_delivery_attempts:
+            # A peer's handler has run past max_lease_duration that many times: give up on it.
+            item.failures = verdict.failures
+            error = HandlerTimeoutError(
+                f"the handler of message {item.message_id} is still running on a peer after "
+                f"{verdict.failures} periods of max_lease_duration="
+                f"{self.config.lease.max_lease_duration:g}s"
+            )
+            self._track(self._dead_letter(item, error))
+            return
+        self._settle(item, Outcome.DEFERRED, ack=False,
+                     delay=self._defer_delay(verdict.expires_in))
+
+    def _defer_delay(self, wanted: float) -> float:
+        """A redelivery delay of at least DEFER_MIN_DELAY, capped by max_backoff above it."""
+        cap = max(DEFER_MIN_DELAY, self.config.retry.max_backoff)
+        if not wanted < math.inf:
+            return cap
+        return min(cap, max(DEFER_MIN_DELAY, wanted))
+
+    # -- dispatching ---------------------------------------------------------------------------
+
+    def _dispatch(self, lane: Lane, item: InFlight) -> None:
+        key = item.delivery.message.ordering_key if lane.ordered else None
+        if key is not None:
+            # Pub/Sub may hand out several messages of one key at once: run them one at a time,
+            # in the order received, as its own client does.
+            queue = lane.keys.get(key)
+            if queue is not None:
+                queue.append(item)
+                return
+            lane.keys[key] = deque()
+        self._start(item)
+
+    def _start(self, item: InFlight, eager: bool = True) -> None:
+        if eager:
+            item.task = _new_task(self._run(item))
+        else:
+            item.task = asyncio.get_running_loop().create_task(self._run(item))
+
+    def _track(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = _new_task(coroutine)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    async def _run(self, item: InFlight) -> None:
+        """One delivery in its own task: wait for resources, run the handler, decide."""
+        lane: Lane = item.route
+        route = lane.route
+        size = item.delivery.size
+        holds_bytes = holds_thread = False
+        try:
+            if not self.flow.try_acquire_bytes(size):
+                await self.flow.acquire_bytes(size)
+            holds_bytes = True
+            if not route.is_async:
+                await self.workers.acquire()
+                holds_thread = True
+            if not self._still_accepting():
+                self._settle(item, Outcome.STOPPED, ack=False, release=self.claims.release(item))
+                return
+            needs_refresh = item.claim is not None and lane.lease.claim_needs_refresh(item)
+            if needs_refresh and not await self._refresh_claim(lane, item):
+                return
+            await self._attempt(lane, item)
+        except asyncio.CancelledError:
+            if item.cancel_reason is None:  # not ours (the loop is going away): give it back
+                item.cancel_reason = CancelReason.STOP
+                await self._cancelled(item)
+                raise
+            await self._cancelled(item)
+        except Exception:  # a bug of ours must not lose the message
+            logger.exception("processing message %s failed unexpectedly", item.message_id)
+            if item.stage is not Stage.SETTLING:
+                self._settle(item, Outcome.RETRY, ack=False,
+                             delay=self.config.retry.backoff(1, self.config.rng),
+                             release=self.claims.release(item))
+        finally:
+            if holds_bytes:
+                self.flow.release_bytes(size)
+            if holds_thread:
+                self.workers.release()
+
+    async def _refresh_claim(self, lane: Lane, item: InFlight) -> bool:
+        """Re-claim a claim that lapsed while ``item`` waited to start; False if not ours."""
+        ttl = lane.lease.claim_ttl()
+        try:
+            verdict = await self.claims.refresh(item, ttl)
+        except Exception:
+            self.stats.store_errors += 1
+            logger.warning("refreshing the dedup claim of message %s failed; redelivering it "
+                           "later", item.message_id, exc_info=True)
+            self._settle(item, Outcome.RETRY, ack=False, delay=self._defer_delay(0.0),
+                         release=self.claims.release(item))
+            return False
+        if isinstance(verdict, Claimed):
+            lane.lease.claim_taken(item, ttl)
+            return True
+        if isinstance(verdict, Completed):
+            self._settle(item, Outcome.DUPLICATE, ack=True)
+        else:
+            self._in_progress_elsewhere(item, verdict)
+        return False
+
+    async def _attempt(self, lane: Lane, item: InFlight) -> None:
+        """Run the handler once (with in-process retries) and settle by what happened."""
+        message = item.delivery.message
+        item.stage = Stage.RUNNING
+        lane.lease.started(item)
+        token = _current_claim.set(item.claim)
+        try:
+            if lane.direct:
+                result = await lane.route.handler(message)
+            else:
+                result = await self._invoke(lane, item)
+        except BaseException as error:
+            if isinstance(error, asyncio.CancelledError) and item.cancel_reason is not None:
+                raise
+            # Anything a handler raises is its failure: Exception, SystemExit, KeyboardInterrupt,
+            # a CancelledError it raised itself, a custom BaseException.
+            lane.lease.finished(item)
+            await self._failed(item, error)
+            return
+        finally:
+            _current_claim.reset(token)
+        lane.lease.finished(item)
+        result_json = "null"
+        if item.claim is not None:
+            result_json = self._encode(result, message)
+        self.claims.forget(lane.namespace, item)
+        self._settle(item, Outcome.ACKED, ack=True,
+                     completion=self.claims.completion(item, result_json))
+
+    async def _invoke(self, lane: Lane, item: InFlight) -> Any:
+        """Call the handler, retrying in process the exceptions the RetryPolicy names."""
+        retry = self.config.retry
+        if retry.in_process_attempts == 1:
+            return await self._call(lane, item)
+        async for try_ in AsyncRetrying(
+            stop=stop_after_attempt(retry.in_process_attempts),
+            wait=wait_exponential(multiplier=retry.in_process_wait),
+            retry=retry_if_exception_type(retry.retry_on),
+            reraise=True,
+            sleep=self.config.clock.sleep,
+        ):
+            with try_:
+                return await self._call(lane, item)
+        raise AssertionError("unreachable: reraise=True re-raises the last error")
+
+    async def _call(self, lane: Lane, item: InFlight) -> Any:
+        handler, message = lane.route.handler, item.delivery.message
+        if lane.route.is_async:
+            result = handler(message)
+            if inspect.isawaitable(result):
+                result = await result
+            return result
+        future = self.workers.run(handler, message)
+        item.thread_running = True
+        ok, value = await future  # if this task is cancelled, the thread still runs
+        item.thread_running = False
+        if not ok:
+            raise value
+        return value
+
+    def _encode(self, result: Any, message: Message) -> str:
+        try:
+            return encode_result(result)
+        except ResultNotSerializableError as error:
+            logger.error("message %s: %s; storing null instead", message.id, error,
+                         extra={"message_id": message.id, "subscription": message.subscription})
+            return "null"
+
+    # -- failures ------------------------------------------------------------------------------
+
+    async def _failed(self, item: InFlight, error: BaseException) -> None:
+        lane: Lane = item.route
+        message = item.delivery.message
+        self.stats.handler_errors += 1
+        failures = self.claims.record_failure(lane.namespace, item)
+        policy = self.config.dead_letter
+        extra = _log_fields(item, "failed")
+        extra["failures"] = failures
+        if policy is not None and failures >= policy.max_delivery_attempts:
+            await self._dead_letter(item, error)
+            return
+        delay = self.config.retry.backoff(failures, self.config.rng)
+        logger.warning(
+            "message %s of %r failed (attempt %d: %s: %s); redelivering in %.1fs",
+            message.id, message.subscription, failures, type(error).__name__, error, delay,
+            exc_info=error if failures == 1 else None, extra=extra,
+        )
+        self._settle(item, Outcome.RETRY, ack=False, delay=delay,
+                     release=self.claims.release(item))
+
+    async def _dead_letter(self, item: InFlight, error: BaseException) -> None:
+        policy = self.config.dead_letter
+        assert policy is not None
+        message = item.delivery.message
+        item.stage = Stage.SETTLING
+        try:
+            await self.config.adapter.publish(
+                policy.topic, message.data, dead_letter_attributes(message, item.failures, error)
+            )
+        except Exception:
+            logger.error(
+                "publishing message %s to dead-letter topic %r failed; it stays on %r and is "
+                "retried", message.id, policy.topic, message.subscription, exc_info=True,
+                extra=_log_fields(item, "retry"),
+            )
+            self._settle(item, Outcome.RETRY, ack=False,
+                         delay=self.config.retry.backoff(item.failures, self.config.rng),
+                         release=self.claims.release(item))
+            return
+        logger.error(
+            "message %s of %r dead-lettered to %r after %d failed attempts (%s: %s)",
+            message.id, message.subscription, policy.topic, item.failures,
+            type(error).__name__, error, extra=_log_fields(item, "dead_lettered"),
+            exc_info=error if item.failures <= 1 else None,
+        )
+        self.claims.forget(item.route.namespace, item)
+        self._settle(item, Outcome.DEAD_LETTERED, ack=True, release=self.claims.release(item))
+
+    def _malformed(self, item: InFlight) -> None:
+        self.stats.malformed += 1
+        error = MalformedMessageError(
+            f"message {item.message_id} of {item.delivery.message.subscription!r} cannot be "
+            f"read: {item.delivery.malformed}"
+        )
+        item.stage = Stage.SETTLING
+        if self.config.dead_letter is not None:
+            self._track(self._dead_letter(item, error))
+            return
+        logger.error("%s; no dead-letter policy, so it is redelivered in %gs", error,
+                     self.config.retry.max_backoff, extra=_log_fields(item, "retry"))
+        self._settle(item, Outcome.RETRY, ack=False, delay=self.config.retry.max_backoff)
+
+    # -- giving back ---------------------------------------------------------------------------
+
+    async def _cancelled(self, item: InFlight) -> None:
+        """``item``'s task was cancelled by us, for ``item.cancel_reason``."""
+        reason = item.cancel_reason
+        lane: Lane = item.route
+        if reason is CancelReason.TIMEOUT and item.stage is Stage.RUNNING:
+            lane.lease.finished(item)
+            await self._failed(item, HandlerTimeoutError(
+                f"handler {lane.route.name} ran past max_lease_duration="
+                f"{self.config.lease.max_lease_duration:g}s and was cancelled"
+            ))
+            return
+        if item.stage is Stage.SETTLING:
+            return  # already decided
+        outcome = Outcome.REQUEUED if reason is CancelReason.EXPIRED else Outcome.STOPPED
+        # a thread still running keeps the claim: a redelivery must wait for it, not run beside
+        release = None if item.thread_running else self.claims.release(item)
+        self._settle(item, outcome, ack=False, release=release)
+
+    def _cancel(self, item: InFlight, reason: CancelReason) -> None:
+        if item.task is not None and not item.task.done():
+            item.cancel_reason = reason
+            item.task.cancel()
+
+    async def _max_lease_reached(self, items: list[InFlight]) -> None:
+        """Lease manager callback: ``items`` reached max_lease_duration."""
+        overran: list[InFlight] = []
+        for item in items:
+            if item.stage is Stage.WAITING:
+                if item.task is not None:
+                    self._cancel(item, CancelReason.EXPIRED)
+                else:  # queued behind its ordering key
+                    self._requeue_waiting(item, Outcome.REQUEUED)
+            elif item.stage is Stage.RUNNING:
+                if item.route.route.is_async:
+                    self._cancel(item, CancelReason.TIMEOUT)
+                else:
+                    overran.append(item)
+        if overran:
+            await self._overran(overran)
+
+    async def _overran(self, items: list[InFlight]) -> None:
+        """Sync handlers still running at max_lease_duration: a thread cannot be interrupted.
+
+        Each further period counts as a failed attempt (written with the claim's renewals, so a
+        peer that receives the redelivery can dead-letter it once the count is reached), and
+        the message is given back to the broker; the claim stays held while the thread runs.
+        """
+        max_lease = self.config.lease.max_lease_duration
+        for item in items:
+            lane: Lane = item.route
+            failures = self.claims.record_failure(lane.namespace, item)
+            logger.warning(
+                "sync handler %s has run past max_lease_duration=%gs on message %s (counted as "
+                "failed attempt %d); its message is given back and its claim kept while the "
+                "thread runs", lane.route.name, max_lease, item.message_id, failures,
+                extra=_log_fields(item, "overran"),
+            )
+        try:
+            await self.config.adapter.nack([item.delivery for item in items], 0.0)
+        except Exception:
+            logger.warning("nack after max_lease_duration failed", exc_info=True)
+
+    def _requeue_waiting(self, item: InFlight, outcome: Outcome) -> None:
+        lane: Lane = item.route
+        key = item.delivery.message.ordering_key
+        queue = lane.keys.get(key) if key is not None else None
+        if queue is not None and item in queue:
+            queue.remove(item)
+        self._settle(item, outcome, ack=False, release=self.claims.release(item))
+
+    # -- settling ------------------------------------------------------------------------------
+
+    def _settle(
+        self,
+        item: InFlight,
+        outcome: Outcome,
+        *,
+        ack: bool,
+        delay: float = 0.0,
+        completion: Any = None,
+        release: Claimed | None = None,
+    ) -> None:
+        self.settler.add(Settle(item, outcome, ack=ack, delay=delay, completion=completion,
+                                release=release))
+        lane: Lane = item.route
+        key = item.delivery.message.ordering_key
+        if key is not None and lane.ordered and item.task is not None:
+            self._next_of_key(lane, key, outcome, item)
+
+    def _next_of_key(self, lane: Lane, key: str, outcome: Outcome, item: InFlight) -> None:
+        """After a delivery of ``key`` was decided: start the next one, or give them all back.
+
+        When one did not succeed, those after it go back too: the broker redelivers them after
+        it, so nothing of the key overtakes it.
+        """
+        queue = lane.keys.get(key)
+        if queue is None:
+            return
+        if outcome in _DONE and self.accepting:
+            if queue:
+                # not eager: a long queue of handlers that never wait must not nest calls
+                self._start(queue.popleft(), eager=False)
+            else:
+                del lane.keys[key]
+            return
+        del lane.keys[key]
+        requeued = Outcome.REQUEUED if self.accepting else Outcome.STOPPED
+        while queue:
+            waiting = queue.popleft()
+            self.settler.add(Settle(waiting, requeued, ack=False, delay=DEFER_MIN_DELAY,
+                                    release=self.claims.release(waiting)))
+
+    def _on_settled(self, settle: Settle, refused: bool) -> None:
+        """The settler confirmed ``settle``: let the delivery go and report its outcome."""
+        item = settle.item
+        item.stage = Stage.DONE
+        item.route.lease.drop(item)
+        self.items.discard(item)
+        self.flow.settled()
+        outcome = Outcome.ACK_REFUSED if refused else settle.outcome
+        self.stats.outcomes[outcome] += 1
+        on_outcome = self.config.on_outcome
+        if on_outcome is not None:
+            try:
+                on_outcome(item.delivery.message, outcome)
+            except Exception:
+                logger.exception("on_outcome callback failed")
+
+    # -- closing -------------------------------------------------------------------------------
+
+    async def close(self, timeout: float, force: asyncio.Event) -> None:
+        """Stop: receive no more, give back what has not started, let running handlers finish
+        within ``timeout`` real seconds, settle, and release the adapter and store."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        self.receiving = self.accepting = False
+        running = [i for i in self.items if i.stage is Stage.RUNNING]
+        logger.info(
+            "stopping: %d handlers running, %d deliveries not started; waiting up to %gs",
+            len(running), sum(1 for i in self.items if i.stage is Stage.WAITING), timeout,
+            extra={"running": len(running), "timeout": timeout},
+        )
+        self.flow.close()
+        for lane in self.lanes.values():
+            if lane.receive_call is not None:
+                lane.receive_call.cancel()
+        receivers = [f"receive loop of {name!r}" for name in self.lanes]
+        # a receive loop ends by itself once its receive call is cancelled; one in the middle
+        # of a claim call finishes admitting its batch first (bounded by the store's timeout)
+        await self.supervisor.wait(receivers, max(0.0, deadline - loop.time()))
+        await self.supervisor.stop(*receivers)
+        self._give_back_unstarted()
+        await self._wait_for_handlers(deadline, force)
+        await self._wait_side_tasks(deadline, force)
+        flush = max(deadline, loop.time() + FLUSH_GRACE)
+        if force.is_set():
+            self.settler.give_up_now()
+        forcing = loop.create_task(_on_force(force, self.settler.give_up_now))
+        try:
+            await self.settler.drain(flush)
+        finally:
+            forcing.cancel()
+        logger.info("drained: every delivery of this run is settled")
+        await self.supervisor.stop()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        self.workers.shutdown()
+        await self._release_connections()
+
+    async def abort(self) -> None:
+        """Undo a failed :meth:`open`: stop what it started and release connections."""
+        self.receiving = self.accepting = False
+        self.flow.close()
+        await self.supervisor.stop()
+        if self.watchdog is not None:
+            self.watchdog.stop()
+        await self._release_connections()
+
+    def _give_back_unstarted(self) -> None:
+        for lane in self.lanes.values():
+            queues, lane.keys = lane.keys, {}
+            for queue in queues.values():
+                for item in queue:
+                    self._settle(item, Outcome.STOPPED, ack=False,
+                                 release=self.claims.release(item))
+        for item in list(self.items):
+            if item.stage is Stage.WAITING:
+                self._cancel(item, CancelReason.STOP)
+
+    async def _wait_for_handlers(self, deadline: float, force: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+
+        def unfinished() -> set[asyncio.Task[None]]:
+            return {i.task for i in self.items if i.task is not None and not i.task.done()}
+
+        await _wait_until(unfinished(), deadline, force)
+        stubborn = [i for i in self.items
+                    if i.task is not None and not i.task.done() and i.stage is Stage.RUNNING]
+        for item in stubborn:
+            if item.route.route.is_async:
+                self._cancel(item, CancelReason.STOP)
+        threads = [i for i in stubborn if not i.route.route.is_async]
+        if threads and not force.is_set():
+            logger.warning(
+                "%d sync handlers are still running at the stop deadline; a thread cannot be "
+                "interrupted, so the stop waits for them (their leases and claims stay renewed, "
+                "their results are recorded and acked); stop again (a second SIGINT/SIGTERM) "
+                "to force", len(threads),
+                extra={"message_ids": [i.message_id for i in threads[:20]]},
+            )
+            await _wait_until({i.task for i in threads if i.task is not None}, math.inf, force)
+        if force.is_set():
+            for item in self.items:
+                if item.stage is Stage.RUNNING and item.task is not None:
+                    self._cancel(item, CancelReason.STOP)
+        pending = unfinished()
+        if pending:
+            grace = loop.time() + CANCEL_GRACE
+            _, pending = await asyncio.wait(pending, timeout=max(0.0, grace - loop.time()))
+        for task in pending:
+            logger.error("a handler ignored its cancellation for %gs; leaving it behind (task "
+                         "%r)", CANCEL_GRACE, task.get_name())
+        for item in list(self.items):
+            if item.task in pending and item.stage is not Stage.SETTLING:
+                self._settle(item, Outcome.STOPPED, ack=False)
+
+    async def _wait_side_tasks(self, deadline: float, force: asyncio.Event) -> None:
+        if self._side_tasks:
+            loop = asyncio.get_running_loop()
+            await _wait_until(set(self._side_tasks), max(deadline, loop.time() + FLUSH_GRACE),
+                              force)
+
+    async def _release_connections(self) -> None:
+        """The adapter's and store's connections belong to this run's loop: release them."""
+        for name, resource in (("adapter", self.config.adapter), ("dedup store",
+                                                                   self.config.dedup)):
+            if resource is None:
+                continue
+            try:
+                await resource.close()
+            except Exception:
+                logger.warning("closing the %s failed", name, exc_info=True)
+
+    def _describe_task(self, task: asyncio.Task[Any] | None) -> str | None:
+        if task is None:
+            return None
+        for item in self.items:
+            if item.task is task:
+                route = item.route.route
+                return (f"handler {route.name} of subscription {route.subscription!r} "
+                        f"(message {item.message_id})")
+        return None
+
+
+async def _wait_until(tasks: set[asyncio.Task[None]], deadline: float,
+                      force: asyncio.Event) -> None:
+    """Wait for ``tasks`` until the loop clock reaches ``deadline`` or ``force`` is set."""
+    if not tasks or force.is_set():
+        return
+    loop = asyncio.get_running_loop()
+    forced = loop.create_task(force.wait())
+    try:
+        timeout = None if deadline == math.inf else max(0.0, deadline - loop.time())
+        pending = set(tasks)
+        while pending and not forced.done():
+            done, _ = await asyncio.wait(pending | {forced}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                return
+            pending -= done
+            if timeout is not None:
+                timeout = max(0.0, deadline - loop.time())
+    finally:
+        forced.cancel()
+
+
+async def _on_force(force: asyncio.Event, action: Callable[[], None]) -> None:
+    await force.wait()
+    action()
+
+
+if sys.version_info >= (3, 12):
+    def _new_task(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """A task that runs its first step at once (eager start), as its own task."""
+        return asyncio.Task(coroutine, loop=asyncio.get_running_loop(), eager_start=True)
+else:
+    def _new_task(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(coroutine)
+
+
+def dead_letter_attributes(
+    message: Message, failures: int, error: BaseException
+) -> dict[str, str]:
+    """The attributes of a dead-letter copy: the publisher's (those named like ours renamed
+    with ``PUBLISHER_ATTRIBUTE_PREFIX``), then where it came from and why it failed."""
+    attributes: dict[str, str] = {}
+    for name, value in message.attributes.items():
+        if name in DEAD_LETTER_ATTRIBUTES:
+            attributes[PUBLISHER_ATTRIBUTE_PREFIX + name] = value
+        else:
+            attributes[name] = value
+    attributes.update({
+        "original-message-id": message.id,
+        "original-subscription": message.subscription,
+        "delivery-attempts": str(message.delivery_attempt),
+        "handler-failures": str(failures),
+        "error-type": f"{type(error).__module__}.{type(error).__qualname__}",
+        "error-message": str(error)[:ERROR_MESSAGE_LIMIT],
+    })
+    return attributes
+
+
+def _log_fields(item: InFlight, outcome: str) -> dict[str, Any]:
+    message = item.delivery.message
+    return {
+        "message_id": message.id,
+        "subscription": message.subscription,
+        "attempt": message.delivery_attempt,
+        "failures": item.failures,
+        "outcome": outcome,
+    }

@@ -1,0 +1,120 @@
+"""Supervised background tasks: a loop that dies is logged at ERROR and restarted.
+
+The Subscriber's receive loops, lease managers and settler run forever. A bug or an unexpected
+exception in one of them must not leave a subscription silently dead while ``running`` says
+True: the supervisor logs the failure with its traceback, restarts the loop after a backoff
+(``RESTART_WAIT_MIN`` doubling to ``RESTART_WAIT_MAX``), and ``healthy()`` is False until the
+restarted loop has run for ``HEALTHY_AFTER`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+logger = logging.getLogger("reliable_sub.subscriber")
+
+RESTART_WAIT_MIN = 0.1
+RESTART_WAIT_MAX = 10.0
+# A restarted loop counts as healthy again once it has run this long without failing.
+HEALTHY_AFTER = 1.0
+
+
+class _Supervised:
+    __slots__ = ("factory", "failures", "healthy_since", "keep_running", "name", "task")
+
+    def __init__(
+        self,
+        name: str,
+        factory: Callable[[], Coroutine[Any, Any, None]],
+        keep_running: Callable[[], bool],
+    ) -> None:
+        self.name = name
+        self.factory = factory
+        self.keep_running = keep_running
+        self.task: asyncio.Task[None] | None = None
+        self.failures = 0
+        self.healthy_since = 0.0
+
+
+class Supervisor:
+    """Runs named coroutines forever, restarting any that raises.
+
+    Args:
+        sleep: how to wait before a restart (the Subscriber's clock).
+        now: the clock's reading, for ``healthy()``.
+    """
+
+    def __init__(self, sleep: Callable[[float], Awaitable[None]], now: Callable[[], float]) -> None:
+        self._sleep = sleep
+        self._now = now
+        self._children: dict[str, _Supervised] = {}
+        self._stopping = False
+
+    def spawn(
+        self,
+        name: str,
+        factory: Callable[[], Coroutine[Any, Any, None]],
+        keep_running: Callable[[], bool] = lambda: True,
+    ) -> None:
+        """Run ``factory()`` under supervision, as task ``name``.
+
+        Returning is fine once ``keep_running()`` is False; before that it is a failure.
+        """
+        child = _Supervised(name, factory, keep_running)
+        self._children[name] = child
+        child.task = asyncio.get_running_loop().create_task(self._keep(child), name=name)
+
+    def problems(self) -> list[str]:
+        """Names of the loops that are down or restarted too recently, with why."""
+        now = self._now()
+        found: list[str] = []
+        for child in self._children.values():
+            if child.task is None or child.task.done():
+                found.append(f"{child.name}: not running")
+            elif child.failures and now < child.healthy_since:
+                found.append(f"{child.name}: restarted after {child.failures} failure(s)")
+        return found
+
+    async def wait(self, names: list[str], timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the named loops to end by themselves."""
+        tasks = {c.task for n in names if (c := self._children.get(n)) and c.task is not None}
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+
+    async def stop(self, *names: str) -> None:
+        """Cancel the named loops (all when none are named) and wait for them."""
+        chosen = [self._children[n] for n in names] if names else list(self._children.values())
+        if not names:
+            self._stopping = True
+        for child in chosen:
+            if child.task is not None:
+                child.task.cancel()
+        for child in chosen:
+            if child.task is not None:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await child.task
+            self._children.pop(child.name, None)
+
+    async def _keep(self, child: _Supervised) -> None:
+        while True:
+            try:
+                await child.factory()
+                if self._stopping or not child.keep_running():
+                    return
+                raise RuntimeError(f"{child.name} returned while the Subscriber runs")
+            except asyncio.CancelledError:
+                raise
+            except BaseException as error:  # any escape is a bug: log it and restart
+                child.failures += 1
+                wait = min(RESTART_WAIT_MAX, RESTART_WAIT_MIN * 2 ** (child.failures - 1))
+                logger.error(
+                    "%s failed (%s: %s); restarting it in %.1fs", child.name,
+                    type(error).__name__, error, wait, exc_info=error,
+                    extra={"loop": child.name, "failures": child.failures},
+                )
+                child.healthy_since = self._now() + wait + HEALTHY_AFTER
+                await self._sleep(wait)
