@@ -33,6 +33,9 @@ class Capabilities:
         extension_limited_to_ack_deadline: an extension can only restart the subscription's ack
             deadline, never set a longer one (Redis Streams: idle time can be reset, not put in
             the future); the lease manager then extends by at most the ack deadline.
+        cancel_safe_receive: cancelling a ``receive`` call in flight never leaves a message
+            taken at the broker (only the in-memory broker can promise it); otherwise a stop
+            lets the calls in flight return, and gives back what they bring.
     """
 
     min_ack_deadline: float = 0.0
@@ -45,6 +48,7 @@ class Capabilities:
     delivery_attempt_exact: bool = True
     refuses_stale_acks: bool = True
     extension_limited_to_ack_deadline: bool = False
+    cancel_safe_receive: bool = False
 
     def clamp_deadline(self, seconds: float) -> float:
         """``seconds`` limited to the broker's accepted range."""

@@ -43,6 +43,7 @@ CAPABILITIES = Capabilities(
     seek=False,
     ordering=True,
     delivery_attempt_exact=True,
+    cancel_safe_receive=True,
 )
 
 

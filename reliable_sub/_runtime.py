@@ -76,6 +76,9 @@ ERROR_MESSAGE_LIMIT = 1000
 # After a stop cancels the async handlers still running at its deadline, each gets this long
 # (real seconds) to end; one that swallows the cancellation is then left behind, logged.
 CANCEL_GRACE = 5.0
+# Receive calls still in flight when a stop begins get this long beyond receive_timeout to
+# return before they are cancelled (and a cancelled call this long to end).
+RECEIVE_GRACE = 1.0
 # Queued acks and nacks get at least this long (real seconds) after the handlers are done,
 # even when the stop timeout has already passed.
 FLUSH_GRACE = 5.0
@@ -450,8 +453,10 @@ class Runtime:
             else:
                 result = await self._invoke(lane, item)
         except BaseException as error:
-            if isinstance(error, asyncio.CancelledError) and item.cancel_reason is not None:
-                raise
+            if isinstance(error, asyncio.CancelledError) and (
+                item.cancel_reason is not None or _cancel_requested()
+            ):
+                raise  # we (or whoever owns the loop) cancelled it: not the handler's failure
             # Anything a handler raises is its failure: Exception, SystemExit, KeyboardInterrupt,
             # a CancelledError it raised itself, a custom BaseException.
             lane.lease.finished(item)
@@ -715,15 +720,18 @@ class Runtime:
             extra={"running": len(running), "timeout": timeout},
         )
         self.flow.close()
-        for lane in self.lanes.values():
-            if lane.receive_call is not None:
-                lane.receive_call.cancel()
-        receivers = [f"receive loop of {name!r}" for name in self.lanes]
-        # a receive loop ends by itself once its receive call is cancelled; one in the middle
-        # of a claim call finishes admitting its batch first (bounded by the store's timeout)
-        await self.supervisor.wait(receivers, max(0.0, deadline - loop.time()))
-        await self.supervisor.stop(*receivers)
+        if self.config.adapter.capabilities.cancel_safe_receive:
+            self._cancel_receive_calls()
         self._give_back_unstarted()
+        # A receive call cancelled in flight may have taken messages at the broker that then
+        # wait out their ack deadline; so where that can happen the calls in flight may return
+        # (within receive_timeout), and what they bring is given straight back.
+        receivers = [f"receive loop of {name!r}" for name in self.lanes]
+        patience = min(deadline, loop.time() + self.config.receive_timeout + RECEIVE_GRACE)
+        await self.supervisor.wait(receivers, max(0.0, patience - loop.time()))
+        self._cancel_receive_calls()
+        await self.supervisor.wait(receivers, RECEIVE_GRACE)
+        await self.supervisor.stop(*receivers)
         await self._wait_for_handlers(deadline, force)
         await self._wait_side_tasks(deadline, force)
         flush = max(deadline, loop.time() + FLUSH_GRACE)
@@ -749,6 +757,11 @@ class Runtime:
         if self.watchdog is not None:
             self.watchdog.stop()
         await self._release_connections()
+
+    def _cancel_receive_calls(self) -> None:
+        for lane in self.lanes.values():
+            if lane.receive_call is not None:
+                lane.receive_call.cancel()
 
     def _give_back_unstarted(self) -> None:
         for lane in self.lanes.values():
@@ -846,6 +859,14 @@ async def _wait_until(tasks: set[asyncio.Task[None]], deadline: float,
                 timeout = max(0.0, deadline - loop.time())
     finally:
         forced.cancel()
+
+
+def _cancel_requested() -> bool:
+    """Whether the current task was asked to cancel (as opposed to a handler raising
+    CancelledError by itself); Python 3.10 cannot tell, and then only our own reasons count."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False
 
 
 async def _on_force(force: asyncio.Event, action: Callable[[], None]) -> None:

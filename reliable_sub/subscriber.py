@@ -216,6 +216,12 @@ class Subscriber:
         """True between a successful start and the end of a stop."""
         return self._runtime is not None
 
+    @property
+    def stopping(self) -> bool:
+        """True from a stop request until the stop has finished."""
+        stop = self._stop_requested
+        return stop is not None and stop.is_set()
+
     def healthy(self) -> bool:
         """True while running with every receive loop, lease manager and settler alive (for a
         readiness probe); a loop that failed and is being restarted makes it False."""

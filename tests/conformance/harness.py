@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from reliable_sub import LeasePolicy, RetryPolicy, Subscriber
 from reliable_sub.adapters.base import Adapter, Capabilities
-from reliable_sub.clock import Clock, ManualClock
+from reliable_sub.clock import Clock, ManualClock, SystemClock
 from reliable_sub.message import Delivery
 from tests.timing import drive_until, pass_time, run_driven
 
@@ -78,6 +78,11 @@ class Harness:
 
     async def wait_until(self, predicate: Callable[[], bool], within: float, what: str) -> None:
         await drive_until(self.clock, predicate, within, what=what)
+
+    async def wait_real(self, predicate: Callable[[], bool], seconds: float, what: str) -> None:
+        """Wait up to ``seconds`` of real time for ``predicate()`` (for what runs on the event
+        loop's own clock, such as a stop's deadline), without moving a ManualClock."""
+        await drive_until(SystemClock(), predicate, seconds, what=what)
 
     async def pass_time(self, seconds: float) -> None:
         await pass_time(self.clock, seconds)
