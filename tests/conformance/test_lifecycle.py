@@ -196,7 +196,8 @@ async def test_start_stop_start_in_new_threads_and_loops(harness: Harness) -> No
         await in_thread(harness, subscriber.start)  # a new thread and event loop each time
         try:
             await adapter.publish(topic, f"round-{round_}".encode())
-            await harness.wait_until(lambda: recorder.count(Outcome.ACKED) == round_ + 1,
+            expected = round_ + 1
+            await harness.wait_until(lambda: recorder.count(Outcome.ACKED) == expected,  # noqa: B023
                                      3 * harness.ack_deadline, f"round {round_}")
         finally:
             await in_thread(harness, lambda: subscriber.stop(5))
