@@ -392,15 +392,9 @@ class RedisStreamsAdapter:
         return kind == "stream"
 
     def dedup_namespace(self, subscription: str) -> str:
-        """``redis:<key prefix>:<stream>:<group>`` (known once the subscription was looked up:
-        Redis entry ids are only unique within one stream)."""
-        sub = self._subscriptions.get(subscription)
-        if sub is None:
-            raise UnknownSubscriptionError(
-                f"subscription {subscription!r} has not been looked up yet; call "
-                "subscription_ack_deadline (the Subscriber does at start) first"
-            )
-        return f"redis:{self._prefix}:{sub.stream}:{sub.name}"
+        """``redis:<key prefix>:<group>``: a group name belongs to one stream per key prefix
+        (see ``ensure_subscription``), and Redis entry ids are unique only within a stream."""
+        return f"redis:{self._prefix}:{subscription}"
 
     async def subscription_ack_deadline(self, subscription: str) -> float:
         return (await self._subscription(subscription)).ack_deadline

@@ -79,6 +79,8 @@ async def drive_until(
                 f"timed out waiting for {what} after {clock.now() - start:.2f}s of clock time"
             )
         if isinstance(clock, ManualClock):
+            if await _let_real_timer_fire():
+                continue  # something runs on real time (a handler's own timeout): not a jump
             wake = clock.next_wakeup()
             if wake is None:
                 # nothing sleeps on the clock: something runs outside the loop (a thread); wait
@@ -87,6 +89,25 @@ async def drive_until(
                 clock.set(min(wake, start + within + 1e-6))
         else:
             await asyncio.sleep(poll)
+
+
+# Before the ManualClock jumps, a real-time timer of the event loop due within this many real
+# seconds (an asyncio.timeout in a handler, a stop's deadline) is let fire first.
+REAL_TIMER_HORIZON = 0.25
+
+
+async def _let_real_timer_fire() -> bool:
+    """Wait for the loop's next real-time timer if it is due soon; True if there was one."""
+    loop = asyncio.get_running_loop()
+    scheduled = getattr(loop, "_scheduled", None)
+    if not scheduled:
+        return False
+    due = min(handle.when() for handle in scheduled if not handle.cancelled())
+    wait = due - loop.time()
+    if wait > REAL_TIMER_HORIZON:
+        return False
+    await asyncio.sleep(max(0.0, wait))
+    return True
 
 
 async def pass_time(clock: Clock, seconds: float) -> None:

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from reliable_sub import LeasePolicy, RetryPolicy, Subscriber
+from reliable_sub import DedupStore, LeasePolicy, MemoryDedupStore, RetryPolicy, Subscriber
 from reliable_sub.adapters.base import Adapter, Capabilities
 from reliable_sub.clock import Clock, ManualClock, SystemClock
 from reliable_sub.message import Delivery
@@ -37,6 +37,7 @@ class Harness:
     prefix: str = "conf"
     cleanup: Callable[[], Awaitable[None]] | None = None
     adapters: list[Adapter] = field(default_factory=list)
+    new_store: Callable[[str], DedupStore] | None = None
 
     @property
     def capabilities(self) -> Capabilities:
@@ -58,6 +59,18 @@ class Harness:
             topic, subscription, ack_deadline=self.ack_deadline, **options
         )
         return topic, subscription
+
+    def dedup_store(self, owner: str | None = None) -> DedupStore:
+        """The dedup store that goes with this broker (Redis's beside Redis streams); stores
+        made by one harness share their records."""
+        if self.new_store is None:
+            if not hasattr(self, "_memory_records"):
+                self._memory_records = MemoryDedupStore(clock=self.clock)
+            store = MemoryDedupStore(clock=self.clock, owner=owner)
+            store._records = self._memory_records._records
+            store._lock = self._memory_records._lock
+            return store
+        return self.new_store(owner or uuid.uuid4().hex)
 
     def lease_policy(self, **overrides: Any) -> LeasePolicy:
         values: dict[str, Any] = {"min_extension": self.ack_deadline}
@@ -158,8 +171,14 @@ def redis_harness() -> Harness:
         finally:
             await client.aclose()
 
+    def new_store(owner: str) -> DedupStore:
+        from reliable_sub.dedup_redis import RedisDedupStore
+
+        return RedisDedupStore(url, prefix=f"conf-{run}:dedup", owner=owner)
+
     return Harness(name="redis", clock=SystemClock(), ack_deadline=1.0, tick=0.1,
-                   new_adapter=new_adapter, prefix=f"conf-{run}", cleanup=cleanup)
+                   new_adapter=new_adapter, prefix=f"conf-{run}", cleanup=cleanup,
+                   new_store=new_store)
 
 
 def fakeredis_harness() -> Harness:
@@ -179,8 +198,13 @@ def fakeredis_harness() -> Harness:
             sync_client=fakeredis.FakeRedis(server=server),
         )
 
+    def new_store(owner: str) -> DedupStore:
+        from reliable_sub.dedup_redis import RedisDedupStore
+
+        return RedisDedupStore(fakeredis.FakeAsyncRedis(server=server), owner=owner)
+
     return Harness(name="fakeredis", clock=SystemClock(), ack_deadline=1.0, tick=0.1,
-                   new_adapter=new_adapter)
+                   new_adapter=new_adapter, new_store=new_store)
 
 
 def pubsub_harness() -> Harness:

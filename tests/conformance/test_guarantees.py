@@ -122,7 +122,10 @@ async def test_poison_message_is_dead_lettered_after_max_attempts(harness: Harne
         if message.data == b"poison":
             raise ValueError("cannot parse order: b'poison'")
 
-    poison_id = await adapter.publish(topic, b"poison", {"tenant": "t1"})
+    # a publisher's attributes named like the dead-letter ones are kept, renamed (#19)
+    poison_id = await adapter.publish(topic, b"poison", {
+        "tenant": "t1", "delivery-attempts": "from the publisher", "error-type": "none",
+    })
     await adapter.publish(topic, b"fine")
     async with harness.serving(subscriber):
         await harness.wait_until(lambda: recorder.count(Outcome.DEAD_LETTERED) == 1,
@@ -138,8 +141,11 @@ async def test_poison_message_is_dead_lettered_after_max_attempts(harness: Harne
     assert attrs["original-message-id"] == poison_id
     assert attrs["original-subscription"] == sub
     assert attrs["delivery-attempts"] == "3"
+    assert attrs["handler-failures"] == "3"
     assert attrs["error-type"] == "builtins.ValueError"
     assert attrs["error-message"] == "cannot parse order: b'poison'"
+    assert attrs["publisher-delivery-attempts"] == "from the publisher"
+    assert attrs["publisher-error-type"] == "none"
     await adapter.ack([dead])
     assert await drain(harness, sub) == []
 

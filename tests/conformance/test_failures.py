@@ -1,0 +1,140 @@
+"""Failures are counted as handler failures, bounded, and visible."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+import pytest
+
+from reliable_sub import Claimed, DeadLetterPolicy, DedupKey, LeasePolicy, Message, Outcome
+from tests.conformance.harness import Harness
+from tests.conformance.test_guarantees import Recorder
+
+pytestmark = pytest.mark.conformance
+
+
+async def test_only_handler_failures_use_up_attempts_across_deferrals_and_restarts(
+    harness: Harness,
+) -> None:
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    dlq_topic, dlq_sub = await harness.topic_and_subscription()
+    key = DedupKey(adapter.dedup_namespace(sub), "poison-1")
+    peer = harness.dedup_store(owner="peer")
+    held = await peer.claim(key, 2 * harness.ack_deadline)  # a peer that then dies
+    assert isinstance(held, Claimed)
+    calls: list[int] = []
+
+    def consumer(recorder: Recorder, dead_letter: DeadLetterPolicy):  # a fresh process each
+        subscriber = harness.subscriber(adapter, dedup=harness.dedup_store(),
+                                        on_outcome=recorder, dead_letter=dead_letter)
+
+        @subscriber.handler(sub)
+        async def poison(message: Message) -> None:
+            calls.append(message.delivery_attempt)
+            raise ValueError("cannot parse")
+
+        return subscriber
+
+    policy = DeadLetterPolicy(dlq_topic, max_delivery_attempts=3)
+    await adapter.publish(topic, b"poison", {"idempotency-key": "poison-1"})
+    first = Recorder()
+    async with harness.serving(consumer(first, policy)):
+        await harness.wait_until(lambda: first.count(Outcome.RETRY) == 2,
+                                 20 * harness.ack_deadline, "two failures")
+    assert first.count(Outcome.DEFERRED) >= 1, "the dead peer's claim deferred it first"
+    second = Recorder()
+    async with harness.serving(consumer(second, policy)):  # a restart: counts must survive
+        await harness.wait_until(lambda: second.count(Outcome.DEAD_LETTERED) == 1,
+                                 20 * harness.ack_deadline, "dead-lettering")
+    assert len(calls) == 3, f"the handler ran {len(calls)} times for max_delivery_attempts=3"
+    [dead] = await harness.receive(adapter, dlq_sub, timeout=harness.ack_deadline)
+    assert dead.message.attributes["handler-failures"] == "3"
+    assert int(dead.message.attributes["delivery-attempts"]) >= 3
+    await adapter.ack([dead])
+
+
+async def test_a_hung_sync_handler_starves_nothing_and_is_dead_lettered_in_the_end(
+    local_harness: Harness,
+) -> None:
+    harness = local_harness
+    consumer_a, consumer_b = await harness.adapter(), await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    dlq_topic, dlq_sub = await harness.topic_and_subscription()
+    max_lease = 6 * harness.ack_deadline
+    policy = DeadLetterPolicy(dlq_topic, max_delivery_attempts=2)
+    lease = LeasePolicy(min_extension=harness.ack_deadline, max_lease_duration=max_lease)
+    release = threading.Event()
+    effects: Counter[tuple[str, bytes]] = Counter()
+    hung = threading.Event()
+    recorders = {"a": Recorder(), "b": Recorder()}
+
+    def consumer(name: str, adapter: object, workers: int):
+        subscriber = harness.subscriber(
+            adapter, dedup=harness.dedup_store(owner=name), sync_workers=workers, lease=lease,
+            dead_letter=policy, on_outcome=recorders[name],
+        )
+
+        @subscriber.handler(sub)
+        def handle(message: Message) -> None:
+            if message.data == b"hang":
+                hung.set()
+                release.wait(120)
+            effects[(name, message.data)] += 1
+
+        return subscriber
+
+    for payload in (b"hang", b"q1", b"q2", b"q3"):
+        await harness.adapters[0].publish(topic, payload)
+    async with harness.serving(consumer("a", consumer_a, workers=1)):
+        try:
+            await harness.wait_until(hung.is_set, 3 * harness.ack_deadline, "the hang")
+            async with harness.serving(consumer("b", consumer_b, workers=4)):
+                # the queued ones are given back at max_lease_duration and run by B
+                await harness.wait_until(
+                    lambda: sum(effects[("b", q)] for q in (b"q1", b"q2", b"q3")) == 3,
+                    6 * max_lease, "the queued messages to be run by the healthy consumer",
+                )
+                assert recorders["a"].count(Outcome.REQUEUED) >= 3
+                # each further max_lease_duration the hung handler runs counts as a failure
+                await harness.wait_until(
+                    lambda: sum(r.count(Outcome.DEAD_LETTERED) for r in recorders.values()) == 1,
+                    6 * max_lease, "the hung message to be dead-lettered (by either consumer)",
+                )
+        finally:
+            release.set()  # before A's stop, which waits for the thread
+        await harness.wait_until(lambda: effects[("a", b"hang")] == 1,
+                                 3 * harness.ack_deadline, "the hung thread to end")
+    assert sum(n for (_, data), n in effects.items() if data != b"hang") == 3, effects
+    [dead] = await harness.receive(harness.adapters[0], dlq_sub, timeout=harness.ack_deadline)
+    assert dead.message.data == b"hang"
+    assert dead.message.attributes["error-type"] == "reliable_sub.errors.HandlerTimeoutError"
+
+
+async def test_an_async_handler_blocking_the_loop_is_named_in_a_warning(
+    local_harness: Harness, caplog: pytest.LogCaptureFixture
+) -> None:
+    import time
+
+    harness = local_harness
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    recorder = Recorder()
+    subscriber = harness.subscriber(adapter, on_outcome=recorder, loop_lag_warning=0.2)
+
+    @subscriber.handler(sub)
+    async def blocker(message: Message) -> None:
+        time.sleep(0.8)  # blocks the event loop: the mistake the watchdog is for
+
+    caplog.set_level(logging.INFO, logger="reliable_sub")
+    await adapter.publish(topic, b"x")
+    async with harness.serving(subscriber):
+        await harness.wait_until(lambda: recorder.count(Outcome.ACKED) == 1,
+                                 3 * harness.ack_deadline, "ack")
+    warnings = [r for r in caplog.records if "event loop has been blocked" in r.getMessage()]
+    assert warnings, caplog.text
+    assert "blocker" in warnings[0].getMessage()
+    assert warnings[0].levelno == logging.WARNING
+    assert "the event loop is free again" in caplog.text
