@@ -126,7 +126,7 @@ async def test_an_async_handler_blocking_the_loop_is_named_in_a_warning(
 
     @subscriber.handler(sub)
     async def blocker(message: Message) -> None:
-        time.sleep(0.8)  # blocks the event loop: the mistake the watchdog is for
+        time.sleep(0.8)  # noqa: ASYNC251 - blocking the loop is the mistake under test
 
     caplog.set_level(logging.INFO, logger="reliable_sub")
     await adapter.publish(topic, b"x")
