@@ -659,3 +659,48 @@ async def test_a_running_subscriber_survives_an_emulator_restart(make_adapter) -
     assert stats.receive_errors > 0, "it saw the outage"
     assert handled == Counter({b"before": 1, **{d: 1 for d in after}})
     assert (stats.handler_errors, stats.ack_errors, stats.acks_refused) == (0, 0, 0)
+
+
+async def test_a_deferred_message_is_not_overtaken_by_later_ones_of_its_key(
+    make_adapter,
+) -> None:
+    """A crashed consumer's claim defers step-1; step-2 and step-3 must wait for it (#8.5)."""
+    from reliable_sub import Claimed, DedupKey, MemoryDedupStore
+
+    adapter = make_adapter()
+    topic, sub = unique("topic"), unique("sub")
+    await adapter.ensure_subscription(topic, sub, ordering=True)
+    store, dead_peer = MemoryDedupStore(), MemoryDedupStore(owner="crashed")
+    dead_peer._records, dead_peer._lock = store._records, store._lock
+    lapse = 2.0
+    held = await dead_peer.claim(DedupKey(adapter.dedup_namespace(sub), "step-1"), lapse)
+    assert isinstance(held, Claimed)
+    for step in (1, 2, 3):
+        await adapter.publish(topic, f"step-{step}".encode(), {"idempotency-key": f"step-{step}"},
+                              ordering_key="order-9")
+    seen: list[bytes] = []
+    subscriber = Subscriber(adapter, dedup=store, receive_timeout=1.0,
+                            retry=RetryPolicy(min_backoff=0.5, max_backoff=1.0))
+
+    @subscriber.handler(sub)
+    async def handle(message: Message) -> None:
+        seen.append(message.data)
+
+    task = asyncio.ensure_future(subscriber.serve())
+    try:
+        await poll_until(lambda: subscriber.stats[Outcome.ACKED] == 3, "three acks",
+                         within=10 * WITHIN)
+    finally:
+        await subscriber.shutdown(timeout=2)
+        await task
+    assert subscriber.stats[Outcome.DEFERRED] >= 1, "step-1 was deferred behind the dead claim"
+    assert subscriber.stats[Outcome.REQUEUED] >= 2, "step-2 and step-3 came in the same pull"
+    assert seen == [b"step-1", b"step-2", b"step-3"]
+
+
+def test_short_and_full_subscription_names_share_a_dedup_namespace() -> None:
+    adapter = PubSubAdapter("my-project", publisher_client=object(),  # type: ignore[arg-type]
+                            admin_client=object())  # type: ignore[arg-type]
+    full = "projects/my-project/subscriptions/billing"
+    assert adapter.dedup_namespace("billing") == adapter.dedup_namespace(full)
+    assert adapter.dedup_namespace("billing") != adapter.dedup_namespace("billing-2")

@@ -227,3 +227,103 @@ async def test_completions_ride_with_the_ack_when_store_and_stream_share_redis(n
     assert (await adapter.client.xpending(topic, sub_name))["pending"] == 0
     await store.close()
     await adapter.close()
+
+
+async def test_a_group_name_belongs_to_one_stream(names) -> None:
+    url, topic, prefix = names
+    adapter = await make(url, prefix, "c1", topic)
+    other_topic = f"{topic}-other"
+    with pytest.raises(ConfigurationError, match=f"'{prefix}-sub' already exists on topic"):
+        await adapter.ensure_subscription(other_topic, f"{prefix}-sub")
+    with pytest.raises(ConfigurationError, match="already exists on topic"):
+        adapter.ensure_subscription_sync(other_topic, f"{prefix}-sub")
+    assert not await adapter.client.exists(other_topic), "nothing was created for it"
+    await adapter.ensure_subscription(topic, f"{prefix}-sub")  # the same stream: a no-op
+    await adapter.close()
+
+
+async def test_equal_entry_ids_on_two_streams_are_different_messages(names) -> None:
+    """Two services on one Redis, each with a group called "workers" (#8.2)."""
+    from reliable_sub import Message, Outcome, Subscriber
+    from reliable_sub.dedup import RedisDedupStore
+    from tests.redis_processes import poll_until
+
+    url, topic, prefix = names
+    store_prefix = f"{prefix}:dedup"  # one store, shared by both services
+    handled: list[tuple[str, str]] = []
+    subscribers = []
+    for service in ("billing", "shipping"):
+        adapter = RedisStreamsAdapter(url, key_prefix=f"{prefix}-{service}")
+        stream = f"{topic}-{service}"
+        await adapter.ensure_subscription(stream, "workers", start="0")
+        # the same entry id on both streams, as two XADDs in one millisecond give
+        await adapter.client.xadd(stream, {"data": service.encode()}, id="1700000000000-0")
+        subscriber = Subscriber(adapter, dedup=RedisDedupStore(url, prefix=store_prefix))
+
+        def make_handler(name: str):
+            async def handle(message: Message) -> None:
+                handled.append((name, message.id))
+
+            return handle
+
+        subscriber.handler("workers")(make_handler(service))
+        subscribers.append(subscriber)
+    tasks = [asyncio.ensure_future(s.serve()) for s in subscribers]
+    try:
+        await poll_until(lambda: sum(s.stats[Outcome.ACKED] + s.stats[Outcome.DUPLICATE]
+                                     for s in subscribers) == 2, "both settled")
+    finally:
+        for subscriber in subscribers:
+            await subscriber.shutdown(timeout=2)
+        await asyncio.gather(*tasks)
+    assert sorted(handled) == [("billing", "1700000000000-0"), ("shipping", "1700000000000-0")]
+    assert all(s.stats[Outcome.DUPLICATE] == 0 for s in subscribers)
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"data": b"x", "attributes": b"[1, 2]"}, "a JSON list, not an object"),
+        ({"data": b"x", "attributes": b"{oops"}, "not JSON"),
+        ({"data": b"x", "attributes": b"\xff\xfe"}, "not JSON"),
+        ({"data": b"x", "attributes": b'{"n": 1}'}, "attribute 'n' is a int"),
+        ({"data": b"x", "ordering-key": b"\xff"}, "ordering-key field is not UTF-8"),
+        ({"payload": b"x"}, "no data field"),
+    ],
+)
+async def test_an_unreadable_entry_is_dead_lettered_and_its_batch_handled(
+    names, fields, problem
+) -> None:
+    """Entries written by another producer (#8.10, #8.11)."""
+    from reliable_sub import DeadLetterPolicy, Message, Outcome, Subscriber
+    from tests.redis_processes import poll_until
+
+    url, topic, prefix = names
+    adapter = await make(url, prefix, "c1", topic)
+    dlq = f"{topic}-dlq"
+    await adapter.ensure_subscription(dlq, f"{prefix}-dlq-sub", start="0")
+    await adapter.publish(topic, b"before")
+    await adapter.client.xadd(topic, fields)
+    await adapter.publish(topic, b"after")
+    handled: list[bytes] = []
+    subscriber = Subscriber(adapter, dead_letter=DeadLetterPolicy(dlq, 3))
+
+    @subscriber.handler(f"{prefix}-sub")
+    async def handle(message: Message) -> None:
+        handled.append(message.data)
+
+    task = asyncio.ensure_future(subscriber.serve())
+    try:
+        await poll_until(lambda: subscriber.stats[Outcome.ACKED] == 2
+                         and subscriber.stats[Outcome.DEAD_LETTERED] == 1, "all three settled")
+        assert subscriber.healthy()
+    finally:
+        await subscriber.shutdown(timeout=2)
+        await task
+    assert handled == [b"before", b"after"]
+    assert subscriber.stats.malformed == 1
+    [dead] = await adapter.receive(f"{prefix}-dlq-sub", 10, 1)
+    assert dead.message.attributes["error-type"] == "reliable_sub.errors.MalformedMessageError"
+    assert problem in dead.message.attributes["error-message"]
+    assert (await adapter.client.xpending(topic, f"{prefix}-sub"))["pending"] == 0
+    await adapter.close()

@@ -311,5 +311,7 @@ async def test_handlers_see_each_ordering_key_in_order_one_at_a_time(harness: Ha
                                  within=6 * harness.ack_deadline, what="all ten handled")
 
     assert overlaps == [], "two handlers of one ordering key ran at once"
+    # those behind a2 were given back, not "deferred": no peer held them
+    assert recorder.count(Outcome.DEFERRED) == 0
     assert done["A"] == [f"a{i}".encode() for i in range(5)]
     assert done["B"] == [f"b{i}".encode() for i in range(5)]
