@@ -55,6 +55,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import cast
 
+from reliable_sub._inflight import InFlight, Stage
 from reliable_sub.adapters.base import Adapter, Capabilities
 from reliable_sub.clock import ManualClock
 from reliable_sub.lease import BATCH_FRACTION, LeaseManager
@@ -354,9 +355,11 @@ async def settle() -> None:
     raise RuntimeError("the event loop did not settle: something spins at one instant")
 
 
-def make_delivery(job: Job, now: float) -> Delivery:
+def make_delivery(job: Job, now: float) -> InFlight:
     message = Message(id=f"m-{job.index}", data=b"")
-    return Delivery(message=message, ack_id=job.ack_id, received_at=now)
+    item = InFlight(Delivery(message=message, ack_id=job.ack_id, received_at=now), None)
+    item.stage = Stage.RUNNING
+    return item
 
 
 async def simulate_ours(workload: Workload) -> SideResult:
@@ -365,7 +368,7 @@ async def simulate_ours(workload: Workload) -> SideResult:
     adapter = cast(Adapter, SimulatedAdapter(broker, clock))  # implements what LeaseManager uses
     lease = LeaseManager(adapter, LeasePolicy(), clock=clock, initial_deadline=ACK_DEADLINE)
     result = SideResult(broker.calls, broker.expiries)
-    deliveries: dict[int, Delivery] = {}
+    deliveries: dict[int, InFlight] = {}
     timeline = Timeline(workload)
     lease.start()
     await settle()
@@ -376,7 +379,9 @@ async def simulate_ours(workload: Workload) -> SideResult:
         await settle()  # the manager's tick at this instant runs first
         broker.sweep(now)
         for job in timeline.completions(now):
-            lease.finish(deliveries.pop(job.index))
+            item = deliveries.pop(job.index)
+            lease.finished(item)
+            lease.drop(item)  # acked at once
             broker.handler_done(job.ack_id, now)
         for job in timeline.arrivals(now):
             delivery = deliveries[job.index] = make_delivery(job, now)

@@ -229,9 +229,9 @@ async def measure(messages: int, repetitions: int) -> dict[str, Throughput]:
 # -- profile -----------------------------------------------------------------------------------
 
 RECEIVE = "receive (adapter.receive, tenacity wrapper)"
-LEASE = "lease add / claim_ttl / attach / started / finish, histogram"
+LEASE = "lease add / started / finished / drop, histogram"
 DEDUP = "dedup claim / complete (key, lock, JSON)"
-TASK = "task creation, handler call, _receive_loop/_process/_handle"
+TASK = "task per delivery, handler call (admit, dispatch, run, attempt)"
 SETTLE = "settle: queue ack, batched adapter.ack"
 FLOW = "flow control (slots, bytes, events)"
 LOOP = "event loop: scheduling, task steps, done callbacks"
@@ -242,22 +242,27 @@ STAGES = (RECEIVE, LEASE, DEDUP, TASK, SETTLE, FLOW, LOOP, HARNESS)
 
 # The first matching rule wins. Everything unmatched takes the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE, "reliable_sub/subscriber.py", "_receive"),
+    rule(RECEIVE, "reliable_sub/_runtime.py", "_receive", "_receive_loop"),
     rule(RECEIVE, "adapters/memory.py", "receive", "_take", "_promote", "_message", "_next_due"),
     rule(LEASE, "reliable_sub/lease.py"),
     rule(LEASE, "reliable_sub/histogram.py"),
     rule(DEDUP, "reliable_sub/dedup.py"),
-    rule(DEDUP, "reliable_sub/subscriber.py", "_complete", "_release"),
+    rule(DEDUP, "reliable_sub/_claims.py"),
     rule(DEDUP, "reliable_sub/message.py", "idempotency_key"),
     rule(
         TASK,
-        "reliable_sub/subscriber.py",
-        "_receive_loop",
-        "_process",
-        "_handle",
+        "reliable_sub/_runtime.py",
+        "_admit",
+        "_dispatch",
+        "_start",
+        "_new_task",
+        "_run",
+        "_attempt",
         "_invoke",
-        "_call_async",
+        "_call",
+        "_encode",
     ),
+    rule(TASK, "reliable_sub/_inflight.py"),
     rule(
         TASK,
         "benchmarks/memory_pipeline.py",
@@ -266,7 +271,7 @@ STAGE_RULES = (
         "bare_task_per_message",
         "<genexpr>",
     ),
-    rule(SETTLE, "reliable_sub/subscriber.py", "_settle"),
+    rule(SETTLE, "reliable_sub/_runtime.py", "_settle", "_next_of_key", "_on_settled"),
     rule(SETTLE, "reliable_sub/_settler.py"),
     rule(SETTLE, "adapters/memory.py", "ack", "_release_key", "_prune_acked"),
     rule(FLOW, "reliable_sub/_flow.py"),
@@ -431,10 +436,8 @@ def main(argv: list[str] | None = None) -> None:
         start, end = section_markers(SECTION_NAME)
         parser.error(f"{README}: markers {start} / {end} not found")
     command = shlex.join(
-        [sys.executable, "-m", "benchmarks.memory_pipeline", *sys.argv[1:]]
-        if argv is None
-        else ["python", "-m", "benchmarks.memory_pipeline", *argv]
-    )
+        ["python", "-m", "benchmarks.memory_pipeline", *(sys.argv[1:] if argv is None else argv)]
+    )  # never the interpreter's path: nothing of this machine goes into the README
 
     async def measure_then_profile() -> tuple[dict[str, Throughput], dict[str, StageProfile]]:
         return await measure(args.messages, args.repetitions), await profile(args.messages)

@@ -732,7 +732,7 @@ RECEIVE_CONVERT = (
     "access, publish_time → datetime, attempt count)"
 )
 LEASE = "lease: add / started / finish, histogram"
-TASK = "handler dispatch: _receive_loop, eager start, _process/_handle, handler"
+TASK = "handler dispatch: admit, a task per delivery, run/attempt, handler"
 SETTLE = "settle: Settler, adapter.ack (chunks, attempt bookkeeping), GAPIC acknowledge"
 FLOW = "flow control (slots, bytes, events)"
 GRPC = "grpc.aio call objects, their tasks and callbacks (pull and acknowledge alike)"
@@ -760,7 +760,7 @@ ADAPTER_FILE = "adapters/pubsub.py"
 # dataclass __init__s, builtins, helpers shared by two stages such as subscription_path) takes
 # the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE_CALL, "reliable_sub/subscriber.py", "_receive"),
+    rule(RECEIVE_CALL, "reliable_sub/_runtime.py", "_receive", "_receive_loop"),
     rule(RECEIVE_CONVERT, ADAPTER_FILE, "_delivery", "_count_attempt"),
     # the list comprehension in receive() that walks the proto-plus response into _delivery
     rule(RECEIVE_CONVERT, ADAPTER_FILE, "<listcomp>", lines=lines_of(PubSubAdapter.receive)),
@@ -770,17 +770,19 @@ STAGE_RULES = (
     rule(LEASE, "reliable_sub/histogram.py"),
     rule(
         TASK,
-        "reliable_sub/subscriber.py",
-        "_receive_loop",
+        "reliable_sub/_runtime.py",
+        "_admit",
+        "_dispatch",
         "_start",
-        "_process",
-        "_handle",
+        "_new_task",
+        "_run",
+        "_attempt",
         "_invoke",
-        "_call_async",
+        "_call",
     ),
-    rule(TASK, "reliable_sub/_eager.py"),
+    rule(TASK, "reliable_sub/_inflight.py"),
     rule(TASK, THIS_FILE, "handle"),
-    rule(SETTLE, "reliable_sub/subscriber.py", "_settle", "_count_refused"),
+    rule(SETTLE, "reliable_sub/_runtime.py", "_settle", "_next_of_key", "_on_settled"),
     rule(SETTLE, "reliable_sub/_settler.py"),
     rule(SETTLE, ADAPTER_FILE, "ack", "_acknowledge", "_in_chunks", "_by_subscription", "_chunks"),
     rule(SETTLE, "google/pubsub_v1/services/subscriber/async_client.py", "acknowledge"),
@@ -1208,7 +1210,7 @@ class OurLongSide:
                 "extend calls": stats.extend_calls,
                 "ack ids extended": stats.extended_ack_ids,
                 "refused": stats.refused,
-                "max-lease nacks": stats.max_lease_nacks,
+                "max-lease reached": stats.max_lease_reached,
                 "extend errors": stats.extend_errors,
             }
         if self.task is not None:
@@ -1625,10 +1627,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--write", action="store_true", help=f"rewrite the section in {README}")
     args = parser.parse_args(argv)
     command = shlex.join(
-        [sys.executable, "-m", "benchmarks.pubsub", *sys.argv[1:]]
-        if argv is None
-        else ["python", "-m", "benchmarks.pubsub", *argv]
-    )
+        ["python", "-m", "benchmarks.pubsub", *(sys.argv[1:] if argv is None else argv)]
+    )  # never the interpreter's path: nothing of this machine goes into the README
     started = time.perf_counter()
     load = os.getloadavg()[0]
     with Emulator(args.host) as emulator:

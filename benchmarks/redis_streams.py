@@ -647,7 +647,7 @@ async def count_round_trips(bench: Bench, messages: int) -> dict[str, RoundTrips
 RECEIVE = "receive: XREADGROUP round trip (send, hiredis parse), entries → Delivery/Message"
 LEASE = "lease: add / claim_ttl / started / finish, histogram"
 DEDUP_CLAIM = "dedup claim_many: keys, claim script round trip, results"
-TASK = "handler dispatch: _receive_loop, eager start, _process/_handle, handler"
+TASK = "handler dispatch: admit, a task per delivery, run/attempt, handler"
 SETTLE = "settle: result JSON, Settler, completions + ack script round trip (XACK in (a))"
 FLOW = "flow control (slots, bytes, events)"
 SOCKET = "socket reads (asyncio transport callbacks, StreamReader)"
@@ -677,7 +677,7 @@ ADAPTER_FILE = "adapters/redis_streams.py"
 # The first matching rule wins. Everything unmatched (redis-py, asyncio streams, tenacity,
 # dataclass __init__s, builtins, helpers shared by two stages) takes the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE, "reliable_sub/subscriber.py", "_receive"),
+    rule(RECEIVE, "reliable_sub/_runtime.py", "_receive", "_receive_loop"),
     rule(
         RECEIVE,
         ADAPTER_FILE,
@@ -693,35 +693,42 @@ STAGE_RULES = (
     rule(RECEIVE, THIS_FILE, "raw_read"),
     rule(LEASE, "reliable_sub/lease.py"),
     rule(LEASE, "reliable_sub/histogram.py"),
-    rule(DEDUP_CLAIM, "reliable_sub/subscriber.py", "_claim_and_start"),
+    rule(DEDUP_CLAIM, "reliable_sub/_claims.py", "claim", "refresh", "key_of"),
     rule(
         DEDUP_CLAIM,
         "reliable_sub/dedup_redis.py",
         "claim_many",
         "claim",
-        "_decode_result",
+        "redis_key",
+        "_key_part",
+        "_namespace_tag",
         "_remaining",
     ),
-    rule(DEDUP_CLAIM, "reliable_sub/dedup.py", "scoped_key"),
+    rule(DEDUP_CLAIM, "reliable_sub/dedup.py", "next", "__init__"),
     rule(DEDUP_CLAIM, "reliable_sub/message.py", "idempotency_key"),
     rule(
         TASK,
-        "reliable_sub/subscriber.py",
-        "_receive_loop",
+        "reliable_sub/_runtime.py",
+        "_admit",
+        "_dispatch",
         "_start",
-        "_process",
-        "_handle",
+        "_new_task",
+        "_run",
+        "_attempt",
         "_invoke",
-        "_call_async",
+        "_call",
     ),
-    rule(TASK, "reliable_sub/_eager.py"),
+    rule(TASK, "reliable_sub/_inflight.py"),
     rule(TASK, THIS_FILE, "raw_loop", "handle_entry", "handle_message"),
-    rule(SETTLE, "reliable_sub/subscriber.py", "_settle", "_count_refused", "_encode"),
+    rule(SETTLE, "reliable_sub/_runtime.py", "_settle", "_next_of_key", "_on_settled",
+         "_encode"),
+    rule(SETTLE, "reliable_sub/_claims.py", "completion", "release", "forget"),
     rule(SETTLE, "reliable_sub/_settler.py"),
-    rule(SETTLE, "reliable_sub/dedup.py", "encode_result"),
+    rule(SETTLE, "reliable_sub/dedup.py", "encode_result", "checked_result_json"),
     rule(
         SETTLE, "reliable_sub/dedup_redis.py", "complete_many", "completion_records", "same_server"
     ),
+    rule(SETTLE, "reliable_sub/redis_clients.py", "same_server"),
     rule(
         SETTLE,
         ADAPTER_FILE,
@@ -1028,10 +1035,8 @@ def main(argv: list[str] | None = None) -> None:
         start, end = section_markers(SECTION_NAME)
         parser.error(f"{README}: markers {start} / {end} not found")
     command = shlex.join(
-        [sys.executable, "-m", "benchmarks.redis_streams", *sys.argv[1:]]
-        if argv is None
-        else ["python", "-m", "benchmarks.redis_streams", *argv]
-    )
+        ["python", "-m", "benchmarks.redis_streams", *(sys.argv[1:] if argv is None else argv)]
+    )  # never the interpreter's path: nothing of this machine goes into the README
 
     async def everything(bench: Bench) -> str:
         server = (await bench.control.info("server"))["redis_version"]

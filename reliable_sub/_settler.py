@@ -15,7 +15,6 @@ back after their ack deadline, and a completion that was never written is logged
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -108,7 +107,6 @@ class Settler:
         self._queued = asyncio.Event()
         self._slot_free = asyncio.Event()
         self._calls: set[asyncio.Task[None]] = set()
-        self._task: asyncio.Task[None] | None = None
         self._give_up_at: float | None = None
         self._combined: AcksWithCompletions | None = None
         if (dedup is not None and isinstance(adapter, AcksWithCompletions)
@@ -126,10 +124,6 @@ class Settler:
         self._queue.append(settle)
         self._queued.set()
 
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self.run(), name="settler")
-
     async def drain(self, give_up_at: float) -> None:
         """Wait until everything queued is confirmed; calls still failing at ``give_up_at``
         (the event loop's clock) give up."""
@@ -145,13 +139,6 @@ class Settler:
     def give_up_now(self) -> None:
         """Failing calls stop retrying at their next failure (a forced stop)."""
         self._give_up_at = -math.inf
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
 
     async def run(self) -> None:
         """Send batches as settles arrive, until cancelled."""

@@ -53,6 +53,7 @@ class Supervisor:
         self._now = now
         self._children: dict[str, _Supervised] = {}
         self._stopping = False
+        self._failures = 0
 
     def spawn(
         self,
@@ -67,6 +68,11 @@ class Supervisor:
         child = _Supervised(name, factory, keep_running)
         self._children[name] = child
         child.task = asyncio.get_running_loop().create_task(self._keep(child), name=name)
+
+    @property
+    def failures(self) -> int:
+        """How many times supervised loops have failed (and been restarted) so far."""
+        return self._failures
 
     def problems(self) -> list[str]:
         """Names of the loops that are down or restarted too recently, with why."""
@@ -110,6 +116,7 @@ class Supervisor:
                 raise
             except BaseException as error:  # any escape is a bug: log it and restart
                 child.failures += 1
+                self._failures += 1
                 wait = min(RESTART_WAIT_MAX, RESTART_WAIT_MIN * 2 ** (child.failures - 1))
                 logger.error(
                     "%s failed (%s: %s); restarting it in %.1fs", child.name,

@@ -40,7 +40,6 @@ class WorkerThreads:
         self._idle = 0
         self._lock = threading.Lock()
         self._slots = asyncio.Semaphore(size)
-        self.busy = 0
 
     async def acquire(self) -> None:
         """Wait for a free slot (in the event loop; cancellable)."""
@@ -84,13 +83,10 @@ class WorkerThreads:
             if job is None:
                 return
             function, args, context, future = job
-            self.busy += 1
             try:
                 outcome: Outcome = (True, context.run(function, *args))
             except BaseException as error:  # every exception is the handler's outcome
                 outcome = (False, error)
-            finally:
-                self.busy -= 1
             _resolve(future, outcome)
             del job, future, outcome
             with self._lock:

@@ -38,6 +38,7 @@ class Harness:
     cleanup: Callable[[], Awaitable[None]] | None = None
     adapters: list[Adapter] = field(default_factory=list)
     new_store: Callable[[str], DedupStore] | None = None
+    memory_store: MemoryDedupStore | None = None  # whose records the memory stores share
 
     @property
     def capabilities(self) -> Capabilities:
@@ -64,11 +65,11 @@ class Harness:
         """The dedup store that goes with this broker (Redis's beside Redis streams); stores
         made by one harness share their records."""
         if self.new_store is None:
-            if not hasattr(self, "_memory_records"):
-                self._memory_records = MemoryDedupStore(clock=self.clock)
+            if self.memory_store is None:
+                self.memory_store = MemoryDedupStore(clock=self.clock)
             store = MemoryDedupStore(clock=self.clock, owner=owner)
-            store._records = self._memory_records._records
-            store._lock = self._memory_records._lock
+            store._records = self.memory_store._records  # one process's memory, many owners
+            store._lock = self.memory_store._lock
             return store
         return self.new_store(owner or uuid.uuid4().hex)
 

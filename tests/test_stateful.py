@@ -1,0 +1,474 @@
+"""Hunting for lost or doubled effects: a hypothesis state machine over random interleavings.
+
+One in-memory broker and one dedup store (which outlive consumers, as Redis would) serve a
+succession of Subscriber "processes". Rules publish messages (with and without idempotency
+keys, duplicates, ordering keys), move time, make the store or the broker fail for a while,
+take a lease away from under a running handler, crash a consumer (it stops making any call
+and its running handlers have no further effect), and stop and start consumers. Handlers
+succeed, fail, raise CancelledError before their first await, run long, or hang, by a plan
+drawn per message.
+
+Effects are counted outside the consumers. A success is *committed* when its completion is the
+one the store recorded (as a handler writing its effect in the store's transaction would), and
+*raw* whenever a handler returned. At quiescence (failures healed, time run on):
+
+* nothing is left unacked, and no consumer loop is dead while running;
+* with dedup, every idempotency key has at most one committed success, and exactly one unless
+  one of its messages was dead-lettered; a key no crash caught in flight also returned once;
+* without dedup, every message that was not dead-lettered returned at least once;
+* the successes of each ordering key are committed in publish order;
+* claim renewals stay bounded by elapsed time.
+
+CI runs a bounded number of examples; ``--hypothesis-profile=nightly`` runs many more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from reliable_sub import (
+    Claimed,
+    DeadLetterPolicy,
+    LeasePolicy,
+    ManualClock,
+    MemoryDedupStore,
+    Message,
+    RetryPolicy,
+    Subscriber,
+)
+from reliable_sub.adapters.memory import MemoryAdapter
+from reliable_sub.dedup import Completion
+from reliable_sub.message import Delivery
+from tests.timing import drive_until, pass_time, settle
+
+TOPIC, SUB, DLQ_TOPIC, DLQ_SUB = "orders", "billing", "orders-dlq", "orders-dlq-ops"
+ACK_DEADLINE = 10.0
+MAX_LEASE = 120.0
+MAX_ATTEMPTS = 3
+PLANS = st.lists(st.sampled_from(["ok", "fail", "cancel", "slow", "hang"]), min_size=1,
+                 max_size=4).map(lambda steps: [*steps, "ok"])
+
+
+class Outage(Exception):
+    """The store or broker is unreachable (transient), or the consumer's process is dead."""
+
+
+class Process:
+    """What a consumer process can reach: dead once crashed, flaky while an outage lasts."""
+
+    def __init__(self, world: World, number: int) -> None:
+        self.world = world
+        self.number = number
+        self.dead = False
+
+    def check(self, kind: str) -> None:
+        if self.dead:
+            raise Outage(f"process {self.number} is dead")
+        if self.world.clock.now() < self.world.outages.get(kind, -1.0):
+            raise Outage(f"{kind} unreachable")
+
+
+class ProcessAdapter:
+    """The shared broker as one process reaches it."""
+
+    def __init__(self, broker: MemoryAdapter, process: Process) -> None:
+        self._broker = broker
+        self._process = process
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._broker, name)
+
+    async def receive(self, subscription: str, max_messages: int,
+                      timeout: float) -> list[Delivery]:
+        self._process.check("none")
+        return await self._broker.receive(subscription, max_messages, timeout)
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        self._process.check("broker")
+        return await self._broker.ack(deliveries)
+
+    async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
+        self._process.check("broker")
+        await self._broker.nack(deliveries, delay)
+
+    async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
+        self._process.check("broker")
+        return await self._broker.extend(deliveries, seconds)
+
+    async def publish(self, *args: Any, **kwargs: Any) -> str:
+        self._process.check("none")
+        return await self._broker.publish(*args, **kwargs)
+
+    async def close(self) -> None:
+        pass
+
+
+class ProcessStore:
+    """The shared dedup store as one process reaches it; records which completions it wrote."""
+
+    def __init__(self, store: MemoryDedupStore, process: Process) -> None:
+        self._store = store
+        self._process = process
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def claim_many(self, keys: Any, lease_ttl: float, tokens: Any = None) -> Any:
+        self._process.check("store")
+        return await self._store.claim_many(keys, lease_ttl, tokens)
+
+    async def renew(self, claims: Any, lease_ttl: float) -> Any:
+        self._process.check("store")
+        self._process.world.renew_calls += 1
+        return await self._store.renew(claims, lease_ttl)
+
+    async def release_many(self, claims: Any, retention: float) -> None:
+        self._process.check("store")
+        await self._store.release_many(claims, retention)
+
+    async def complete_many(self, completions: Sequence[Completion], ttl: float) -> Any:
+        self._process.check("store")
+        before = {c.claim.key: self._store._records.get(c.claim.key) for c in completions}
+        refused = await self._store.complete_many(completions, ttl)
+        for completion in completions:
+            record = before[completion.claim.key]
+            already_done = record is not None and record[0] == 2 and (
+                record[1] > self._store._clock.now()
+            )
+            if completion.claim not in refused and not already_done:
+                self._process.world.commit(completion.claim)
+        return refused
+
+    async def close(self) -> None:
+        pass
+
+
+class World(RuleBasedStateMachine):
+    """The broker, the store, the consumers, and what happened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.clock = ManualClock()
+        self.broker = MemoryAdapter(clock=self.clock)
+        self.broker.ensure_subscription_sync(TOPIC, SUB, ack_deadline=ACK_DEADLINE,
+                                             ordering=True)
+        self.broker.ensure_subscription_sync(DLQ_TOPIC, DLQ_SUB)
+        self.store = MemoryDedupStore(clock=self.clock, owner="shared")
+        self.outages: dict[str, float] = {}  # kind -> clock time the outage ends
+        self.processes: list[tuple[Process, Subscriber, asyncio.Task[None]]] = []
+        self.numbers = itertools.count(1)
+        self.published: dict[str, dict[str, Any]] = {}  # message id -> what it was
+        self.plans: dict[str, list[str]] = {}  # idempotency key -> handler plan
+        self.calls: Counter[str] = Counter()  # message id -> handler calls
+        self.returned: Counter[str] = Counter()  # idempotency key -> handler returns
+        self.pending_effects: dict[str, str] = {}  # claim token -> idempotency key
+        self.committed: list[str] = []  # idempotency keys, in commit order
+        self.crashes = 0
+        self.crash_affected: set[str] = set()  # keys in flight in a process when it crashed
+        self.renew_calls = 0
+        self.keys = itertools.count(1)
+        self.dedup = True
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    @initialize(dedup=st.booleans())
+    def start_first_consumer(self, dedup: bool) -> None:
+        self.dedup = dedup
+        self._start_consumer()
+
+    def run(self, coroutine: Any) -> Any:
+        return self.loop.run_until_complete(coroutine)
+
+    def _start_consumer(self) -> None:
+        process = Process(self, next(self.numbers))
+        subscriber = Subscriber(
+            ProcessAdapter(self.broker, process),  # type: ignore[arg-type]
+            dedup=ProcessStore(self.store, process) if self.dedup else None,  # type: ignore[arg-type]
+            clock=self.clock,
+            lease=LeasePolicy(min_extension=ACK_DEADLINE, max_lease_duration=MAX_LEASE),
+            retry=RetryPolicy(min_backoff=1, max_backoff=8),
+            dead_letter=DeadLetterPolicy(DLQ_TOPIC, MAX_ATTEMPTS),
+            dedup_ttl=10 * 24 * 3600,
+            receive_timeout=1.0,
+            loop_lag_warning=None,
+        )
+
+        @subscriber.handler(SUB)
+        async def handle(message: Message) -> str:
+            key = message.attributes["key"]
+            plan = self.plans[key]
+            step = plan[min(self.calls[message.id], len(plan) - 1)]
+            self.calls[message.id] += 1
+            if step == "fail":
+                raise ValueError(f"{key} fails")
+            if step == "cancel":
+                raise asyncio.CancelledError()
+            if step == "slow":
+                await self.clock.sleep(3 * ACK_DEADLINE)
+            if step == "hang":
+                await self.clock.sleep(3 * MAX_LEASE)
+            if process.dead:
+                raise Outage("the process died during the handler")
+            self.returned[key] += 1
+            from reliable_sub import current_claim
+
+            claim = current_claim()
+            if claim is not None:
+                self.pending_effects[claim.token] = key
+            else:
+                self.committed.append(key)
+            return key
+
+        async def serve() -> asyncio.Task[None]:
+            task = asyncio.ensure_future(subscriber.serve())
+            await drive_until(self.clock, lambda: subscriber.running or task.done(), 5.0)
+            return task
+
+        task = self.run(serve())
+        self.processes.append((process, subscriber, task))
+
+    def commit(self, claim: Claimed) -> None:
+        key = self.pending_effects.pop(claim.token, None)
+        if key is not None:
+            self.committed.append(key)
+
+    def live(self) -> list[tuple[Process, Subscriber, asyncio.Task[None]]]:
+        return [p for p in self.processes if not p[0].dead and p[1].running]
+
+    # -- rules ---------------------------------------------------------------------------------
+
+    @rule(plan=PLANS, ordering=st.sampled_from([None, None, "A", "B"]),
+          copies=st.integers(1, 3))
+    def publish(self, plan: list[str], ordering: str | None, copies: int) -> None:
+        key = f"k{next(self.keys)}"
+        self.plans[key] = plan
+        for _ in range(1 if ordering else copies):  # duplicates only without ordering keys
+            attributes = {"key": key, "idempotency-key": key}
+            message_id = self.broker.publish_sync(TOPIC, key.encode(), attributes, ordering)
+            self.published[message_id] = {"key": key, "ordering": ordering}
+
+    @rule(seconds=st.sampled_from([0.5, 3.0, 11.0, 45.0]))
+    def time_passes(self, seconds: float) -> None:
+        self.run(pass_time(self.clock, seconds))
+
+    @rule(kind=st.sampled_from(["store", "broker"]),
+          seconds=st.sampled_from([1.0, 5.0, 15.0, 40.0]))
+    def outage(self, kind: str, seconds: float) -> None:
+        if kind == "store" and not self.dedup:
+            return
+        self.outages[kind] = max(self.outages.get(kind, 0.0), self.clock.now() + seconds)
+
+    @rule()
+    def broker_takes_a_lease_back(self) -> None:
+        """A lease lapses under a running handler (a network blip, a paused VM)."""
+        state = self.broker._subscriptions[SUB]
+        if state.leased:
+            ack_id = sorted(state.leased)[0]
+            state.leased[ack_id].deadline = self.clock.now()
+            state.lease_heap.append((self.clock.now(), -1, ack_id))
+            state.lease_heap.sort()
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(data=st.data())
+    def crash_a_consumer(self, data: st.DataObject) -> None:
+        process, subscriber, _ = data.draw(st.sampled_from(self.live()))
+        process.dead = True
+        self.crashes += 1
+        runtime = subscriber._runtime
+        if runtime is not None:
+            self.crash_affected.update(
+                item.delivery.message.attributes["key"] for item in runtime.items
+            )
+        if not self.live():
+            self._start_consumer()
+
+    @precondition(lambda self: bool(self.live()))
+    @rule(data=st.data())
+    def stop_a_consumer_and_start_another(self, data: st.DataObject) -> None:
+        _, subscriber, task = data.draw(st.sampled_from(self.live()))
+        self.outages.clear()  # a deploy waits for healthy dependencies
+        self.run(self._stop(subscriber, task, timeout=0.0))
+        self._start_consumer()
+
+    @precondition(lambda self: len(self.live()) < 3)
+    @rule()
+    def start_another_consumer(self) -> None:
+        self._start_consumer()
+
+    async def _stop(self, subscriber: Subscriber, task: asyncio.Task[None],
+                    timeout: float) -> None:
+        stopping = asyncio.ensure_future(subscriber.shutdown(timeout=timeout))
+        await drive_until(self.clock, stopping.done, 600.0, what="the stop")
+        await stopping
+        await task
+
+    # -- invariants ----------------------------------------------------------------------------
+
+    @invariant()
+    def no_live_loop_is_dead(self) -> None:
+        for process, subscriber, task in self.processes:
+            if not process.dead and subscriber.running:
+                assert not task.done(), "serve() ended while running"
+                runtime = subscriber._runtime
+                if runtime is not None:
+                    assert runtime.supervisor.failures == 0, runtime.problems()
+                    assert not runtime.problems(), runtime.problems()
+
+    @invariant()
+    def no_key_is_committed_twice(self) -> None:
+        if self.dedup:
+            doubled = {k: n for k, n in Counter(self.committed).items() if n > 1}
+            assert doubled == {}, f"committed twice: {doubled}"
+
+    # -- quiescence ----------------------------------------------------------------------------
+
+    def teardown(self) -> None:
+        try:
+            if self.processes:
+                self._quiesce_and_check()
+        finally:
+            self._stop_everything()
+            self.loop.close()
+
+    def _quiesce_and_check(self) -> None:
+        self.outages.clear()
+        if not self.live():
+            self._start_consumer()
+        started = self.clock.now()
+
+        def quiet() -> bool:
+            return self.broker.backlog(SUB) == 0 and all(
+                not s._runtime or not s._runtime.items for p, s, _ in self.live()
+            )
+
+        self.run(drive_until(self.clock, quiet, 40 * MAX_LEASE, what="quiescence"))
+        elapsed = self.clock.now() - started
+        dead_lettered = {m.message.attributes["key"]
+                         for m in self.run(self.broker.receive(DLQ_SUB, 10_000, 0))}
+        keys = {p["key"] for p in self.published.values()}
+        committed = Counter(self.committed)
+        if self.dedup:
+            for key in keys:
+                if key in dead_lettered:
+                    assert committed[key] <= 1, (key, committed[key])
+                else:
+                    assert committed[key] == 1, f"{key}: committed {committed[key]} times"
+                if key not in self.crash_affected:
+                    assert self.returned[key] <= 1, f"{key} returned {self.returned[key]} times"
+        else:
+            for key in keys - dead_lettered:
+                assert self.returned[key] >= 1, f"{key} never handled"
+        for ordering in ("A", "B"):
+            published = [p["key"] for p in self.published.values() if p["ordering"] == ordering]
+            done = [k for k in dict.fromkeys(self.committed) if k in published]
+            assert done == [k for k in published if k in done], f"order of {ordering}: {done}"
+        total_time = self.clock.now()
+        assert self.renew_calls <= 2 * total_time / ACK_DEADLINE * 10 + 50, (
+            f"{self.renew_calls} renew calls in {total_time:.0f}s"
+        )
+        assert elapsed >= 0
+
+    def _stop_everything(self) -> None:
+        for process, subscriber, task in self.processes:
+            if subscriber.running:
+                process.dead = True  # give up on anything still pending
+                with contextlib.suppress(Exception):  # the verdict came before this
+                    self.run(self._stop(subscriber, task, timeout=0.0))
+        self.run(settle())
+
+
+@pytest.fixture(autouse=True)
+def _short_real_time_graces(monkeypatch: pytest.MonkeyPatch) -> None:
+    from reliable_sub import _runtime
+
+    monkeypatch.setattr(_runtime, "FLUSH_GRACE", 0.05)
+    monkeypatch.setattr(_runtime, "CANCEL_GRACE", 0.05)
+    revert = os.environ.get("RELIABLE_SUB_STATEFUL_REVERT")
+    if revert:
+        REVERTS[revert](monkeypatch)
+
+
+def _revert_defect_3(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #8 defect 3 back: lease and claim end when the handler returns, not when its
+    result is recorded."""
+    from reliable_sub.lease import LeaseManager
+
+    finished = LeaseManager.finished
+
+    def finished_and_dropped(self: LeaseManager, item: Any) -> Any:
+        duration = finished(self, item)
+        self.drop(item)
+        return duration
+
+    monkeypatch.setattr(LeaseManager, "finished", finished_and_dropped)
+
+
+def _revert_defect_4(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue #8 defect 4 back: a handler's first step runs in the receive loop's task (the old
+    eager start, as it was), and a CancelledError it raises counts as a cancellation of ours."""
+    import contextvars
+
+    from reliable_sub import _runtime
+
+    class Resume:
+        def __init__(self, coroutine: Any, yielded: Any) -> None:
+            self.coroutine, self.yielded = coroutine, yielded
+
+        def __await__(self) -> Any:
+            coroutine, yielded = self.coroutine, self.yielded
+            while True:
+                try:
+                    value = yield yielded
+                except BaseException as error:  # handed to the coroutine
+                    try:
+                        yielded = coroutine.throw(error)
+                    except StopIteration:
+                        return
+                else:
+                    try:
+                        yielded = coroutine.send(value)
+                    except StopIteration:
+                        return
+
+    async def finish(coroutine: Any, yielded: Any) -> None:
+        await Resume(coroutine, yielded)
+
+    def start_in_the_callers_task(coroutine: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        context = contextvars.copy_context()
+        try:
+            yielded = context.run(coroutine.send, None)
+        except StopIteration:
+            done = loop.create_future()
+            done.set_result(None)
+            return done
+        return context.run(loop.create_task, finish(coroutine, yielded))
+
+    monkeypatch.setattr(_runtime, "_new_task", start_in_the_callers_task)
+    monkeypatch.setattr(_runtime, "_cancel_requested", lambda: True)
+
+
+# RELIABLE_SUB_STATEFUL_REVERT=3 (or 4) puts that defect back, to show this test finds it.
+REVERTS = {"3": _revert_defect_3, "4": _revert_defect_4}
+
+
+TestWorld = World.TestCase
+TestWorld.settings = settings(settings.default)
