@@ -384,6 +384,9 @@ class Runtime:
 
     async def _run(self, item: InFlight) -> None:
         """One delivery in its own task: wait for resources, run the handler, decide."""
+        # set here, not only by _start: an eagerly started task runs this far (and maybe to
+        # its end) before the constructor returns
+        item.task = asyncio.current_task()
         lane: Lane = item.route
         route = lane.route
         size = item.delivery.size
