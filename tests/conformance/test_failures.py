@@ -138,3 +138,45 @@ async def test_an_async_handler_blocking_the_loop_is_named_in_a_warning(
     assert "blocker" in warnings[0].getMessage()
     assert warnings[0].levelno == logging.WARNING
     assert "the event loop is free again" in caplog.text
+
+
+async def test_a_claim_past_max_lease_is_renewed_on_its_own_schedule(
+    local_harness: Harness,
+) -> None:
+    """Once a delivery's broker lease is gone its claim is still renewed, but at its own pace,
+    not every lease tick (#8.7: 1,900 renewals in 20 s)."""
+    harness = local_harness
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    renewals: list[float] = []
+    store = harness.dedup_store()
+    renew = store.renew
+
+    async def counting_renew(claims, lease_ttl):  # type: ignore[no-untyped-def]
+        renewals.append(harness.clock.now())
+        return await renew(claims, lease_ttl)
+
+    store.renew = counting_renew  # type: ignore[method-assign]
+    release = threading.Event()
+    recorder = Recorder()
+    lease = LeasePolicy(min_extension=harness.ack_deadline / 5,
+                        max_lease_duration=2 * harness.ack_deadline)
+    subscriber = harness.subscriber(adapter, dedup=store, lease=lease, on_outcome=recorder)
+
+    @subscriber.handler(sub)
+    def long_job(message: Message) -> None:
+        release.wait(120)
+
+    await adapter.publish(topic, b"x")
+    async with harness.serving(subscriber):
+        await harness.wait_until(lambda: bool(renewals), 3 * harness.ack_deadline, "a renewal")
+        start = harness.clock.now()
+        await harness.pass_time(8 * harness.ack_deadline)  # well past max_lease_duration
+        elapsed = harness.clock.now() - start
+        release.set()
+    during = [t for t in renewals if start <= t <= start + elapsed]
+    # the claim lasts max(ack deadline, min_extension): renewed about every 60-80 % of that
+    assert len(during) <= elapsed / (0.5 * harness.ack_deadline) + 2, (
+        f"{len(during)} renewals in {elapsed:.1f}s"
+    )
+    assert len(during) >= 3, "the claim must stay renewed while the thread runs"
