@@ -225,13 +225,45 @@ class TokenSource:
         return f"{self.owner}{_TOKEN_SEPARATOR}{next(self._counter)}"
 
 
+class SingleKeyMethods:
+    """``claim``, ``complete`` and ``release`` of one key, over a store's batch methods."""
+
+    async def claim_many(
+        self, keys: Sequence[DedupKey], lease_ttl: float, tokens: Sequence[str] | None = None
+    ) -> list[ClaimResult]:
+        raise NotImplementedError
+
+    async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+        raise NotImplementedError
+
+    async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
+        raise NotImplementedError
+
+    async def claim(self, key: DedupKey, lease_ttl: float) -> ClaimResult:
+        """:meth:`claim_many` for one key."""
+        return (await self.claim_many([key], lease_ttl))[0]
+
+    async def complete(self, claim: Claimed, result: Any, ttl: float) -> bool:
+        """Record ``claim`` as handled with a JSON-serialisable ``result``; False if refused.
+
+        Raises :class:`ResultNotSerializableError` (and stores nothing) for a result JSON
+        cannot hold.
+        """
+        refused = await self.complete_many([Completion(claim, encode_result(result))], ttl)
+        return not refused
+
+    async def release(self, claim: Claimed, retention: float = 0.0) -> None:
+        """:meth:`release_many` for one claim."""
+        await self.release_many([claim], retention)
+
+
 # A record: (state, expires_at, token or result JSON, failures). Plain tuples, not objects,
 # because a store holds records for days and the garbage collector walks every object.
 _CLAIMED, _FAILED, _COMPLETED = 0, 1, 2
 _Record = tuple[int, float, str | None, int]
 
 
-class MemoryDedupStore:
+class MemoryDedupStore(SingleKeyMethods):
     """A dedup store in this process's memory: for tests, examples and single-process consumers.
 
     Args:
@@ -256,9 +288,6 @@ class MemoryDedupStore:
         return f"MemoryDedupStore(owner={self.owner!r})"
 
     # -- claims --------------------------------------------------------------------------------
-
-    async def claim(self, key: DedupKey, lease_ttl: float) -> ClaimResult:
-        return (await self.claim_many([key], lease_ttl))[0]
 
     async def claim_many(
         self,
@@ -307,10 +336,6 @@ class MemoryDedupStore:
                     lost.append(claim)
         return lost
 
-    async def complete(self, claim: Claimed, result: Any, ttl: float) -> bool:
-        refused = await self.complete_many([Completion(claim, encode_result(result))], ttl)
-        return not refused
-
     async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
         _check_duration("ttl", ttl)
         checked = [checked_result_json(c.result_json) for c in completions]
@@ -327,9 +352,6 @@ class MemoryDedupStore:
                         continue
                 self._records[claim.key] = (_COMPLETED, now + ttl, result_json, 0)
         return refused
-
-    async def release(self, claim: Claimed, retention: float = 0.0) -> None:
-        await self.release_many([claim], retention)
 
     async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
         with self._lock:

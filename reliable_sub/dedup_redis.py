@@ -44,10 +44,10 @@ from .dedup import (
     Completion,
     DedupKey,
     InProgress,
+    SingleKeyMethods,
     TokenSource,
     check_owner,
     checked_result_json,
-    encode_result,
 )
 from .errors import ConfigurationError, MissingExtraError
 
@@ -185,7 +185,7 @@ return refused
 """
 
 
-class RedisDedupStore:
+class RedisDedupStore(SingleKeyMethods):
     """A dedup store on Redis: one record per key, shared by every consumer.
 
     Args:
@@ -254,9 +254,6 @@ class RedisDedupStore:
 
     # -- the DedupStore protocol ----------------------------------------------------------------
 
-    async def claim(self, key: DedupKey, lease_ttl: float) -> ClaimResult:
-        return (await self.claim_many([key], lease_ttl))[0]
-
     async def claim_many(
         self,
         keys: Sequence[DedupKey],
@@ -295,10 +292,6 @@ class RedisDedupStore:
         )
         return [claims[int(position) - 1] for position in lost]
 
-    async def complete(self, claim: Claimed, result: Any, ttl: float) -> bool:
-        refused = await self.complete_many([Completion(claim, encode_result(result))], ttl)
-        return not refused
-
     async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
         if not completions:
             return []
@@ -316,9 +309,6 @@ class RedisDedupStore:
         for claim, result_json in completions:
             args += (claim.token, b"c:" + checked_result_json(result_json).encode())
         return [self.redis_key(c.claim.key) for c in completions], args
-
-    async def release(self, claim: Claimed, retention: float = 0.0) -> None:
-        await self.release_many([claim], retention)
 
     async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
         if not claims:
