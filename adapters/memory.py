@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from ..clock import Clock, SystemClock, sleep_or_event
-from ..errors import ConfigurationError, UnknownSubscriptionError, UnknownTopicError
-from ..message import Delivery, Message
-from .base import Capabilities, checked_message
+from reliable_sub.clock import Clock, SystemClock, sleep_or_event
+from reliable_sub.errors import ConfigurationError, UnknownSubscriptionError, UnknownTopicError
+from reliable_sub.message import Delivery, Message
+from reliable_sub.ports import Capabilities, checked_message
 
 DEFAULT_ACK_DEADLINE = 10.0
 # How long acked messages are kept when a subscription asks for it (retain_acked_messages=True);

@@ -27,17 +27,17 @@ from concurrent.futures import Future
 from datetime import datetime, timezone
 from typing import Any
 
-from ..errors import (
+from reliable_sub.errors import (
     AccessDeniedError,
     ConfigurationError,
     MissingExtraError,
     UnknownSubscriptionError,
     UnknownTopicError,
 )
-from ..loops import PerLoop
-from ..message import Delivery, Message
-from ..policy import DeadLetterPolicy, RetryPolicy
-from .base import Capabilities, checked_message
+from reliable_sub.loops import PerLoop
+from reliable_sub.message import Delivery, Message
+from reliable_sub.policy import DeadLetterPolicy, RetryPolicy
+from reliable_sub.ports import Capabilities, checked_message
 
 try:
     import grpc

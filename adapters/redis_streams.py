@@ -47,18 +47,17 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from ..dedup import Claimed, Completion, DedupStore
-from ..errors import ConfigurationError, MissingExtraError, UnknownSubscriptionError
-from ..message import Delivery, Message
-from .base import Capabilities, checked_message
+from reliable_sub.errors import ConfigurationError, MissingExtraError, UnknownSubscriptionError
+from reliable_sub.message import Delivery, Message
+from reliable_sub.ports import Capabilities, Claimed, Completion, DedupStore, checked_message
 
 try:
     import redis
     import redis.asyncio as aioredis
     from redis.exceptions import ResponseError
 
-    from ..dedup_redis import COMPLETE_LUA, RedisDedupStore
-    from ..redis_clients import RedisClients, script
+    from reliable_sub.dedup_redis import COMPLETE_LUA, RedisDedupStore
+    from reliable_sub.redis_clients import RedisClients, lua_source, script
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("RedisStreamsAdapter", "redis", "redis") from error
 
@@ -91,131 +90,16 @@ CAPABILITIES = Capabilities(
     extension_limited_to_ack_deadline=True,
 )
 
-_NOW_MS = """
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-"""
-
-# KEYS: stream, delayed zset. ARGV: group, consumer, min_idle_ms, count, start.
-# Times are the server's (TIME), so clients with skewed clocks agree on due times.
-# Returns {claimed entries, their delivery counts, ids gone from the stream, next start}.
-_RECLAIM = _NOW_MS + """
-local pending = redis.call('XPENDING', KEYS[1], ARGV[1], 'IDLE', ARGV[3], ARGV[5], '+', ARGV[4])
-local ids, counts = {}, {}
-local now = now_ms()
-for _, p in ipairs(pending) do
-  local due = redis.call('ZSCORE', KEYS[2], p[1])
-  if (not due) or tonumber(due) <= now then
-    ids[#ids + 1] = p[1]
-    counts[p[1]] = p[4] + 1
-    if due then redis.call('ZREM', KEYS[2], p[1]) end
-  end
-end
-local nxt = '-'
-if #pending == tonumber(ARGV[4]) then nxt = '(' .. pending[#pending][1] end
-if #ids == 0 then return {{}, {}, {}, nxt} end
-local claimed = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[3], unpack(ids))
-local got, cs, gone = {}, {}, {}
-for _, e in ipairs(claimed) do got[e[1]] = true; cs[#cs + 1] = counts[e[1]] end
-for _, id in ipairs(ids) do if not got[id] then gone[#gone + 1] = id end end
-return {claimed, cs, gone, nxt}
-"""
-
-# owned(ack id) checks that a delivery "<entry id>/<delivery count>" is still this consumer's:
-# the entry is pending, owned by ARGV[2] (the consumer) and delivered exactly that many times.
-# Returns the entry id, or nil when the delivery is stale. KEYS[1] is the stream, ARGV[1] the
-# group. Ack ids travel as one argument each: packing arguments is the client's main cost.
-_OWNED = """
-local function owned(ack)
-  local id, count = string.match(ack, '^(.+)/(%d+)$')
-  if not id then return nil end
-  local p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1)
-  if p[1] ~= nil and p[1][2] == ARGV[2] and p[1][4] == tonumber(count) then return id end
-  return nil
-end
-"""
-
-# ARGV: group, consumer, idle_ms, then ack ids. Returns {stale positions (1-based), how many of
-# them were deleted from the stream while pending (XCLAIM drops those)}.
-_EXTEND = (
-    _OWNED
-    + """
-local stale, gone = {}, 0
-for i = 4, #ARGV do
-  local id, kept = owned(ARGV[i]), false
-  if id then
-    local r = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, id, 'IDLE', ARGV[3], 'JUSTID')
-    kept = #r > 0
-    if not kept then gone = gone + 1 end
-  end
-  if not kept then stale[#stale + 1] = i - 3 end
-end
-return {stale, gone}
-"""
+# The scripts live in adapters/lua/ (package data of reliable_sub.adapters), each opening with
+# what its KEYS and ARGV are. Times are the server's (TIME), so clients with skewed clocks agree.
+_RECLAIM = lua_source(__package__, "now_ms", "streams_reclaim")
+_EXTEND = lua_source(__package__, "owned", "streams_extend")
+_ACK = lua_source(__package__, "owned", "streams_ack")
+# completions fenced as RedisDedupStore.complete_many fences them (COMPLETE_LUA)
+_ACK_COMPLETE = lua_source(__package__, "owned") + COMPLETE_LUA + lua_source(
+    __package__, "streams_ack_complete"
 )
-
-# ARGV: group, consumer, then ack ids. Returns the stale positions (1-based).
-_ACK = (
-    _OWNED
-    + """
-local stale, ids = {}, {}
-for i = 3, #ARGV do
-  local id = owned(ARGV[i])
-  if id then ids[#ids + 1] = id else stale[#stale + 1] = i - 2 end
-end
-if #ids > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(ids)) end
-return stale
-"""
-)
-
-# The dedup fast path: completions and the acks of a batch in one call. Completions are fenced
-# as RedisDedupStore.complete_many fences them (COMPLETE_LUA).
-# KEYS: stream, then the n completion keys. ARGV: group, consumer, n, ttl_ms, then a (token,
-# value) pair per completion, then ack ids.
-# Returns {stale positions (1-based) of the ack ids, refused positions of the completions}.
-_ACK_COMPLETE = (
-    _OWNED
-    + COMPLETE_LUA
-    + """
-local n = tonumber(ARGV[3])
-local refused = {}
-for i = 1, n do
-  if complete(KEYS[i + 1], ARGV[3 + 2 * i], ARGV[4 + 2 * i], ARGV[4]) == 1 then
-    refused[#refused + 1] = i
-  end
-end
-local stale, ids = {}, {}
-local first = 5 + 2 * n
-for i = first, #ARGV do
-  local id = owned(ARGV[i])
-  if id then ids[#ids + 1] = id else stale[#stale + 1] = i - first + 1 end
-end
-if #ids > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(ids)) end
-return {stale, refused}
-"""
-)
-
-# KEYS: stream, delayed zset. ARGV: group, consumer, parked consumer, idle_ms, delay_ms, then
-# ack ids. Parks owned entries, due at once or delay_ms from now. Returns how many were deleted
-# from the stream while pending.
-_NACK = (
-    _OWNED
-    + _NOW_MS
-    + """
-local due, gone = now_ms() + tonumber(ARGV[5]), 0
-for i = 6, #ARGV do
-  local id = owned(ARGV[i])
-  if id then
-    local r = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, id, 'IDLE', ARGV[4], 'JUSTID')
-    if #r == 0 then gone = gone + 1
-    elseif tonumber(ARGV[5]) > 0 then redis.call('ZADD', KEYS[2], due, id) end
-  end
-end
-return gone
-"""
-)
+_NACK = lua_source(__package__, "owned", "now_ms", "streams_nack")
 
 
 @dataclass(eq=False)

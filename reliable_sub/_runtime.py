@@ -49,7 +49,6 @@ from ._settler import Settle, Settler
 from ._supervisor import Supervisor
 from ._watchdog import LoopWatchdog
 from ._workers import WorkerThreads
-from .adapters.base import Adapter
 from .clock import Clock
 from .dedup import Claimed, Completed, DedupStore, InProgress, encode_result
 from .errors import (
@@ -62,6 +61,7 @@ from .lease import LeaseManager
 from .message import Delivery, Message
 from .outcome import Outcome, SubscriberStats
 from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
+from .ports import Adapter
 
 logger = logging.getLogger("reliable_sub.subscriber")
 

@@ -21,11 +21,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from ._inflight import InFlight, Stage
-from .adapters.base import AcksWithCompletions, Adapter
 from .dedup import Claimed, Completion, DedupStore
 from .errors import ConfigurationError
 from .message import Delivery
 from .outcome import Outcome, SubscriberStats
+from .ports import AcksWithCompletions, Adapter
 
 logger = logging.getLogger(__name__)
 

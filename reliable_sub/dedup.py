@@ -23,15 +23,23 @@ RedisDedupStore`` loads it on first use, so importing this module never imports 
 from __future__ import annotations
 
 import itertools
-import json
 import threading
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
+from ._results import checked_result_json, decode_result, encode_result
 from .clock import Clock, SystemClock
-from .errors import ConfigurationError, ResultNotSerializableError, StoredResultError
+from .errors import ConfigurationError
+from .ports import (
+    Claimed,
+    ClaimResult,
+    Completed,
+    Completion,
+    DedupKey,
+    DedupStore,
+    InProgress,
+)
 
 if TYPE_CHECKING:  # for type checkers only: at runtime __getattr__ imports it on first use
     from .dedup_redis import RedisDedupStore as RedisDedupStore
@@ -41,166 +49,6 @@ _SWEEP_EVERY = 4096
 # Separates an owner from its claim counter in a fencing token; owners may not contain it, nor
 # the "|" that stores use after the token.
 _TOKEN_SEPARATOR = "."
-
-
-class DedupKey(NamedTuple):
-    """The record a message maps to: its idempotency ``key`` within ``namespace``.
-
-    The Subscriber's default namespace names the broker, topic and subscription (see
-    ``Adapter.dedup_namespace``), so two services never share records by accident.
-    """
-
-    namespace: str
-    key: str
-
-
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    """The caller holds the claim: run the handler.
-
-    Attributes:
-        key: the record.
-        token: the fencing token of this claim; pass it on to systems you write to if they can
-            reject stale writers. Renew, complete and release need it.
-        failures: failed handler attempts recorded for this key before this claim.
-    """
-
-    key: DedupKey
-    token: str
-    failures: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class Completed:
-    """The key was handled before; its handler's return value is stored as JSON text."""
-
-    result_json: str | None = "null"
-    key: DedupKey | None = field(default=None, compare=False)
-
-    @property
-    def result(self) -> Any:
-        """The stored result, decoded; :class:`StoredResultError` if it is not valid JSON."""
-        return decode_result(self.result_json, self.key)
-
-
-@dataclass(frozen=True, slots=True)
-class InProgress:
-    """A peer holds the claim; ``expires_in`` seconds remain on it unless renewed."""
-
-    expires_in: float = 0.0
-    failures: int = 0
-
-
-ClaimResult = Claimed | Completed | InProgress
-
-
-class Completion(NamedTuple):
-    """A completion to record: the claim it ends and the handler's result as JSON text."""
-
-    claim: Claimed
-    result_json: str
-
-
-@runtime_checkable
-class DedupStore(Protocol):
-    """The idempotent-consumer store contract.
-
-    Batch methods cost one round trip each; the Subscriber uses only them. ``claim``,
-    ``complete`` and ``release`` are single-key conveniences for handlers and scripts.
-    Every method that ends or extends a claim is conditional on the claim's token.
-    """
-
-    async def claim_many(
-        self,
-        keys: Sequence[DedupKey],
-        lease_ttl: float,
-        tokens: Sequence[str] | None = None,
-    ) -> list[ClaimResult]:
-        """Claim each key for ``lease_ttl`` seconds, in order, atomically per key.
-
-        ``tokens`` (one per key) re-claims keys this caller held before: a key still held under
-        its token is renewed and reported Claimed. Without them, fresh tokens are made. A key
-        repeated in one call is claimed once; its later positions report InProgress.
-        """
-        ...
-
-    async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
-        """Extend each claim to ``lease_ttl`` from now and store its ``failures``; returns the
-        claims that are no longer held under their token (left untouched)."""
-        ...
-
-    async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
-        """Record each completion, kept ``ttl`` seconds; returns the claims refused because a
-        peer now holds the key under another token (a lapsed claim nobody took is recorded)."""
-        ...
-
-    async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
-        """End each claim without a result; a key with ``failures`` keeps that count for
-        ``retention`` seconds, one without is forgotten. Claims not held are left alone."""
-        ...
-
-    async def claim(self, key: DedupKey, lease_ttl: float) -> ClaimResult:
-        """:meth:`claim_many` for one key."""
-        ...
-
-    async def complete(self, claim: Claimed, result: Any, ttl: float) -> bool:
-        """Record ``claim`` as handled with a JSON-serialisable ``result``; False if refused."""
-        ...
-
-    async def release(self, claim: Claimed, retention: float = 0.0) -> None:
-        """:meth:`release_many` for one claim."""
-        ...
-
-    async def close(self) -> None:
-        """Release connections of the running event loop; the store reconnects on next use."""
-        ...
-
-
-_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-
-
-def encode_result(result: Any) -> str:
-    """``result`` as JSON text, or :class:`ResultNotSerializableError` naming its type."""
-    if result is None:
-        return "null"
-    try:
-        return _ENCODER.encode(result)
-    except (TypeError, ValueError, RecursionError) as error:
-        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
-        raise ResultNotSerializableError(
-            f"handler result of type {type(result).__name__} cannot be stored as JSON "
-            f"({reason}); return None, a str, number, bool, list or dict"
-        ) from error
-
-
-def decode_result(result_json: str | None, key: DedupKey | None = None) -> Any:
-    """The value of a stored result; :class:`StoredResultError` naming the key if unreadable."""
-    if not result_json:
-        return None
-    try:
-        return json.loads(result_json)
-    except (ValueError, RecursionError) as error:
-        raise StoredResultError(
-            f"the stored result of {key!r} is not valid JSON ({error}): {result_json[:80]!r}"
-        ) from error
-
-
-def checked_result_json(result_json: object) -> str:
-    """``result_json`` if it is JSON text; a :class:`ResultNotSerializableError` otherwise."""
-    if result_json == "null":
-        return "null"
-    if not isinstance(result_json, str):
-        raise ResultNotSerializableError(
-            f"a completion's result_json must be JSON text (see encode_result), "
-            f"got {type(result_json).__name__}"
-        )
-    try:
-        json.loads(result_json)
-    except (ValueError, RecursionError) as error:
-        raise ResultNotSerializableError(
-            f"a completion's result_json is not valid JSON ({error}): {result_json[:80]!r}"
-        ) from error
-    return result_json
 
 
 def check_owner(owner: str | None, where: str) -> str:
@@ -395,6 +243,25 @@ class MemoryDedupStore(SingleKeyMethods):
 def _check_duration(name: str, seconds: float) -> None:
     if not isinstance(seconds, int | float) or not 0 < seconds < float("inf"):
         raise ConfigurationError(f"dedup store: {name} must be in (0, inf), got {seconds!r}")
+
+
+__all__ = [
+    "ClaimResult",
+    "Claimed",
+    "Completed",
+    "Completion",
+    "DedupKey",
+    "DedupStore",
+    "InProgress",
+    "MemoryDedupStore",
+    "RedisDedupStore",
+    "SingleKeyMethods",
+    "TokenSource",
+    "check_owner",
+    "checked_result_json",
+    "decode_result",
+    "encode_result",
+]
 
 
 def __getattr__(name: str) -> Any:

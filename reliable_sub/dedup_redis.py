@@ -56,7 +56,7 @@ try:
 except ImportError as error:  # the redis extra is not installed
     raise MissingExtraError("RedisDedupStore", "redis", "redis") from error
 
-from .redis_clients import RedisClients, script
+from .redis_clients import RedisClients, lua_source, script
 
 logger = logging.getLogger(__name__)
 
@@ -88,101 +88,16 @@ _STATE_CLAIMED = 0
 _STATE_COMPLETED = 1
 _STATE_IN_PROGRESS = 2
 
-# Parses a record: returns kind ('p', 'f', 'c', or nil for a missing or foreign value), the
-# token (for 'p'), and the failure count.
-_PARSE = """
-local function parse(value)
-  if not value then return nil, nil, 0 end
-  local kind = string.sub(value, 1, 2)
-  if kind == 'c:' then return 'c', nil, 0 end
-  if kind == 'f:' then return 'f', nil, tonumber(string.sub(value, 3)) or 0 end
-  if kind == 'p:' then
-    local bar = string.find(value, '|', 3, true)
-    if bar then
-      return 'p', string.sub(value, 3, bar - 1), tonumber(string.sub(value, bar + 1)) or 0
-    end
-    return 'p', string.sub(value, 3), 0
-  end
-  return 'p', '', 0
-end
-"""
+# The scripts live in reliable_sub/lua/, each opening with what its KEYS and ARGV are.
+# COMPLETE_LUA defines complete(key, token, value, ttl_ms); the Redis Streams adapter's fast path
+# runs it in the same script call as a batch's XACK.
+COMPLETE_LUA = lua_source("reliable_sub", "parse", "complete")
+_CLAIM_SCRIPT = lua_source("reliable_sub", "parse", "dedup_claim")
 
-# complete(key, token, value, ttl_ms) records a completion unless a peer holds the key under
-# another token; returns 1 when refused. Shared with the Redis Streams adapter's fast path,
-# which runs it in the same script call as the batch's XACK.
-COMPLETE_LUA = _PARSE + """
-local function complete(key, token, value, ttl)
-  local kind, holder = parse(redis.call('GET', key))
-  if kind == 'c' then return 0 end
-  if kind == 'p' and holder ~= token then return 1 end
-  redis.call('SET', key, value, 'PX', ttl)
-  return 0
-end
-"""
+_RENEW_SCRIPT = lua_source("reliable_sub", "parse", "dedup_renew")
+_RELEASE_SCRIPT = lua_source("reliable_sub", "parse", "dedup_release")
 
-# KEYS: the records. ARGV[1]: lease ms; ARGV[1 + i]: the token for KEYS[i].
-_CLAIM_SCRIPT = _PARSE + """
-local reply = {}
-for i, key in ipairs(KEYS) do
-  local token = ARGV[i + 1]
-  local value = redis.call('GET', key)
-  local kind, holder, failures = parse(value)
-  local n = #reply
-  if kind == 'c' then
-    reply[n + 1] = 1; reply[n + 2] = string.sub(value, 3); reply[n + 3] = 0
-  elseif kind == 'p' and holder ~= token then
-    reply[n + 1] = 2; reply[n + 2] = redis.call('PTTL', key); reply[n + 3] = failures
-  else
-    redis.call('SET', key, 'p:' .. token .. '|' .. failures, 'PX', ARGV[1])
-    reply[n + 1] = 0; reply[n + 2] = ''; reply[n + 3] = failures
-  end
-end
-return reply
-"""
-
-# KEYS: the records. ARGV[1]: lease ms; then per key its token and failure count.
-# Returns the 1-based positions of the claims no longer held.
-_RENEW_SCRIPT = _PARSE + """
-local lost = {}
-for i, key in ipairs(KEYS) do
-  local token, failures = ARGV[2 * i], ARGV[2 * i + 1]
-  local kind, holder = parse(redis.call('GET', key))
-  if kind == 'p' and holder == token then
-    redis.call('SET', key, 'p:' .. token .. '|' .. failures, 'PX', ARGV[1])
-  else
-    lost[#lost + 1] = i
-  end
-end
-return lost
-"""
-
-# KEYS: the records. ARGV[1]: retention ms; then per key its token and failure count.
-_RELEASE_SCRIPT = _PARSE + """
-for i, key in ipairs(KEYS) do
-  local token, failures = ARGV[2 * i], tonumber(ARGV[2 * i + 1])
-  local kind, holder = parse(redis.call('GET', key))
-  if kind == 'p' and holder == token then
-    if failures > 0 and tonumber(ARGV[1]) > 0 then
-      redis.call('SET', key, 'f:' .. failures, 'PX', ARGV[1])
-    else
-      redis.call('DEL', key)
-    end
-  end
-end
-return 0
-"""
-
-# KEYS: the records. ARGV[1]: ttl ms; then per key its token and value.
-# Returns the 1-based positions of the refused completions.
-_COMPLETE_SCRIPT = COMPLETE_LUA + """
-local refused = {}
-for i, key in ipairs(KEYS) do
-  if complete(key, ARGV[2 * i], ARGV[2 * i + 1], ARGV[1]) == 1 then
-    refused[#refused + 1] = i
-  end
-end
-return refused
-"""
+_COMPLETE_SCRIPT = COMPLETE_LUA + lua_source("reliable_sub", "dedup_complete")
 
 
 class RedisDedupStore(SingleKeyMethods):

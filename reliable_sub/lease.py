@@ -30,11 +30,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from ._inflight import InFlight, Stage
-from .adapters.base import Adapter
 from .clock import Clock, sleep_or_event
 from .dedup import DedupStore
 from .histogram import SlidingHistogram
 from .policy import LeasePolicy
+from .ports import Adapter
 
 logger = logging.getLogger(__name__)
 

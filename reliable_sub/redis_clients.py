@@ -9,6 +9,7 @@ fresh one. A client you pass is used as it is, in every loop; closing releases i
 
 from __future__ import annotations
 
+from importlib import resources
 from typing import Any
 
 from .errors import ConfigurationError, MissingExtraError
@@ -134,6 +135,13 @@ class RedisClients:
         return aioredis.Redis.from_url(self.url, **options)
 
 
+def lua_source(package: str | None, *names: str) -> str:
+    """The Lua files ``lua/<name>.lua`` of ``package`` (package data), joined in order."""
+    assert package is not None, "call it with a module's __package__"
+    folder = resources.files(package).joinpath("lua")
+    return "".join(folder.joinpath(f"{name}.lua").read_text(encoding="utf-8") for name in names)
+
+
 def script(source: str) -> AsyncScript:
     """A Lua script bound to no client: call it with ``client=`` the running loop's client
     (it is loaded on that server on first use, and again after a restart flushed it)."""
@@ -147,4 +155,4 @@ def _sync_options(options: dict[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in options.items() if name in keep}
 
 
-__all__ = ["CONNECT_RETRIES", "CONNECT_RETRY_CAP", "RedisClients", "script"]
+__all__ = ["CONNECT_RETRIES", "CONNECT_RETRY_CAP", "RedisClients", "lua_source", "script"]

@@ -25,7 +25,6 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from ._runtime import Config, Route, Runtime
-from .adapters.base import Adapter
 from .clock import Clock, SystemClock
 from .dedup import DedupStore
 from .errors import ConfigurationError
@@ -33,6 +32,7 @@ from .lease import LeaseManager
 from .message import Message
 from .outcome import Outcome, SubscriberStats
 from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, check_count
+from .ports import Adapter
 
 logger = logging.getLogger(__name__)
 

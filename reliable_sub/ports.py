@@ -1,0 +1,346 @@
+"""The contracts of the core: what a broker adapter and a dedup store must do.
+
+The core talks to brokers and stores only through these protocols; adapters and stores written
+elsewhere (``adapters/``, a third party's package) implement them using public names only.
+
+* :class:`Consumer` -- what the Subscriber needs: receive, ack, nack, extend.
+* :class:`Publisher` -- what a publisher (and the outbox relay) needs.
+* :class:`Admin` -- creating and checking topics and subscriptions (the CLI's side).
+* :class:`Adapter` -- all three: what every broker adapter of this package implements.
+* :class:`AcksWithCompletions` -- an optional, typed capability: record dedup completions in the
+  same call as the acks.
+* :class:`Capabilities` -- what a broker offers, read by the core and the conformance suite.
+* :class:`DedupStore` and its records (:class:`DedupKey`, :class:`Claimed`, :class:`Completed`,
+  :class:`InProgress`, :class:`Completion`) -- the idempotent-consumer store.
+
+Every method that takes deliveries takes a batch and should cost one broker round trip per batch
+where the broker allows it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+from ._results import decode_result
+from .message import Delivery
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a broker offers; the conformance suite and the core read it, never the adapter's type.
+
+    Attributes:
+        min_ack_deadline: shortest ack deadline (seconds) the broker accepts.
+        max_ack_deadline: longest ack deadline (seconds) one extension may set.
+        native_dead_letter: the broker can dead-letter by itself.
+        native_retry_backoff: the broker can delay redelivery by itself.
+        exactly_once: the broker can confirm acks (a failed ack means a redelivery will come).
+        seek: the broker can replay retained messages.
+        ordering: ordering keys are delivered in order.
+        delivery_attempt_exact: ``delivery_attempt`` is kept by the broker (not per process).
+        refuses_stale_acks: an ack or extend of a stale ack id (redelivered, nacked, taken over)
+            is reported back as refused; Pub/Sub does so only on exactly-once subscriptions.
+        extension_limited_to_ack_deadline: an extension can only restart the subscription's ack
+            deadline, never set a longer one (Redis Streams: idle time can be reset, not put in
+            the future); the lease manager then extends by at most the ack deadline.
+        cancel_safe_receive: cancelling a ``receive`` call in flight never leaves a message
+            taken at the broker (only the in-memory broker can promise it); otherwise a stop
+            lets the calls in flight return, and gives back what they bring.
+    """
+
+    min_ack_deadline: float = 0.0
+    max_ack_deadline: float = math.inf
+    native_dead_letter: bool = False
+    native_retry_backoff: bool = False
+    exactly_once: bool = False
+    seek: bool = False
+    ordering: bool = False
+    delivery_attempt_exact: bool = True
+    refuses_stale_acks: bool = True
+    extension_limited_to_ack_deadline: bool = False
+    cancel_safe_receive: bool = False
+
+    def clamp_deadline(self, seconds: float) -> float:
+        """``seconds`` limited to the broker's accepted range."""
+        return min(self.max_ack_deadline, max(self.min_ack_deadline, seconds))
+
+
+def checked_message(
+    data: bytes | bytearray | memoryview, attributes: dict[str, str] | None
+) -> tuple[bytes, dict[str, str]]:
+    """``data`` as bytes and a copy of ``attributes``, or a TypeError naming what is wrong.
+
+    Every adapter's ``publish`` checks its arguments with this before anything is sent.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"publish: data must be bytes, got {type(data).__name__}")
+    checked = dict(attributes or {})
+    for key, value in checked.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"publish: attributes must map str to str, got {key!r}: {value!r}")
+    return bytes(data), checked
+
+
+@runtime_checkable
+class Consumer(Protocol):
+    """The consuming side of a broker, as the Subscriber uses it."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this broker supports."""
+        ...
+
+    async def receive(
+        self, subscription: str, max_messages: int, timeout: float
+    ) -> list[Delivery]:
+        """Wait up to ``timeout`` seconds for messages; return at most ``max_messages``.
+
+        Returns an empty list when the timeout passes with nothing to deliver.
+        """
+        ...
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        """Acknowledge; returns the deliveries the broker refused (stale ack ids)."""
+        ...
+
+    async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
+        """Give the deliveries back for redelivery after ``delay`` seconds (0: at once)."""
+        ...
+
+    async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
+        """Set each delivery's ack deadline to ``seconds`` from now.
+
+        Returns the deliveries the broker refused (stale ack ids); they are no longer ours.
+        """
+        ...
+
+    async def subscription_ack_deadline(self, subscription: str) -> float:
+        """The deadline (seconds) a fresh delivery of ``subscription`` gets from the broker."""
+        ...
+
+    def dedup_namespace(self, subscription: str) -> str:
+        """The default dedup namespace of ``subscription``: unique per broker, topic and
+        subscription, and the same for every consumer of it (message ids are only unique
+        within it)."""
+        ...
+
+    async def close(self) -> None:
+        """Release the connections of the running event loop and of the blocking twins.
+
+        The adapter stays usable: the next call opens new connections. A Subscriber calls it
+        when it stops, because its connections belong to the event loop of that run.
+        """
+        ...
+
+
+@runtime_checkable
+class Publisher(Protocol):
+    """The publishing side of a broker."""
+
+    async def publish(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        """Publish one message and return its broker message id."""
+        ...
+
+    def publish_sync(
+        self,
+        topic: str,
+        data: bytes,
+        attributes: dict[str, str] | None = None,
+        ordering_key: str | None = None,
+    ) -> str:
+        """Blocking twin of :meth:`publish`, safe from any thread while a Subscriber runs."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections; usable again afterwards (see :meth:`Consumer.close`)."""
+        ...
+
+
+@runtime_checkable
+class Admin(Protocol):
+    """Creating and checking topics and subscriptions."""
+
+    async def ensure_subscription(self, topic: str, subscription: str, **options: Any) -> None:
+        """Create ``topic`` and ``subscription`` if missing; a no-op when both exist.
+
+        A subscription name already used for another topic is refused with a
+        ``ConfigurationError`` naming both topics.
+        """
+        ...
+
+    def ensure_subscription_sync(self, topic: str, subscription: str, **options: Any) -> None:
+        """Blocking twin of :meth:`ensure_subscription`."""
+        ...
+
+    async def ensure_topic(self, topic: str) -> None:
+        """Create ``topic`` if missing (a dead-letter topic, say); a no-op when it exists."""
+        ...
+
+    async def topic_exists(self, topic: str) -> bool:
+        """Whether ``topic`` exists (the Subscriber checks its dead-letter topic at start)."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections; usable again afterwards (see :meth:`Consumer.close`)."""
+        ...
+
+
+@runtime_checkable
+class Adapter(Consumer, Publisher, Admin, Protocol):
+    """A broker adapter: consuming, publishing and administering, with blocking twins."""
+
+    def close_sync(self) -> None:
+        """Release the blocking twins' connections (from any thread, outside a loop)."""
+        ...
+
+
+@runtime_checkable
+class AcksWithCompletions(Protocol):
+    """An optional capability: record dedup completions in the same call as the acks.
+
+    The Settler uses it (one round trip instead of two per batch) when ``shares_store`` says the
+    adapter can reach the store's records, as the Redis Streams adapter can with a
+    ``RedisDedupStore`` on the same Redis server and database.
+    """
+
+    def shares_store(self, store: DedupStore) -> bool:
+        """True when :meth:`ack_with_completions` can write ``store``'s records."""
+        ...
+
+    async def ack_with_completions(
+        self,
+        deliveries: Sequence[Delivery],
+        store: DedupStore,
+        completions: Sequence[Completion],
+        ttl: float,
+    ) -> tuple[list[Delivery], list[Claimed]]:
+        """Record ``completions`` (fenced as ``complete_many`` does) and ack ``deliveries``.
+
+        Returns the refused deliveries (stale ack ids) and the refused completions' claims.
+        """
+        ...
+
+
+# -- the dedup store ------------------------------------------------------------------------------
+
+
+class DedupKey(NamedTuple):
+    """The record a message maps to: its idempotency ``key`` within ``namespace``.
+
+    The Subscriber's default namespace names the broker, topic and subscription (see
+    ``Adapter.dedup_namespace``), so two services never share records by accident.
+    """
+
+    namespace: str
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """The caller holds the claim: run the handler.
+
+    Attributes:
+        key: the record.
+        token: the fencing token of this claim; pass it on to systems you write to if they can
+            reject stale writers. Renew, complete and release need it.
+        failures: failed handler attempts recorded for this key before this claim.
+    """
+
+    key: DedupKey
+    token: str
+    failures: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """The key was handled before; its handler's return value is stored as JSON text."""
+
+    result_json: str | None = "null"
+    key: DedupKey | None = field(default=None, compare=False)
+
+    @property
+    def result(self) -> Any:
+        """The stored result, decoded; :class:`StoredResultError` if it is not valid JSON."""
+        return decode_result(self.result_json, self.key)
+
+
+@dataclass(frozen=True, slots=True)
+class InProgress:
+    """A peer holds the claim; ``expires_in`` seconds remain on it unless renewed."""
+
+    expires_in: float = 0.0
+    failures: int = 0
+
+
+ClaimResult = Claimed | Completed | InProgress
+
+
+class Completion(NamedTuple):
+    """A completion to record: the claim it ends and the handler's result as JSON text."""
+
+    claim: Claimed
+    result_json: str
+
+
+@runtime_checkable
+class DedupStore(Protocol):
+    """The idempotent-consumer store contract.
+
+    Batch methods cost one round trip each; the Subscriber uses only them. ``claim``,
+    ``complete`` and ``release`` are single-key conveniences for handlers and scripts.
+    Every method that ends or extends a claim is conditional on the claim's token.
+    """
+
+    async def claim_many(
+        self,
+        keys: Sequence[DedupKey],
+        lease_ttl: float,
+        tokens: Sequence[str] | None = None,
+    ) -> list[ClaimResult]:
+        """Claim each key for ``lease_ttl`` seconds, in order, atomically per key.
+
+        ``tokens`` (one per key) re-claims keys this caller held before: a key still held under
+        its token is renewed and reported Claimed. Without them, fresh tokens are made. A key
+        repeated in one call is claimed once; its later positions report InProgress.
+        """
+        ...
+
+    async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+        """Extend each claim to ``lease_ttl`` from now and store its ``failures``; returns the
+        claims that are no longer held under their token (left untouched)."""
+        ...
+
+    async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+        """Record each completion, kept ``ttl`` seconds; returns the claims refused because a
+        peer now holds the key under another token (a lapsed claim nobody took is recorded)."""
+        ...
+
+    async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
+        """End each claim without a result; a key with ``failures`` keeps that count for
+        ``retention`` seconds, one without is forgotten. Claims not held are left alone."""
+        ...
+
+    async def claim(self, key: DedupKey, lease_ttl: float) -> ClaimResult:
+        """:meth:`claim_many` for one key."""
+        ...
+
+    async def complete(self, claim: Claimed, result: Any, ttl: float) -> bool:
+        """Record ``claim`` as handled with a JSON-serialisable ``result``; False if refused."""
+        ...
+
+    async def release(self, claim: Claimed, retention: float = 0.0) -> None:
+        """:meth:`release_many` for one claim."""
+        ...
+
+    async def close(self) -> None:
+        """Release connections of the running event loop; the store reconnects on next use."""
+        ...
