@@ -85,6 +85,11 @@ class Claims:
                 self._failures.popitem(last=False)
         return item.failures
 
+    def set_failures(self, namespace: str, item: InFlight, failures: int) -> None:
+        """Record that ``item``'s message has failed ``failures`` times (one more, usually)."""
+        while item.failures < failures:
+            self.record_failure(namespace, item)
+
     def forget(self, namespace: str, item: InFlight) -> None:
         """The message is done with (acked or dead-lettered): drop its in-memory count."""
         if self.store is None and self._failures:

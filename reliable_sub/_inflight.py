@@ -51,6 +51,8 @@ class InFlight:
         "claim_length",
         "deadline",
         "delivery",
+        "duration",
+        "error",
         "expires_at",
         "failures",
         "held",
@@ -70,6 +72,8 @@ class InFlight:
         self.stage = Stage.WAITING
         self.claim: Claimed | None = None
         self.failures = 0  # handler failures recorded for this message, this one included
+        self.error: BaseException | None = None  # what the last attempt failed with
+        self.duration: float | None = None  # how long the handler ran
         self.task: asyncio.Task[None] | None = None
         self.cancel_reason: CancelReason | None = None
         self.thread_running = False

@@ -33,14 +33,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_exponential,
-    wait_random_exponential,
-)
+from tenacity import AsyncRetrying, retry_if_exception, wait_random_exponential
 
 from ._claims import Claims
 from ._flow import FlowGate
@@ -59,7 +52,10 @@ from .errors import (
 )
 from .lease import LeaseManager
 from .message import Delivery, Message
-from .outcome import Outcome, SubscriberStats
+from .middleware import CallNext, Context, Decision, Middleware, Verdict, chain
+from .middleware.dead_letter import DeadLetterOrBackoff, log_fields
+from .middleware.retry import InProcessRetry
+from .outcome import DeliveryEvent, Outcome, SubscriberStats
 from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
 from .ports import Adapter
 
@@ -71,8 +67,6 @@ DEFER_MIN_DELAY = 1.0
 # Backoff between failed receive calls (broker unreachable): from 0.1 s up to 10 s, jittered.
 RECEIVE_RETRY_INITIAL = 0.1
 RECEIVE_RETRY_MAX = 10.0
-# Pub/Sub attribute values are limited to 1024 bytes; the error message is cut to fit.
-ERROR_MESSAGE_LIMIT = 1000
 # After a stop cancels the async handlers still running at its deadline, each gets this long
 # (real seconds) to end; one that swallows the cancellation is then left behind, logged.
 CANCEL_GRACE = 5.0
@@ -84,21 +78,12 @@ RECEIVE_GRACE = 1.0
 FLUSH_GRACE = 5.0
 # Outcomes after which the next message of the same ordering key may run.
 _DONE = frozenset({Outcome.ACKED, Outcome.DUPLICATE, Outcome.DEAD_LETTERED})
-# Attribute names the dead-letter copy sets; a publisher's attributes of the same names are
-# kept under PUBLISHER_ATTRIBUTE_PREFIX + name.
-DEAD_LETTER_ATTRIBUTES = (
-    "original-message-id",
-    "original-subscription",
-    "delivery-attempts",
-    "handler-failures",
-    "error-type",
-    "error-message",
-)
-PUBLISHER_ATTRIBUTE_PREFIX = "publisher-"
 
 _current_claim: contextvars.ContextVar[Claimed | None] = contextvars.ContextVar(
     "reliable_sub_current_claim", default=None
 )
+# The delivery whose handler the current task runs (for the end of the middleware chain).
+_current_item: contextvars.ContextVar[InFlight] = contextvars.ContextVar("reliable_sub_item")
 
 
 def current_claim() -> Claimed | None:
@@ -127,6 +112,8 @@ class Config:
     receive_timeout: float
     loop_lag_warning: float | None
     on_outcome: Callable[[Message, Outcome], None] | None
+    on_event: Callable[[DeliveryEvent], None] | None
+    middleware: tuple[Middleware, ...]
 
 
 @dataclass(eq=False)
@@ -138,6 +125,7 @@ class Route:
     is_async: bool
     namespace: str | None
     name: str
+    middleware: tuple[Middleware, ...] = ()
 
 
 @dataclass(eq=False)
@@ -148,7 +136,9 @@ class Lane:
     namespace: str
     lease: LeaseManager
     ordered: bool
-    direct: bool  # async, no in-process retries: awaited without wrappers
+    # the middleware chain, or None: no middleware of the user's and no in-process retries,
+    # so the handler is called directly and failures go straight to DeadLetterOrBackoff
+    call: CallNext | None
     receive_call: asyncio.Task[list[Delivery]] | None = None
     # ordering key -> deliveries waiting for the running one of that key
     keys: dict[str, deque[InFlight]] = field(default_factory=dict)
@@ -171,6 +161,8 @@ class Runtime:
             on_settled=self._on_settled, sleep=config.clock.sleep,
         )
         self.supervisor = Supervisor(config.clock.sleep, config.clock.now)
+        self.failure = DeadLetterOrBackoff(config.retry, config.dead_letter, config.adapter,
+                                           config.rng)
         self.watchdog: LoopWatchdog | None = None
         self.receiving = False
         self.accepting = False  # False once a stop began: no handler starts after that
@@ -198,7 +190,7 @@ class Runtime:
                 namespace=route.namespace or adapter.dedup_namespace(route.subscription),
                 lease=lease,
                 ordered=adapter.capabilities.ordering,
-                direct=route.is_async and config.retry.in_process_attempts == 1,
+                call=self._chain_of(route),
             )
         self.receiving = self.accepting = True
         self.supervisor.spawn("settler", self.settler.run)
@@ -214,6 +206,22 @@ class Runtime:
                 asyncio.get_running_loop(), config.loop_lag_warning, self._describe_task
             )
             self.watchdog.start()
+
+    def _chain_of(self, route: Route) -> CallNext | None:
+        """The route's middleware chain (built once), or None for the direct fast path."""
+        config = self.config
+        layers: list[Middleware] = [*config.middleware, *route.middleware]
+        retries = config.retry.in_process_attempts > 1
+        if not layers and not retries:
+            return None
+        layers.append(self.failure)
+        if retries:
+            layers.append(InProcessRetry(config.retry, config.clock))
+
+        async def call_handler(context: Context) -> Decision:
+            return await self._call_handler(route)
+
+        return chain(layers, call_handler)
 
     # (methods, not attribute reads: a stop may flip these while a coroutine awaits)
     def _still_receiving(self) -> bool:
@@ -345,7 +353,7 @@ class Runtime:
                 f"{verdict.failures} periods of max_lease_duration="
                 f"{self.config.lease.max_lease_duration:g}s"
             )
-            self._track(self._dead_letter(item, error))
+            self._track(self._dead_letter_unhandled(item, error))
             return
         self._settle(item, Outcome.DEFERRED, ack=False,
                      delay=self._defer_delay(verdict.expires_in))
@@ -445,51 +453,53 @@ class Runtime:
         return False
 
     async def _attempt(self, lane: Lane, item: InFlight) -> None:
-        """Run the handler once (with in-process retries) and settle by what happened."""
+        """Run the handler once (through the route's middleware) and settle by its decision."""
         message = item.delivery.message
         item.stage = Stage.RUNNING
         lane.lease.started(item)
-        token = _current_claim.set(item.claim)
+        claim_token = _current_claim.set(item.claim)
         try:
-            if lane.direct:
-                result = await lane.route.handler(message)
-            else:
-                result = await self._invoke(lane, item)
-        except BaseException as error:
-            if isinstance(error, asyncio.CancelledError) and (
-                item.cancel_reason is not None or _cancel_requested()
-            ):
-                raise  # we (or whoever owns the loop) cancelled it: not the handler's failure
-            # Anything a handler raises is its failure: Exception, SystemExit, KeyboardInterrupt,
-            # a CancelledError it raised itself, a custom BaseException.
-            lane.lease.finished(item)
-            await self._failed(item, error)
-            return
+            if lane.call is None:  # the direct fast path: no per-message objects on success
+                try:
+                    result = await self._call(lane, item)
+                except BaseException as error:
+                    if _ours(item, error):
+                        raise
+                    # Anything a handler raises is its failure: Exception, SystemExit,
+                    # KeyboardInterrupt, a CancelledError it raised itself, a BaseException.
+                    item.duration = lane.lease.finished(item)
+                    decision = await self.failure.after_failure(message, item.failures, error)
+                    self._apply(item, decision)
+                    return
+                item.duration = lane.lease.finished(item)
+                self._succeeded(lane, item, result)
+                return
+            item_token = _current_item.set(item)
+            try:
+                decision = await lane.call(
+                    Context(message, item.failures, item.claim, lane.route.name)
+                )
+            except BaseException as error:  # a middleware of the user's raised: its failure
+                if _ours(item, error):
+                    raise
+                decision = await self.failure.after_failure(message, item.failures, error)
+            finally:
+                _current_item.reset(item_token)
+            item.duration = lane.lease.finished(item)
+            self._apply(item, decision)
         finally:
-            _current_claim.reset(token)
-        lane.lease.finished(item)
-        result_json = "null"
-        if item.claim is not None:
-            result_json = self._encode(result, message)
-        self.claims.forget(lane.namespace, item)
-        self._settle(item, Outcome.ACKED, ack=True,
-                     completion=self.claims.completion(item, result_json))
+            _current_claim.reset(claim_token)
 
-    async def _invoke(self, lane: Lane, item: InFlight) -> Any:
-        """Call the handler, retrying in process the exceptions the RetryPolicy names."""
-        retry = self.config.retry
-        if retry.in_process_attempts == 1:
-            return await self._call(lane, item)
-        async for try_ in AsyncRetrying(
-            stop=stop_after_attempt(retry.in_process_attempts),
-            wait=wait_exponential(multiplier=retry.in_process_wait),
-            retry=retry_if_exception_type(retry.retry_on),
-            reraise=True,
-            sleep=self.config.clock.sleep,
-        ):
-            with try_:
-                return await self._call(lane, item)
-        raise AssertionError("unreachable: reraise=True re-raises the last error")
+    async def _call_handler(self, route: Route) -> Decision:
+        """The end of a middleware chain: the handler's return value or what it raised."""
+        item = _current_item.get()
+        try:
+            result = await self._call(item.route, item)
+        except BaseException as error:
+            if _ours(item, error):
+                raise
+            return Decision.failed(error)
+        return Decision.ack(result)
 
     async def _call(self, lane: Lane, item: InFlight) -> Any:
         handler, message = lane.route.handler, item.delivery.message
@@ -506,6 +516,54 @@ class Runtime:
             raise value
         return value
 
+    def _succeeded(self, lane: Lane, item: InFlight, result: Any) -> None:
+        result_json = "null"
+        if item.claim is not None:
+            result_json = self._encode(result, item.delivery.message)
+        self.claims.forget(lane.namespace, item)
+        self._settle(item, Outcome.ACKED, ack=True,
+                     completion=self.claims.completion(item, result_json))
+
+    def _apply(self, item: InFlight, decision: Decision) -> None:
+        """Settle ``item`` as ``decision`` says."""
+        lane: Lane = item.route
+        verdict = decision.verdict
+        if verdict is Verdict.ACK:
+            self._succeeded(lane, item, decision.result)
+            return
+        if verdict is Verdict.FAILED:  # a middleware of the user's passed a failure outward
+            assert decision.error is not None
+            self._track(self._decide_failure(item, decision.error))
+            return
+        self.stats.handler_errors += 1
+        item.error = decision.error
+        self.claims.set_failures(lane.namespace, item, decision.failures)
+        if verdict is Verdict.DEAD_LETTERED:
+            self.claims.forget(lane.namespace, item)
+            self._settle(item, Outcome.DEAD_LETTERED, ack=True,
+                         release=self.claims.release(item))
+        else:
+            self._settle(item, Outcome.RETRY, ack=False, delay=decision.delay,
+                         release=self.claims.release(item))
+
+    async def _decide_failure(self, item: InFlight, error: BaseException) -> None:
+        item.stage = Stage.SETTLING
+        decision = await self.failure.after_failure(item.delivery.message, item.failures, error)
+        self._apply(item, decision)
+
+    async def _dead_letter_unhandled(self, item: InFlight, error: BaseException) -> None:
+        """Dead-letter a message no handler ran for (unreadable, or hung on a peer)."""
+        item.stage = Stage.SETTLING
+        message = item.delivery.message
+        decision = await self.failure.dead_letter(message, item.failures, error)
+        item.error = error
+        self.claims.forget(item.route.namespace, item)
+        if decision.verdict is Verdict.DEAD_LETTERED:
+            self._settle(item, Outcome.DEAD_LETTERED, ack=True, release=self.claims.release(item))
+        else:
+            self._settle(item, Outcome.RETRY, ack=False, delay=decision.delay,
+                         release=self.claims.release(item))
+
     def _encode(self, result: Any, message: Message) -> str:
         try:
             return encode_result(result)
@@ -516,54 +574,6 @@ class Runtime:
 
     # -- failures ------------------------------------------------------------------------------
 
-    async def _failed(self, item: InFlight, error: BaseException) -> None:
-        lane: Lane = item.route
-        message = item.delivery.message
-        self.stats.handler_errors += 1
-        failures = self.claims.record_failure(lane.namespace, item)
-        policy = self.config.dead_letter
-        extra = _log_fields(item, "failed")
-        extra["failures"] = failures
-        if policy is not None and failures >= policy.max_delivery_attempts:
-            await self._dead_letter(item, error)
-            return
-        delay = self.config.retry.backoff(failures, self.config.rng)
-        logger.warning(
-            "message %s of %r failed (attempt %d: %s: %s); redelivering in %.1fs",
-            message.id, message.subscription, failures, type(error).__name__, error, delay,
-            exc_info=error if failures == 1 else None, extra=extra,
-        )
-        self._settle(item, Outcome.RETRY, ack=False, delay=delay,
-                     release=self.claims.release(item))
-
-    async def _dead_letter(self, item: InFlight, error: BaseException) -> None:
-        policy = self.config.dead_letter
-        assert policy is not None
-        message = item.delivery.message
-        item.stage = Stage.SETTLING
-        try:
-            await self.config.adapter.publish(
-                policy.topic, message.data, dead_letter_attributes(message, item.failures, error)
-            )
-        except Exception:
-            logger.error(
-                "publishing message %s to dead-letter topic %r failed; it stays on %r and is "
-                "retried", message.id, policy.topic, message.subscription, exc_info=True,
-                extra=_log_fields(item, "retry"),
-            )
-            self._settle(item, Outcome.RETRY, ack=False,
-                         delay=self.config.retry.backoff(item.failures, self.config.rng),
-                         release=self.claims.release(item))
-            return
-        logger.error(
-            "message %s of %r dead-lettered to %r after %d failed attempts (%s: %s)",
-            message.id, message.subscription, policy.topic, item.failures,
-            type(error).__name__, error, extra=_log_fields(item, "dead_lettered"),
-            exc_info=error if item.failures <= 1 else None,
-        )
-        self.claims.forget(item.route.namespace, item)
-        self._settle(item, Outcome.DEAD_LETTERED, ack=True, release=self.claims.release(item))
-
     def _malformed(self, item: InFlight) -> None:
         self.stats.malformed += 1
         error = MalformedMessageError(
@@ -572,10 +582,11 @@ class Runtime:
         )
         item.stage = Stage.SETTLING
         if self.config.dead_letter is not None:
-            self._track(self._dead_letter(item, error))
+            self._track(self._dead_letter_unhandled(item, error))
             return
         logger.error("%s; no dead-letter policy, so it is redelivered in %gs", error,
-                     self.config.retry.max_backoff, extra=_log_fields(item, "retry"))
+                     self.config.retry.max_backoff,
+                     extra=log_fields(item.delivery.message, item.failures, "retry"))
         self._settle(item, Outcome.RETRY, ack=False, delay=self.config.retry.max_backoff)
 
     # -- giving back ---------------------------------------------------------------------------
@@ -585,8 +596,8 @@ class Runtime:
         reason = item.cancel_reason
         lane: Lane = item.route
         if reason is CancelReason.TIMEOUT and item.stage is Stage.RUNNING:
-            lane.lease.finished(item)
-            await self._failed(item, HandlerTimeoutError(
+            item.duration = lane.lease.finished(item)
+            await self._decide_failure(item, HandlerTimeoutError(
                 f"handler {lane.route.name} ran past max_lease_duration="
                 f"{self.config.lease.max_lease_duration:g}s and was cancelled"
             ))
@@ -635,7 +646,7 @@ class Runtime:
                 "sync handler %s has run past max_lease_duration=%gs on message %s (counted as "
                 "failed attempt %d); its message is given back and its claim kept while the "
                 "thread runs", lane.route.name, max_lease, item.message_id, failures,
-                extra=_log_fields(item, "overran"),
+                extra=log_fields(item.delivery.message, failures, "overran"),
             )
         try:
             await self.config.adapter.nack([item.delivery for item in items], 0.0)
@@ -701,12 +712,20 @@ class Runtime:
         self.flow.settled()
         outcome = Outcome.ACK_REFUSED if refused else settle.outcome
         self.stats.outcomes[outcome] += 1
-        on_outcome = self.config.on_outcome
-        if on_outcome is not None:
+        config = self.config
+        if config.on_outcome is not None:
             try:
-                on_outcome(item.delivery.message, outcome)
+                config.on_outcome(item.delivery.message, outcome)
             except Exception:
                 logger.exception("on_outcome callback failed")
+        if config.on_event is not None:
+            message = item.delivery.message
+            event = DeliveryEvent(message, outcome, message.delivery_attempt, item.failures,
+                                  item.error, item.duration, settle.delay)
+            try:
+                config.on_event(event)
+            except Exception:
+                logger.exception("on_event callback failed")
 
     # -- closing -------------------------------------------------------------------------------
 
@@ -864,6 +883,14 @@ async def _wait_until(tasks: set[asyncio.Task[None]], deadline: float,
         forced.cancel()
 
 
+def _ours(item: InFlight, error: BaseException) -> bool:
+    """Whether ``error`` is a cancellation of the delivery's task by the Subscriber (or by
+    whoever owns the loop), as opposed to something the handler raised."""
+    return isinstance(error, asyncio.CancelledError) and (
+        item.cancel_reason is not None or _cancel_requested()
+    )
+
+
 def _cancel_requested() -> bool:
     """Whether the current task was asked to cancel (as opposed to a handler raising
     CancelledError by itself); Python 3.10 cannot tell, and then only our own reasons count."""
@@ -884,36 +911,3 @@ if sys.version_info >= (3, 12):
 else:
     def _new_task(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         return asyncio.get_running_loop().create_task(coroutine)
-
-
-def dead_letter_attributes(
-    message: Message, failures: int, error: BaseException
-) -> dict[str, str]:
-    """The attributes of a dead-letter copy: the publisher's (those named like ours renamed
-    with ``PUBLISHER_ATTRIBUTE_PREFIX``), then where it came from and why it failed."""
-    attributes: dict[str, str] = {}
-    for name, value in message.attributes.items():
-        if name in DEAD_LETTER_ATTRIBUTES:
-            attributes[PUBLISHER_ATTRIBUTE_PREFIX + name] = value
-        else:
-            attributes[name] = value
-    attributes.update({
-        "original-message-id": message.id,
-        "original-subscription": message.subscription,
-        "delivery-attempts": str(message.delivery_attempt),
-        "handler-failures": str(failures),
-        "error-type": f"{type(error).__module__}.{type(error).__qualname__}",
-        "error-message": str(error)[:ERROR_MESSAGE_LIMIT],
-    })
-    return attributes
-
-
-def _log_fields(item: InFlight, outcome: str) -> dict[str, Any]:
-    message = item.delivery.message
-    return {
-        "message_id": message.id,
-        "subscription": message.subscription,
-        "attempt": message.delivery_attempt,
-        "failures": item.failures,
-        "outcome": outcome,
-    }

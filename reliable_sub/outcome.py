@@ -6,6 +6,8 @@ import enum
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .message import Message
+
 
 class Outcome(str, enum.Enum):
     """The end of one delivery attempt."""
@@ -34,6 +36,30 @@ class Outcome(str, enum.Enum):
     # Hash as the plain string (as equality already does): Enum's own __hash__ is a Python call,
     # paid on every delivery when outcomes are counted.
     __hash__ = str.__hash__
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryEvent:
+    """How one delivery ended, once the broker confirmed it (for ``on_event``: telemetry,
+    metrics, audit).
+
+    Attributes:
+        message: the message as the handler saw it.
+        outcome: how it ended.
+        attempt: the broker's delivery attempt (``message.delivery_attempt``).
+        failures: handler failures of this message so far, this attempt's included.
+        error: what the handler raised (``retry``, ``dead_lettered``), else None.
+        duration: seconds the handler ran (None when no handler ran).
+        delay: seconds before the redelivery, for a nack.
+    """
+
+    message: Message
+    outcome: Outcome
+    attempt: int
+    failures: int
+    error: BaseException | None = None
+    duration: float | None = None
+    delay: float = 0.0
 
 
 @dataclass

@@ -20,7 +20,7 @@ import logging
 import random
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -30,7 +30,8 @@ from .dedup import DedupStore
 from .errors import ConfigurationError
 from .lease import LeaseManager
 from .message import Message
-from .outcome import Outcome, SubscriberStats
+from .middleware import Middleware
+from .outcome import DeliveryEvent, Outcome, SubscriberStats
 from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, check_count
 from .ports import Adapter
 
@@ -71,6 +72,10 @@ class Subscriber:
         sync_workers: threads that run sync handlers.
         on_outcome: called in the event loop with each delivery's message and outcome, once
             the broker confirmed its ack or nack.
+        on_event: called likewise with a :class:`DeliveryEvent` (outcome, error, handler
+            duration, delay, attempt, failures): for metrics and tracing.
+        middleware: wrapped around every handler, the first outermost (see
+            :mod:`reliable_sub.middleware`); a handler's own ``middleware=`` go inside these.
         rng: random source for backoff jitter.
         receive_batch: most messages asked for in one receive call.
         receive_timeout: seconds one receive call waits for messages.
@@ -96,6 +101,8 @@ class Subscriber:
         clock: Clock | None = None,
         sync_workers: int = DEFAULT_SYNC_WORKERS,
         on_outcome: Callable[[Message, Outcome], None] | None = None,
+        on_event: Callable[[DeliveryEvent], None] | None = None,
+        middleware: Sequence[Middleware] = (),
         rng: random.Random | None = None,
         receive_batch: int = RECEIVE_BATCH,
         receive_timeout: float = RECEIVE_TIMEOUT,
@@ -127,6 +134,8 @@ class Subscriber:
             receive_timeout=receive_timeout,
             loop_lag_warning=loop_lag_warning,
             on_outcome=on_outcome,
+            on_event=on_event,
+            middleware=_checked_middleware(middleware, "Subscriber.middleware"),
         )
         self._check_dedup_window()
         self._stop_timeout = float(stop_timeout)
@@ -162,14 +171,20 @@ class Subscriber:
     # -- registration ----------------------------------------------------------------------
 
     def handler(
-        self, subscription: str, *, namespace: str | None = None
+        self,
+        subscription: str,
+        *,
+        namespace: str | None = None,
+        middleware: Sequence[Middleware] = (),
     ) -> Callable[[HandlerT], HandlerT]:
         """Register the decorated function as the handler of ``subscription``.
 
         Sync functions run in a worker thread, coroutine functions in their own task. The
         return value is stored (as JSON) in the dedup store. ``namespace`` scopes dedup keys
-        (default: the adapter's name for the broker, topic and subscription).
+        (default: the adapter's name for the broker, topic and subscription). ``middleware``
+        wraps this handler only, inside the Subscriber-wide ones.
         """
+        route_middleware = _checked_middleware(middleware, "handler middleware")
         if not isinstance(subscription, str) or not subscription:
             raise ConfigurationError(
                 f"handler: subscription must be a non-empty str, got {subscription!r}"
@@ -195,6 +210,7 @@ class Subscriber:
                 is_async=_is_async_callable(function),
                 namespace=namespace,
                 name=_name_of(function),
+                middleware=route_middleware,
             )
             return function
 
@@ -443,6 +459,17 @@ def _name_of(function: Callable[..., Any]) -> str:
     module = getattr(function, "__module__", None) or ""
     name = getattr(function, "__qualname__", None) or type(function).__qualname__
     return f"{module}.{name}" if module else name
+
+
+def _checked_middleware(middleware: object, what: str) -> tuple[Middleware, ...]:
+    if not isinstance(middleware, list | tuple):
+        raise ConfigurationError(f"{what} must be a list of middleware, got {middleware!r}")
+    for item in middleware:
+        if not callable(item):
+            raise ConfigurationError(
+                f"{what}: {item!r} is not a middleware (async (context, call_next) -> Decision)"
+            )
+    return tuple(middleware)
 
 
 def _check_positive(name: str, value: float) -> None:

@@ -1,0 +1,134 @@
+"""After a failure: redeliver after a backoff, or, at the last allowed attempt, dead-letter."""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+from ..message import Message
+from ..policy import DeadLetterPolicy, RetryPolicy
+from ..ports import Publisher
+from . import CallNext, Context, Decision, Verdict
+
+logger = logging.getLogger("reliable_sub.subscriber")
+
+# Pub/Sub attribute values are limited to 1024 bytes; the error message is cut to fit.
+ERROR_MESSAGE_LIMIT = 1000
+# Attribute names the dead-letter copy sets; a publisher's attributes of the same names are
+# kept under PUBLISHER_ATTRIBUTE_PREFIX + name.
+DEAD_LETTER_ATTRIBUTES = (
+    "original-message-id",
+    "original-subscription",
+    "delivery-attempts",
+    "handler-failures",
+    "error-type",
+    "error-message",
+)
+PUBLISHER_ATTRIBUTE_PREFIX = "publisher-"
+
+
+class DeadLetterOrBackoff:
+    """Turns a failed attempt into a decision: the failure is counted; below
+    ``max_delivery_attempts`` failures the message is redelivered after the RetryPolicy's
+    backoff, at it a copy is published to the dead-letter topic (and the original acked).
+    Without a DeadLetterPolicy failures are redelivered forever.
+
+    The first failure of a message is logged at WARNING with its traceback, later ones without;
+    a dead letter at ERROR. A dead-letter publish that fails is logged and the message
+    redelivered, so nothing is lost.
+    """
+
+    def __init__(
+        self,
+        retry: RetryPolicy,
+        dead_letter: DeadLetterPolicy | None,
+        publisher: Publisher,
+        rng: random.Random,
+    ) -> None:
+        self._retry = retry
+        self._policy = dead_letter
+        self._publisher = publisher
+        self._rng = rng
+
+    async def __call__(self, context: Context, call_next: CallNext) -> Decision:
+        decision = await call_next(context)
+        if decision.verdict is not Verdict.FAILED or decision.error is None:
+            return decision
+        return await self.after_failure(context.message, context.failures, decision.error)
+
+    async def after_failure(
+        self, message: Message, failures_before: int, error: BaseException
+    ) -> Decision:
+        """The decision after ``message`` failed with ``error``."""
+        failures = failures_before + 1
+        policy = self._policy
+        if policy is not None and failures >= policy.max_delivery_attempts:
+            return await self.dead_letter(message, failures, error)
+        delay = self._retry.backoff(failures, self._rng)
+        logger.warning(
+            "message %s of %r failed (attempt %d: %s: %s); redelivering in %.1fs",
+            message.id, message.subscription, failures, type(error).__name__, error, delay,
+            exc_info=error if failures == 1 else None,
+            extra=log_fields(message, failures, "retry"),
+        )
+        return Decision(Verdict.REDELIVER, error=error, delay=delay, failures=failures)
+
+    async def dead_letter(
+        self, message: Message, failures: int, error: BaseException
+    ) -> Decision:
+        """Publish ``message`` to the dead-letter topic; redeliver it if that fails."""
+        policy = self._policy
+        assert policy is not None
+        try:
+            await self._publisher.publish(
+                policy.topic, message.data, dead_letter_attributes(message, failures, error)
+            )
+        except Exception:
+            logger.error(
+                "publishing message %s to dead-letter topic %r failed; it stays on %r and is "
+                "retried", message.id, policy.topic, message.subscription, exc_info=True,
+                extra=log_fields(message, failures, "retry"),
+            )
+            delay = self._retry.backoff(failures, self._rng)
+            return Decision(Verdict.REDELIVER, error=error, delay=delay, failures=failures)
+        logger.error(
+            "message %s of %r dead-lettered to %r after %d failed attempts (%s: %s)",
+            message.id, message.subscription, policy.topic, failures, type(error).__name__,
+            error, exc_info=error if failures <= 1 else None,
+            extra=log_fields(message, failures, "dead_lettered"),
+        )
+        return Decision(Verdict.DEAD_LETTERED, error=error, failures=failures)
+
+
+def dead_letter_attributes(
+    message: Message, failures: int, error: BaseException
+) -> dict[str, str]:
+    """The attributes of a dead-letter copy: the publisher's (those named like ours renamed
+    with ``PUBLISHER_ATTRIBUTE_PREFIX``), then where it came from and why it failed."""
+    attributes: dict[str, str] = {}
+    for name, value in message.attributes.items():
+        if name in DEAD_LETTER_ATTRIBUTES:
+            attributes[PUBLISHER_ATTRIBUTE_PREFIX + name] = value
+        else:
+            attributes[name] = value
+    attributes.update({
+        "original-message-id": message.id,
+        "original-subscription": message.subscription,
+        "delivery-attempts": str(message.delivery_attempt),
+        "handler-failures": str(failures),
+        "error-type": f"{type(error).__module__}.{type(error).__qualname__}",
+        "error-message": str(error)[:ERROR_MESSAGE_LIMIT],
+    })
+    return attributes
+
+
+def log_fields(message: Message, failures: int, outcome: str) -> dict[str, Any]:
+    """The ``extra=`` fields of a log record about ``message``."""
+    return {
+        "message_id": message.id,
+        "subscription": message.subscription,
+        "attempt": message.delivery_attempt,
+        "failures": failures,
+        "outcome": outcome,
+    }

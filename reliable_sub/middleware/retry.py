@@ -1,0 +1,51 @@
+"""In-process retries: a transient error is tried again before the message counts as failed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_result,
+    stop_after_attempt,
+    wait_exponential,
+)
+
+from ..clock import Clock
+from ..policy import RetryPolicy
+from . import CallNext, Context, Decision, Verdict
+
+
+class InProcessRetry:
+    """Calls the rest of the chain again while it fails with an exception in
+    ``RetryPolicy.retry_on``, up to ``in_process_attempts`` calls, waiting ``in_process_wait``
+    seconds (doubled each time) on ``clock``; then passes the last decision on.
+    """
+
+    def __init__(self, policy: RetryPolicy, clock: Clock) -> None:
+        self._policy = policy
+        self._clock = clock
+
+    def _transient(self, decision: Decision) -> bool:
+        return decision.verdict is Verdict.FAILED and isinstance(
+            decision.error, self._policy.retry_on
+        )
+
+    async def __call__(self, context: Context, call_next: CallNext) -> Decision:
+        policy = self._policy
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(policy.in_process_attempts),
+            wait=wait_exponential(multiplier=policy.in_process_wait),
+            retry=retry_if_result(self._transient),
+            retry_error_callback=_last_decision,
+            sleep=self._clock.sleep,
+        )
+        decision: Decision = await retrying(call_next, context)
+        return decision
+
+
+def _last_decision(state: RetryCallState) -> Any:
+    """When the attempts run out, the last failure goes on (not tenacity's RetryError)."""
+    assert state.outcome is not None
+    return state.outcome.result()
