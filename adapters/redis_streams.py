@@ -56,7 +56,7 @@ try:
     import redis.asyncio as aioredis
     from redis.exceptions import ResponseError
 
-    from reliable_sub.dedup_redis import COMPLETE_LUA, RedisDedupStore
+    from reliable_sub.idempotency.redis_store import COMPLETE_LUA, RedisDedupStore
     from reliable_sub.redis_clients import RedisClients, lua_source, script
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("RedisStreamsAdapter", "redis", "redis") from error

@@ -8,6 +8,9 @@
   benchmark's section of ``benchmarks/README.md``, between ``<!-- NAME:start -->`` and
   ``<!-- NAME:end -->``.
 * :func:`positive_int` is an ``argparse`` type for counts.
+* :class:`StageProfile` is one profiled run's own time per stage, the report every benchmark
+  prints; :func:`unknown_rule_names` finds rules that name functions their file no longer has
+  (a rename would otherwise move time to the wrong stage without a word).
 * :class:`Throughput` holds one variant's timed repetitions and their medians; a benchmark whose
   runs record more (CPU, emulator time) subclasses it.
 """
@@ -15,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import gc
 import os
 import pstats
@@ -101,6 +105,51 @@ class Rule:
 def rule(stage: str, path: str, *names: str, lines: range | None = None) -> Rule:
     """A :class:`Rule`; no ``names`` means every function in the file."""
     return Rule(stage, path, frozenset(names) if names else None, lines)
+
+
+# Names cProfile gives code that is no function of the source.
+_PSEUDO_NAMES = frozenset({"<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>", "<lambda>"})
+
+
+def unknown_rule_names(rules: Sequence[Rule]) -> list[str]:
+    """``path: name`` for every name a rule gives that its file (one of this repository's)
+    does not define, and ``path: no such file`` for a file of ours that is gone; rules for
+    files outside the repository (asyncio, redis-py) are not checked."""
+    root = Path(__file__).resolve().parent.parent
+    ours = {entry.name for entry in root.iterdir() if entry.is_dir()}
+    problems = []
+    for candidate in rules:
+        source = root / candidate.path
+        if not source.is_file():
+            if candidate.path.split("/", 1)[0] in ours:
+                problems.append(f"{candidate.path}: no such file")
+            continue
+        if candidate.names is None:
+            continue
+        defined = {
+            node.name for node in ast.walk(ast.parse(source.read_text()))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        }
+        for name in sorted(candidate.names - defined - _PSEUDO_NAMES):
+            problems.append(f"{candidate.path}: {name}")
+    return problems
+
+
+@dataclass(frozen=True)
+class StageProfile:
+    """One profiled run: own time per stage in µs per message, and its hottest functions."""
+
+    variant: str
+    micros: dict[str, float]
+    hottest: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def total(self) -> float:
+        return sum(self.micros.values())
+
+    def total_of(self, stages: Iterable[str]) -> float:
+        """The µs per message of ``stages`` only (the CPU ones, say)."""
+        return sum(self.micros[stage] for stage in stages)
 
 
 def stage_of(key: FunctionKey, rules: Sequence[Rule]) -> str | None:

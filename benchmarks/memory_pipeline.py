@@ -59,11 +59,13 @@ from benchmarks._common import (
     MICROS,
     README,
     GcTimer,
+    StageProfile,
     has_section,
     positive_int,
     rule,
     section_markers,
     stage_seconds,
+    unknown_rule_names,
     write_section,
 )
 from benchmarks._common import (
@@ -242,27 +244,28 @@ STAGES = (RECEIVE, LEASE, DEDUP, TASK, SETTLE, FLOW, LOOP, HARNESS)
 
 # The first matching rule wins. Everything unmatched takes the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE, "reliable_sub/_runtime.py", "_receive", "_receive_loop"),
+    rule(RECEIVE, "reliable_sub/runtime/pipeline.py", "_receive", "_receive_loop"),
     rule(RECEIVE, "adapters/memory.py", "receive", "_take", "_promote", "_message", "_next_due"),
-    rule(LEASE, "reliable_sub/lease.py"),
-    rule(LEASE, "reliable_sub/histogram.py"),
-    rule(DEDUP, "reliable_sub/dedup.py"),
-    rule(DEDUP, "reliable_sub/_claims.py"),
+    rule(LEASE, "reliable_sub/runtime/lease.py"),
+    rule(LEASE, "reliable_sub/runtime/histogram.py"),
+    rule(DEDUP, "reliable_sub/idempotency/memory_store.py"),
+    rule(DEDUP, "reliable_sub/idempotency/claims.py"),
     rule(DEDUP, "reliable_sub/message.py", "idempotency_key"),
     rule(
         TASK,
-        "reliable_sub/_runtime.py",
+        "reliable_sub/runtime/pipeline.py",
         "_admit",
         "_dispatch",
         "_start",
         "_new_task",
         "_run",
         "_attempt",
-        "_invoke",
+        "_call_handler",
         "_call",
         "_encode",
     ),
-    rule(TASK, "reliable_sub/_inflight.py"),
+    rule(TASK, "reliable_sub/runtime/inflight.py"),
+    rule(TASK, "reliable_sub/middleware/__init__.py"),
     rule(
         TASK,
         "benchmarks/memory_pipeline.py",
@@ -271,27 +274,16 @@ STAGE_RULES = (
         "bare_task_per_message",
         "<genexpr>",
     ),
-    rule(SETTLE, "reliable_sub/_runtime.py", "_settle", "_next_of_key", "_on_settled"),
-    rule(SETTLE, "reliable_sub/_settler.py"),
+    rule(SETTLE, "reliable_sub/runtime/pipeline.py", "_settle", "_next_of_key", "_on_settled",
+         "_succeeded", "_apply"),
+    rule(SETTLE, "reliable_sub/runtime/settler.py"),
     rule(SETTLE, "adapters/memory.py", "ack", "_release_key", "_prune_acked"),
-    rule(FLOW, "reliable_sub/_flow.py"),
+    rule(FLOW, "reliable_sub/runtime/flow.py"),
     rule(FLOW, "reliable_sub/message.py", "size"),
     rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
     rule(LOOP, "asyncio/events.py", "_run"),
     rule(HARNESS, "benchmarks/memory_pipeline.py", "wait_drained"),
 )
-
-
-@dataclass
-class StageProfile:
-    """Own time per stage, in µs per message, of one profiled run."""
-
-    variant: str
-    micros: dict[str, float]
-
-    @property
-    def total(self) -> float:
-        return sum(self.micros.values())
 
 
 async def profile(messages: int) -> dict[str, StageProfile]:
@@ -432,6 +424,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help=f"rewrite the section in {README}")
     args = parser.parse_args(argv)
+    stale = unknown_rule_names(STAGE_RULES)
+    if stale:
+        parser.error(f"stage rules name functions that no longer exist: {stale}")
     if args.write and not has_section(SECTION_NAME):
         start, end = section_markers(SECTION_NAME)
         parser.error(f"{README}: markers {start} / {end} not found")

@@ -7,7 +7,8 @@ Run from the repository root::
     python -m benchmarks.pubsub --host 127.0.0.1:8085     # use an emulator that is running
 
 Without ``--host`` the benchmark starts ``cloud-pubsub-emulator`` on a free loopback port (as
-``tests/pubsub_support.py`` does), waits until it accepts connections and kills its process
+the tests do, with ``reliable_sub.testing.services.EmulatorProcess``), waits until it accepts
+connections and kills its process
 group on exit. The emulator runs in another process on the same machine: *client CPU* below is
 this process's own CPU (``resource.getrusage(RUSAGE_SELF)``, user + sys, all threads, including
 gRPC's C-core threads), and *emulator CPU* is the emulator's (its processes' ``/proc`` times),
@@ -70,13 +71,9 @@ import pstats
 import random
 import resource
 import shlex
-import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -104,9 +101,11 @@ from benchmarks._common import (
     README,
     FunctionKey,
     GcTimer,
+    StageProfile,
     positive_int,
     rule,
     stage_seconds,
+    unknown_rule_names,
     write_section,
 )
 from benchmarks._common import (
@@ -114,21 +113,14 @@ from benchmarks._common import (
 )
 from reliable_sub import Message, Subscriber
 from reliable_sub.adapters.pubsub import PubSubAdapter
-from reliable_sub.lease import LeaseManager
 from reliable_sub.message import Delivery
 from reliable_sub.outcome import Outcome
+from reliable_sub.runtime.lease import LeaseManager
 from reliable_sub.subscriber import RECEIVE_BATCH
+from reliable_sub.testing.services import EmulatorProcess
 
 # -- the emulator --------------------------------------------------------------------------------
 
-EMULATOR_PACKAGE = "google-cloud-cli-pubsub-emulator"
-KNOWN_LAUNCHER = "/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-pubsub-emulator"
-# The JVM starts in a few seconds here; allow for a loaded machine.
-EMULATOR_START_TIMEOUT = 60.0
-# How often the port is tried while the emulator starts (polling a port, with the deadline above).
-EMULATOR_PORT_POLL = 0.1
-# Seconds the emulator gets to exit after SIGKILL.
-EMULATOR_STOP_TIMEOUT = 30.0
 # The emulator accepts any project id of 6+ characters.
 PROJECT = "bench-project"
 
@@ -200,35 +192,13 @@ NAME_PREFIX = f"bench-{uuid.uuid4().hex[:8]}"
 # -- the emulator --------------------------------------------------------------------------------
 
 
-def emulator_launcher() -> str | None:
-    """Path of the emulator's launcher (PATH, then the package's file list, then the known path)."""
-    found = shutil.which("cloud-pubsub-emulator")
-    if found:
-        return found
-    try:
-        listing = subprocess.run(
-            ["dpkg", "-L", EMULATOR_PACKAGE], capture_output=True, text=True, timeout=30
-        ).stdout.splitlines()
-    except (OSError, subprocess.SubprocessError):
-        listing = []
-    for line in listing:
-        if line.endswith("bin/cloud-pubsub-emulator"):
-            return line
-    return KNOWN_LAUNCHER if os.path.exists(KNOWN_LAUNCHER) else None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class Emulator:
     """An emulator this process started (``host``), or one given with ``--host``."""
 
     def __init__(self, host: str | None) -> None:
         self.host = host or ""
         self.process: subprocess.Popen[bytes] | None = None
+        self._started: EmulatorProcess | None = None
         self.log_path = ""
         self._pids: list[int] = []
         self._ticks = os.sysconf("SC_CLK_TCK")
@@ -240,43 +210,18 @@ class Emulator:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=EMULATOR_STOP_TIMEOUT)
+        if self._started is not None:
+            self._started.stop()
 
     def _start(self) -> None:
-        path = emulator_launcher()
-        if path is None:
-            raise SystemExit(f"the Pub/Sub emulator is not installed ({EMULATOR_PACKAGE})")
-        port = free_port()
-        with tempfile.NamedTemporaryFile(
-            prefix="pubsub-emulator-", suffix=".log", delete=False
-        ) as log:
-            self.log_path = log.name
-            self.process = subprocess.Popen(
-                [path, "--host=127.0.0.1", f"--port={port}"],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        give_up_at = time.monotonic() + EMULATOR_START_TIMEOUT
-        while True:
-            if self.process.poll() is not None:
-                raise SystemExit(f"the emulator exited with {self.process.returncode}; "
-                                 f"see {self.log_path}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > give_up_at:
-                    self.__exit__()
-                    raise SystemExit(
-                        f"the emulator did not listen on {port} within "
-                        f"{EMULATOR_START_TIMEOUT:g} s; see {self.log_path}"
-                    ) from None
-                time.sleep(EMULATOR_PORT_POLL)  # polling a port with a deadline
-        self.host = f"127.0.0.1:{port}"
+        self._started = EmulatorProcess()
+        try:
+            self._started.start()
+        except RuntimeError as error:
+            raise SystemExit(str(error)) from None
+        self.process = self._started.process
+        self.log_path = self._started.log_path
+        self.host = self._started.host
         self._pids = self._group_pids()
 
     def _group_pids(self) -> list[int]:
@@ -760,33 +705,35 @@ ADAPTER_FILE = "adapters/pubsub.py"
 # dataclass __init__s, builtins, helpers shared by two stages such as subscription_path) takes
 # the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE_CALL, "reliable_sub/_runtime.py", "_receive", "_receive_loop"),
+    rule(RECEIVE_CALL, "reliable_sub/runtime/pipeline.py", "_receive", "_receive_loop"),
     rule(RECEIVE_CONVERT, ADAPTER_FILE, "_delivery", "_count_attempt"),
     # the list comprehension in receive() that walks the proto-plus response into _delivery
     rule(RECEIVE_CONVERT, ADAPTER_FILE, "<listcomp>", lines=lines_of(PubSubAdapter.receive)),
     rule(RECEIVE_CALL, ADAPTER_FILE, "receive", "subscription_ack_deadline"),
     rule(RECEIVE_CALL, "google/pubsub_v1/services/subscriber/async_client.py", "pull"),
-    rule(LEASE, "reliable_sub/lease.py"),
-    rule(LEASE, "reliable_sub/histogram.py"),
+    rule(LEASE, "reliable_sub/runtime/lease.py"),
+    rule(LEASE, "reliable_sub/runtime/histogram.py"),
     rule(
         TASK,
-        "reliable_sub/_runtime.py",
+        "reliable_sub/runtime/pipeline.py",
         "_admit",
         "_dispatch",
         "_start",
         "_new_task",
         "_run",
         "_attempt",
-        "_invoke",
+        "_call_handler",
         "_call",
     ),
-    rule(TASK, "reliable_sub/_inflight.py"),
+    rule(TASK, "reliable_sub/runtime/inflight.py"),
+    rule(TASK, "reliable_sub/middleware/__init__.py"),
     rule(TASK, THIS_FILE, "handle"),
-    rule(SETTLE, "reliable_sub/_runtime.py", "_settle", "_next_of_key", "_on_settled"),
-    rule(SETTLE, "reliable_sub/_settler.py"),
+    rule(SETTLE, "reliable_sub/runtime/pipeline.py", "_settle", "_next_of_key", "_on_settled",
+         "_succeeded", "_apply"),
+    rule(SETTLE, "reliable_sub/runtime/settler.py"),
     rule(SETTLE, ADAPTER_FILE, "ack", "_acknowledge", "_in_chunks", "_by_subscription", "_chunks"),
     rule(SETTLE, "google/pubsub_v1/services/subscriber/async_client.py", "acknowledge"),
-    rule(FLOW, "reliable_sub/_flow.py"),
+    rule(FLOW, "reliable_sub/runtime/flow.py"),
     rule(FLOW, "reliable_sub/message.py", "size"),
     rule(GRPC, "grpc/aio/_call.py"),
     rule(GRPC, "grpc/aio/_channel.py"),
@@ -797,20 +744,8 @@ STAGE_RULES = (
 )
 
 
-@dataclass(frozen=True)
-class Profile:
-    """Own time per stage of the profiled run of (c), µs per message, and its hottest functions."""
-
-    micros: dict[str, float]
-    hottest: list[tuple[str, float]]
-
-    @property
-    def total(self) -> float:
-        return sum(self.micros.values())
-
-    @property
-    def cpu_total(self) -> float:
-        return sum(self.micros[stage] for stage in CPU_STAGES)
+# This repository's root: profile entries under it are shown relative to it.
+REPOSITORY = str(Path(__file__).resolve().parent.parent).replace(os.sep, "/")
 
 
 def describe(key: FunctionKey) -> str:
@@ -818,14 +753,14 @@ def describe(key: FunctionKey) -> str:
     if filename == "~":
         return name
     path = filename.replace(os.sep, "/")
-    for marker in ("site-packages/", "/work/main/", "lib/python3"):
+    for marker in ("site-packages/", f"{REPOSITORY}/", "lib/python3"):
         if marker in path:
             path = path.split(marker, 1)[1]
             break
     return f"{path}:{line}({name})"
 
 
-def profile(bench: Bench, messages: int) -> Profile:
+def profile(bench: Bench, messages: int) -> StageProfile:
     profiler = cProfile.Profile()
     run_once(bench, SUB, messages, profiler)
     stats = pstats.Stats(profiler)
@@ -835,8 +770,8 @@ def profile(bench: Bench, messages: int) -> Profile:
         ((describe(key), timing[2]) for key, timing in raw.items() if key[2] != EPOLL_WAIT),
         key=lambda item: -item[1],
     )[:HOTTEST_FUNCTIONS]
-    return Profile(
-        {stage: spent * MICROS / messages for stage, spent in seconds.items()},
+    return StageProfile(
+        "(c)", {stage: spent * MICROS / messages for stage, spent in seconds.items()},
         [(name, spent * MICROS / messages) for name, spent in hottest],
     )
 
@@ -1335,7 +1270,7 @@ def throughput_goals(results: dict[str, Throughput]) -> list[str]:
     ]
 
 
-def profile_table(prof: Profile, timed: Throughput) -> list[str]:
+def profile_table(prof: StageProfile, timed: Throughput) -> list[str]:
     """µs/msg per stage under cProfile, and scaled to the unprofiled process CPU.
 
     The scaled column spreads the event loop thread's unprofiled CPU µs/msg, less GC, over the CPU
@@ -1345,7 +1280,7 @@ def profile_table(prof: Profile, timed: Throughput) -> list[str]:
     thread = timed.thread_micros_per_message
     gc_time = timed.gc_micros_per_message
     total = timed.cpu_micros_per_message
-    scale = max(0.0, thread - gc_time) / prof.cpu_total
+    scale = max(0.0, thread - gc_time) / prof.total_of(CPU_STAGES)
     lines = [
         "| Stage | (c) profiled µs/msg | (c) scaled to unprofiled client CPU µs/msg | share |",
         "|---|---:|---:|---:|",
@@ -1477,7 +1412,7 @@ def versions() -> str:
 
 def report(
     results: dict[str, Throughput],
-    prof: Profile,
+    prof: StageProfile,
     long: LongResult,
     command: str,
     messages: int,
@@ -1626,6 +1561,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help=f"rewrite the section in {README}")
     args = parser.parse_args(argv)
+    stale = unknown_rule_names(STAGE_RULES)
+    if stale:
+        parser.error(f"stage rules name functions that no longer exist: {stale}")
     command = shlex.join(
         ["python", "-m", "benchmarks.pubsub", *(sys.argv[1:] if argv is None else argv)]
     )  # never the interpreter's path: nothing of this machine goes into the README

@@ -83,11 +83,13 @@ from benchmarks._common import (
     MICROS,
     README,
     GcTimer,
+    StageProfile,
     has_section,
     positive_int,
     rule,
     section_markers,
     stage_seconds,
+    unknown_rule_names,
     write_section,
 )
 from benchmarks._common import (
@@ -677,7 +679,7 @@ ADAPTER_FILE = "adapters/redis_streams.py"
 # The first matching rule wins. Everything unmatched (redis-py, asyncio streams, tenacity,
 # dataclass __init__s, builtins, helpers shared by two stages) takes the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE, "reliable_sub/_runtime.py", "_receive", "_receive_loop"),
+    rule(RECEIVE, "reliable_sub/runtime/pipeline.py", "_receive", "_receive_loop"),
     rule(
         RECEIVE,
         ADAPTER_FILE,
@@ -691,42 +693,47 @@ STAGE_RULES = (
         "_subscription",
     ),
     rule(RECEIVE, THIS_FILE, "raw_read"),
-    rule(LEASE, "reliable_sub/lease.py"),
-    rule(LEASE, "reliable_sub/histogram.py"),
-    rule(DEDUP_CLAIM, "reliable_sub/_claims.py", "claim", "refresh", "key_of"),
+    rule(LEASE, "reliable_sub/runtime/lease.py"),
+    rule(LEASE, "reliable_sub/runtime/histogram.py"),
+    rule(DEDUP_CLAIM, "reliable_sub/idempotency/claims.py", "claim", "refresh", "key_of"),
     rule(
         DEDUP_CLAIM,
-        "reliable_sub/dedup_redis.py",
+        "reliable_sub/idempotency/redis_store.py",
         "claim_many",
-        "claim",
         "redis_key",
         "_key_part",
         "_namespace_tag",
         "_remaining",
     ),
-    rule(DEDUP_CLAIM, "reliable_sub/dedup.py", "next", "__init__"),
+    rule(DEDUP_CLAIM, "reliable_sub/idempotency/memory_store.py", "next", "__init__", "claim"),
     rule(DEDUP_CLAIM, "reliable_sub/message.py", "idempotency_key"),
     rule(
         TASK,
-        "reliable_sub/_runtime.py",
+        "reliable_sub/runtime/pipeline.py",
         "_admit",
         "_dispatch",
         "_start",
         "_new_task",
         "_run",
         "_attempt",
-        "_invoke",
+        "_call_handler",
         "_call",
     ),
-    rule(TASK, "reliable_sub/_inflight.py"),
+    rule(TASK, "reliable_sub/runtime/inflight.py"),
+    rule(TASK, "reliable_sub/middleware/__init__.py"),
     rule(TASK, THIS_FILE, "raw_loop", "handle_entry", "handle_message"),
-    rule(SETTLE, "reliable_sub/_runtime.py", "_settle", "_next_of_key", "_on_settled",
+    rule(SETTLE, "reliable_sub/runtime/pipeline.py", "_settle", "_next_of_key", "_on_settled",
+         "_succeeded", "_apply",
          "_encode"),
-    rule(SETTLE, "reliable_sub/_claims.py", "completion", "release", "forget"),
-    rule(SETTLE, "reliable_sub/_settler.py"),
-    rule(SETTLE, "reliable_sub/dedup.py", "encode_result", "checked_result_json"),
+    rule(SETTLE, "reliable_sub/idempotency/claims.py", "completion", "release", "forget"),
+    rule(SETTLE, "reliable_sub/runtime/settler.py"),
+    rule(SETTLE, "reliable_sub/_results.py", "encode_result", "checked_result_json"),
     rule(
-        SETTLE, "reliable_sub/dedup_redis.py", "complete_many", "completion_records", "same_server"
+        SETTLE,
+        "reliable_sub/idempotency/redis_store.py",
+        "complete_many",
+        "completion_records",
+        "same_server",
     ),
     rule(SETTLE, "reliable_sub/redis_clients.py", "same_server"),
     rule(
@@ -736,10 +743,9 @@ STAGE_RULES = (
         "ack_with_completions",
         "shares_store",
         "_by_subscription",
-        "_pairs",
     ),
     rule(SETTLE, THIS_FILE, "raw_ack"),
-    rule(FLOW, "reliable_sub/_flow.py"),
+    rule(FLOW, "reliable_sub/runtime/flow.py"),
     rule(FLOW, "reliable_sub/message.py", "size"),
     rule(
         SOCKET,
@@ -753,22 +759,6 @@ STAGE_RULES = (
     rule(LOOP, "asyncio/events.py", "_run"),
     rule(HARNESS, THIS_FILE, "wait_drained"),
 )
-
-
-@dataclass
-class StageProfile:
-    """Own time per stage, in µs per message, of one profiled run."""
-
-    variant: str
-    micros: dict[str, float]
-
-    @property
-    def total(self) -> float:
-        return sum(self.micros.values())
-
-    @property
-    def cpu_total(self) -> float:
-        return sum(self.micros[stage] for stage in CPU_STAGES)
 
 
 async def profile(bench: Bench, messages: int) -> dict[str, StageProfile]:
@@ -887,7 +877,7 @@ def profile_table(profiles: dict[str, StageProfile], results: dict[str, Throughp
     """
     full, timed = profiles[SUB_DEDUP], results[SUB_DEDUP]
     unprofiled = timed.micros_per_message
-    scale = (timed.cpu_micros_per_message - timed.gc_micros_per_message) / full.cpu_total
+    scale = (timed.cpu_micros_per_message - timed.gc_micros_per_message) / full.total_of(CPU_STAGES)
     dashes = " | ".join("–" for _ in profiles)
     lines = [
         "| Stage | " + " | ".join(profiles) + " | (d) scaled to unprofiled µs/msg | share |",
@@ -1031,6 +1021,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help=f"rewrite the section in {README}")
     args = parser.parse_args(argv)
+    stale = unknown_rule_names(STAGE_RULES)
+    if stale:
+        parser.error(f"stage rules name functions that no longer exist: {stale}")
     if args.write and not has_section(SECTION_NAME):
         start, end = section_markers(SECTION_NAME)
         parser.error(f"{README}: markers {start} / {end} not found")

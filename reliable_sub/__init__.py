@@ -5,7 +5,6 @@ before its handler finished, duplicates turned into no-ops by a dedup store, ack
 ahead of running handlers from a rolling p99, retries with backoff and dead-lettering.
 """
 
-from ._runtime import current_claim
 from .clock import Clock, ManualClock, SystemClock
 from .dedup import (
     Claimed,
@@ -29,10 +28,11 @@ from .errors import (
     UnknownSubscriptionError,
     UnknownTopicError,
 )
-from .lease import LeaseManager
 from .message import Delivery, Message
 from .outcome import Outcome, SubscriberStats
 from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
+from .runtime.lease import LeaseManager
+from .runtime.pipeline import current_claim
 from .subscriber import Subscriber
 
 __version__ = "0.1.0"

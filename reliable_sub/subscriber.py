@@ -1,9 +1,9 @@
 """The Subscriber: register handlers, then run them with the full guarantees.
 
-The path of one delivery is in :mod:`reliable_sub._runtime`; this module is the facade users see:
-configuration checked up front, ``@sub.handler``, and the lifecycle -- ``start``/``stop`` (a
-background thread), ``run`` (blocking, stopped by SIGINT/SIGTERM), ``serve``/``shutdown`` (inside
-your event loop), and the ``with``/``async with`` forms.
+The path of one delivery is in :mod:`reliable_sub.runtime.pipeline`; this module is the facade
+users see: configuration checked up front, ``@sub.handler``, and the lifecycle --
+``start``/``stop`` (a background thread), ``run`` (blocking, stopped by SIGINT/SIGTERM),
+``serve``/``shutdown`` (inside your event loop), and the ``with``/``async with`` forms.
 
 Ownership: the Subscriber closes the adapter and the dedup store when a run ends (their
 connections belong to the run's event loop). Both stay usable: the next call, or the next run,
@@ -24,16 +24,16 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ._runtime import Config, Route, Runtime
 from .clock import Clock, SystemClock
 from .dedup import DedupStore
 from .errors import ConfigurationError
-from .lease import LeaseManager
 from .message import Message
 from .middleware import Middleware
 from .outcome import DeliveryEvent, Outcome, SubscriberStats
 from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, check_count
 from .ports import Adapter
+from .runtime.lease import LeaseManager
+from .runtime.pipeline import Config, Route, Runtime
 
 logger = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.dedup import encode_result
 from reliable_sub.errors import ConfigurationError
 from reliable_sub.policy import RetryPolicy
-from tests.redis_support import redis_url
+from reliable_sub.testing.services import redis_url
 
 if importlib.util.find_spec("redis") is None and os.environ.get("CI", "").lower() != "true":
     pytest.skip('RedisDedupStore needs pip install "reliable-sub[redis]"',
                 allow_module_level=True)
 
-from reliable_sub.dedup_redis import READABLE_LIMIT, RedisDedupStore
+from reliable_sub.idempotency.redis_store import READABLE_LIMIT, RedisDedupStore
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis

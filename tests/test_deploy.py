@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from reliable_sub.testing.services import redis_url
 from tests.redis_processes import EXIT_TIMEOUT, Child, poll_until
-from tests.redis_support import redis_url
 
 if importlib.util.find_spec("redis") is None and os.environ.get("CI", "").lower() != "true":
     pytest.skip('the Redis tests need pip install "reliable-sub[redis]"', allow_module_level=True)

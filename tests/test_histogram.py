@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from reliable_sub.clock import ManualClock
-from reliable_sub.histogram import SlidingHistogram
+from reliable_sub.runtime.histogram import SlidingHistogram
 
 
 def test_percentile_is_nearest_rank() -> None:

@@ -3,12 +3,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from reliable_sub import Claimed, DedupKey, InProgress, LeasePolicy, MemoryDedupStore
-from reliable_sub._inflight import InFlight, Stage
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.clock import ManualClock
-from reliable_sub.lease import LeaseManager
 from reliable_sub.message import Delivery
-from tests.timing import pass_time
+from reliable_sub.runtime.inflight import InFlight, Stage
+from reliable_sub.runtime.lease import LeaseManager
+from reliable_sub.testing.timing import pass_time
 
 DEADLINE = 10.0
 

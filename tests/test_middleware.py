@@ -22,7 +22,7 @@ from reliable_sub import (
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.middleware import CallNext, Context, Decision, Verdict
 from reliable_sub.outcome import DeliveryEvent
-from tests.timing import drive_until
+from reliable_sub.testing.timing import drive_until
 
 REPO = Path(__file__).resolve().parent.parent
 

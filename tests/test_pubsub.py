@@ -51,8 +51,8 @@ from reliable_sub import (
     UnknownTopicError,
 )
 from reliable_sub.adapters.pubsub import PubSubAdapter
-from tests import pubsub_support
-from tests.pubsub_support import emulator_host
+from reliable_sub.testing import services
+from reliable_sub.testing.services import emulator_host
 
 PROJECT = "reliable-sub-tests"
 # A receive that should find something waits at most this long (the emulator answers at once).
@@ -636,7 +636,7 @@ async def test_a_running_subscriber_survives_an_emulator_restart(make_adapter) -
         await poll_until(lambda: len(client.acked) == 1, "the ack before the restart")
 
         # in a thread: the Subscriber keeps running in this loop while the emulator is down
-        await asyncio.to_thread(pubsub_support.restart)
+        await asyncio.to_thread(services.restart_emulator)
         assert emulator_host() == host, "same port: later tests still find it"
         await poll_until(lambda: subscriber.stats.receive_errors > 0, "a failed receive", 20)
         assert subscriber.running and not task.done()

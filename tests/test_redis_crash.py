@@ -25,14 +25,14 @@ import pytest
 
 from reliable_sub import LeasePolicy, Message, Outcome, Subscriber
 from reliable_sub.dedup import Completed, DedupKey
+from reliable_sub.testing.services import redis_url
 from tests.redis_processes import Child, poll_until
-from tests.redis_support import redis_url
 
 if importlib.util.find_spec("redis") is None and os.environ.get("CI", "").lower() != "true":
     pytest.skip('the Redis tests need pip install "reliable-sub[redis]"', allow_module_level=True)
 
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
-from reliable_sub.dedup_redis import RedisDedupStore
+from reliable_sub.idempotency.redis_store import RedisDedupStore
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -59,7 +59,7 @@ CHILD = textwrap.dedent(
 
     from reliable_sub import LeasePolicy, Subscriber
     from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
-    from reliable_sub.dedup_redis import RedisDedupStore
+    from reliable_sub.idempotency.redis_store import RedisDedupStore
 
     cfg = json.loads(sys.argv[1])
     effects = redis.Redis.from_url(cfg["url"])

@@ -13,7 +13,7 @@ import pytest
 
 from reliable_sub import ConfigurationError, UnknownSubscriptionError
 from reliable_sub.adapters.redis_streams import NACKED_CONSUMER, RedisStreamsAdapter
-from tests.redis_support import redis_url
+from reliable_sub.testing.services import redis_url
 
 DEADLINE = 0.5
 
@@ -185,7 +185,7 @@ async def test_completions_ride_with_the_ack_when_store_and_stream_share_redis(n
     from reliable_sub import Completed, Message, Outcome, Subscriber
     from reliable_sub.clock import SystemClock
     from reliable_sub.dedup import DedupKey, RedisDedupStore
-    from tests.timing import drive_until
+    from reliable_sub.testing.timing import drive_until
 
     url, topic, prefix = names
 

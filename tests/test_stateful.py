@@ -56,7 +56,7 @@ from reliable_sub import (
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.dedup import Completion
 from reliable_sub.message import Delivery
-from tests.timing import drive_until, pass_time, settle
+from reliable_sub.testing.timing import drive_until, pass_time, settle
 
 TOPIC, SUB, DLQ_TOPIC, DLQ_SUB = "orders", "billing", "orders-dlq", "orders-dlq-ops"
 ACK_DEADLINE = 10.0
@@ -397,7 +397,7 @@ class World(RuleBasedStateMachine):
 
 @pytest.fixture(autouse=True)
 def _short_real_time_graces(monkeypatch: pytest.MonkeyPatch) -> None:
-    from reliable_sub import _runtime
+    from reliable_sub.runtime import pipeline as _runtime
 
     monkeypatch.setattr(_runtime, "FLUSH_GRACE", 0.05)
     monkeypatch.setattr(_runtime, "CANCEL_GRACE", 0.05)
@@ -409,7 +409,7 @@ def _short_real_time_graces(monkeypatch: pytest.MonkeyPatch) -> None:
 def _revert_defect_3(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue #8 defect 3 back: lease and claim end when the handler returns, not when its
     result is recorded."""
-    from reliable_sub.lease import LeaseManager
+    from reliable_sub.runtime.lease import LeaseManager
 
     finished = LeaseManager.finished
 
@@ -426,7 +426,7 @@ def _revert_defect_4(monkeypatch: pytest.MonkeyPatch) -> None:
     eager start, as it was), and a CancelledError it raises counts as a cancellation of ours."""
     import contextvars
 
-    from reliable_sub import _runtime
+    from reliable_sub.runtime import pipeline as _runtime
 
     class Resume:
         def __init__(self, coroutine: Any, yielded: Any) -> None:

@@ -26,11 +26,11 @@ from reliable_sub import (
     Subscriber,
     UnknownSubscriptionError,
 )
-from reliable_sub._settler import quantize_delay
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.clock import ManualClock
 from reliable_sub.message import Delivery
-from tests.timing import drive_until
+from reliable_sub.runtime.settler import quantize_delay
+from reliable_sub.testing.timing import drive_until
 
 
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:

@@ -27,7 +27,7 @@ from reliable_sub import (
 )
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.message import Delivery
-from tests.timing import drive_until
+from reliable_sub.testing.timing import drive_until
 
 
 def setup(**options) -> tuple[ManualClock, MemoryAdapter, Subscriber]:
@@ -140,7 +140,7 @@ async def test_a_claim_that_lapsed_under_its_handler_is_fenced_off() -> None:
 async def test_a_crashed_loop_is_logged_restarted_and_reported_unhealthy(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from reliable_sub._runtime import Runtime
+    from reliable_sub.runtime.pipeline import Runtime
 
     clock, broker, sub = setup()
     handled: list[bytes] = []
@@ -176,7 +176,7 @@ async def test_a_crashed_loop_is_logged_restarted_and_reported_unhealthy(
 async def test_a_handler_that_swallows_its_cancellation_cannot_hang_the_stop(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from reliable_sub import _runtime
+    from reliable_sub.runtime import pipeline as _runtime
 
     monkeypatch.setattr(_runtime, "CANCEL_GRACE", 0.1)
     clock, broker, sub = setup(dedup=MemoryDedupStore())

@@ -5,39 +5,15 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-import pytest
-
-from reliable_sub import DeadLetterPolicy, FlowControl, MemoryDedupStore, Message, Outcome
-from tests.conformance.harness import Harness
-
-pytestmark = pytest.mark.conformance
-
-
-class Recorder:
-    """Collects what handlers saw and how each delivery ended."""
-
-    def __init__(self) -> None:
-        self.handled: list[Message] = []
-        self.outcomes: list[tuple[str, Outcome]] = []
-
-    def __call__(self, message: Message, outcome: Outcome) -> None:
-        self.outcomes.append((message.id, outcome))
-
-    def count(self, outcome: Outcome) -> int:
-        return sum(1 for _, o in self.outcomes if o is outcome)
-
-
-# A stopped Subscriber's last extension runs at most one harness ack deadline (the harness's
-# LeasePolicy.min_extension, which the p99 of these short handlers never exceeds); a message it
-# left unacked is back within that, and this margin.
-DRAIN_MARGIN = 1.2
-
-
-async def drain(harness: Harness, subscription: str) -> list:
-    """Whatever is still deliverable after every deadline has passed (should be nothing)."""
-    adapter = harness.adapters[0]
-    return await harness.receive(adapter, subscription,
-                                 timeout=DRAIN_MARGIN * harness.ack_deadline)
+from reliable_sub import (
+    DeadLetterPolicy,
+    FlowControl,
+    MemoryDedupStore,
+    Message,
+    Outcome,
+    Subscriber,
+)
+from reliable_sub.testing.harness import Harness, Recorder, drain
 
 
 async def test_every_published_message_is_handled_and_acked(harness: Harness) -> None:
@@ -230,7 +206,7 @@ async def test_stop_with_a_slow_handler_in_flight_loses_nothing(harness: Harness
     blocked = asyncio.Event()
     completed: list[bytes] = []
 
-    def make_subscriber():
+    def make_subscriber() -> Subscriber:
         subscriber = harness.subscriber(adapter, on_outcome=recorder, dedup=dedup)
 
         @subscriber.handler(sub)
@@ -284,8 +260,7 @@ async def test_a_failing_handler_never_stops_the_consumer(harness: Harness) -> N
 
 async def test_handlers_see_each_ordering_key_in_order_one_at_a_time(harness: Harness) -> None:
     adapter = await harness.adapter()
-    if not harness.capabilities.ordering:
-        pytest.skip(f"{harness.name} declares no ordering capability")
+    harness.needs("ordering")
     topic, sub = await harness.topic_and_subscription(ordering=True)
     recorder = Recorder()
     subscriber = harness.subscriber(adapter, on_outcome=recorder)

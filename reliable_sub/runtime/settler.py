@@ -20,12 +20,12 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from ._inflight import InFlight, Stage
-from .dedup import Claimed, Completion, DedupStore
-from .errors import ConfigurationError
-from .message import Delivery
-from .outcome import Outcome, SubscriberStats
-from .ports import AcksWithCompletions, Adapter
+from ..dedup import Claimed, Completion, DedupStore
+from ..errors import ConfigurationError
+from ..message import Delivery
+from ..outcome import Outcome, SubscriberStats
+from ..ports import AcksWithCompletions, Adapter
+from .inflight import InFlight, Stage
 
 logger = logging.getLogger(__name__)
 

@@ -23,10 +23,7 @@ from reliable_sub import (
     Outcome,
     UnknownTopicError,
 )
-from tests.conformance.harness import Harness
-from tests.conformance.test_guarantees import Recorder, drain
-
-pytestmark = pytest.mark.conformance
+from reliable_sub.testing.harness import Harness, Recorder, drain
 
 # A blocked sync handler waits at most this long (real seconds) for the test to release it.
 THREAD_WAIT = 60.0

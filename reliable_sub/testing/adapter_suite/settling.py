@@ -7,18 +7,13 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
-
-import pytest
+from typing import Any, cast
 
 from reliable_sub import Claimed, DedupKey, Message, Outcome, RetryPolicy
-from reliable_sub._settler import RETRY_WAIT_MAX, RETRY_WAIT_MIN
-from reliable_sub.adapters.base import Adapter
 from reliable_sub.message import Delivery
-from tests.conformance.harness import Harness
-from tests.conformance.test_guarantees import Recorder, drain
-
-pytestmark = pytest.mark.conformance
+from reliable_sub.ports import AcksWithCompletions, Adapter
+from reliable_sub.runtime.settler import RETRY_WAIT_MAX, RETRY_WAIT_MIN
+from reliable_sub.testing.harness import Harness, Recorder, drain
 
 
 def failures_spanning(seconds: float) -> int:
@@ -74,20 +69,21 @@ async def run_one_charge(harness: Harness, adapter: Any, store: Any, recorder: R
 
 
 async def test_a_failing_completion_is_retried_and_the_message_never_runs_twice(
-    local_harness: Harness,
+    harness: Harness,
 ) -> None:
-    harness = local_harness
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     retries = failures_spanning(1.5 * harness.ack_deadline)
-    uses_ack_script = harness.name != "memory"
-    if uses_ack_script:  # the completions are written by the ack script: make that fail
-        # patched on the instance: a wrapper object would not pass the typed capability check
+    store = harness.dedup_store()
+    if isinstance(adapter, AcksWithCompletions) and adapter.shares_store(store):
+        # the completions are written by the ack script: make that fail, patched on the
+        # instance (a wrapper object would not pass the typed capability check)
         failing = Flaky(adapter, ack_with_completions=retries)
-        adapter.ack_with_completions = failing.ack_with_completions  # type: ignore[method-assign]
-        store, broker = harness.dedup_store(), adapter
+        cast(Any, adapter).ack_with_completions = failing.ack_with_completions
+        broker: Adapter = adapter
     else:
-        failing = Flaky(harness.dedup_store(), complete_many=retries)
-        store, broker = failing, adapter
+        failing = Flaky(store, complete_many=retries)
+        store, broker = cast(Any, failing), adapter
     recorder, runs = Recorder(), Counter[str]()
     message_id = await run_one_charge(harness, broker, store, recorder, runs)
     assert runs == {message_id: 1}, "the handler ran again while its result was being written"
@@ -98,9 +94,9 @@ async def test_a_failing_completion_is_retried_and_the_message_never_runs_twice(
 
 
 async def test_a_failing_ack_is_retried_after_the_result_is_recorded(
-    local_harness: Harness,
+    harness: Harness,
 ) -> None:
-    harness = local_harness
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     retries = failures_spanning(1.5 * harness.ack_deadline)
     store = harness.dedup_store()
@@ -111,8 +107,8 @@ async def test_a_failing_ack_is_retried_after_the_result_is_recorded(
     assert recorder.outcomes == [(message_id, Outcome.ACKED)]
 
 
-async def test_one_stuck_ack_call_does_not_hold_up_the_others(local_harness: Harness) -> None:
-    harness = local_harness
+async def test_one_stuck_ack_call_does_not_hold_up_the_others(harness: Harness) -> None:
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     release = asyncio.Event()
@@ -132,7 +128,7 @@ async def test_one_stuck_ack_call_does_not_hold_up_the_others(local_harness: Har
             return await self._inner.ack(deliveries)
 
     recorder = Recorder()
-    subscriber = harness.subscriber(StuckOnce(adapter), on_outcome=recorder)  # type: ignore[arg-type]
+    subscriber = harness.subscriber(cast(Adapter, StuckOnce(adapter)), on_outcome=recorder)
     subscriber.handler(sub)(lambda message: None)
     async with harness.serving(subscriber):
         await adapter.publish(topic, b"first")
@@ -148,9 +144,9 @@ async def test_one_stuck_ack_call_does_not_hold_up_the_others(local_harness: Har
 
 
 async def test_an_unreadable_stored_result_does_not_wedge_its_batch(
-    local_harness: Harness,
+    harness: Harness,
 ) -> None:
-    harness = local_harness
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     store = harness.dedup_store()
@@ -181,9 +177,9 @@ async def _write_unreadable(store: Any, key: DedupKey) -> None:
 
 
 async def test_a_deferral_waits_at_least_a_second_even_with_zero_backoff(
-    local_harness: Harness,
+    harness: Harness,
 ) -> None:
-    harness = local_harness
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     peer = harness.dedup_store(owner="peer")

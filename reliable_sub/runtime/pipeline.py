@@ -35,29 +35,29 @@ from typing import Any
 
 from tenacity import AsyncRetrying, retry_if_exception, wait_random_exponential
 
-from ._claims import Claims
-from ._flow import FlowGate
-from ._inflight import CancelReason, InFlight, Stage
-from ._settler import Settle, Settler
-from ._supervisor import Supervisor
-from ._watchdog import LoopWatchdog
-from ._workers import WorkerThreads
-from .clock import Clock
-from .dedup import Claimed, Completed, DedupStore, InProgress, encode_result
-from .errors import (
+from ..clock import Clock
+from ..dedup import Claimed, Completed, DedupStore, InProgress, encode_result
+from ..errors import (
     HandlerTimeoutError,
     MalformedMessageError,
     ResultNotSerializableError,
     UnknownTopicError,
 )
+from ..idempotency.claims import Claims
+from ..message import Delivery, Message
+from ..middleware import CallNext, Context, Decision, Middleware, Verdict, chain
+from ..middleware.dead_letter import DeadLetterOrBackoff, log_fields
+from ..middleware.retry import InProcessRetry
+from ..outcome import DeliveryEvent, Outcome, SubscriberStats
+from ..policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
+from ..ports import Adapter
+from .flow import FlowGate
+from .inflight import CancelReason, InFlight, Stage
 from .lease import LeaseManager
-from .message import Delivery, Message
-from .middleware import CallNext, Context, Decision, Middleware, Verdict, chain
-from .middleware.dead_letter import DeadLetterOrBackoff, log_fields
-from .middleware.retry import InProcessRetry
-from .outcome import DeliveryEvent, Outcome, SubscriberStats
-from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
-from .ports import Adapter
+from .settler import Settle, Settler
+from .supervisor import Supervisor
+from .watchdog import LoopWatchdog
+from .workers import WorkerThreads
 
 logger = logging.getLogger("reliable_sub.subscriber")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from .clock import Clock
+from ..clock import Clock
 
 # Ten minutes of history: long enough for a stable p99 at a few messages a second, short enough
 # that a shift in the workload shows within minutes.

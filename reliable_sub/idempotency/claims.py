@@ -18,8 +18,8 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from ._inflight import InFlight
-from .dedup import Claimed, ClaimResult, Completion, DedupKey, DedupStore
+from ..dedup import Claimed, ClaimResult, Completion, DedupKey, DedupStore
+from ..runtime.inflight import InFlight
 
 # Without a store, failure counts are kept for this many recent messages per Subscriber.
 FAILURE_MEMORY = 100_000

@@ -37,26 +37,17 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from .dedup import (
-    Claimed,
-    ClaimResult,
-    Completed,
-    Completion,
-    DedupKey,
-    InProgress,
-    SingleKeyMethods,
-    TokenSource,
-    check_owner,
-    checked_result_json,
-)
-from .errors import ConfigurationError, MissingExtraError
+from .._results import checked_result_json
+from ..errors import ConfigurationError, MissingExtraError
+from ..ports import Claimed, ClaimResult, Completed, Completion, DedupKey, InProgress
+from .memory_store import SingleKeyMethods, TokenSource, check_owner
 
 try:
     import redis.asyncio as aioredis
 except ImportError as error:  # the redis extra is not installed
     raise MissingExtraError("RedisDedupStore", "redis", "redis") from error
 
-from .redis_clients import RedisClients, lua_source, script
+from ..redis_clients import RedisClients, lua_source, script
 
 logger = logging.getLogger(__name__)
 
@@ -88,16 +79,16 @@ _STATE_CLAIMED = 0
 _STATE_COMPLETED = 1
 _STATE_IN_PROGRESS = 2
 
-# The scripts live in reliable_sub/lua/, each opening with what its KEYS and ARGV are.
+# The scripts live in lua/ beside this module, each opening with what its KEYS and ARGV are.
 # COMPLETE_LUA defines complete(key, token, value, ttl_ms); the Redis Streams adapter's fast path
 # runs it in the same script call as a batch's XACK.
-COMPLETE_LUA = lua_source("reliable_sub", "parse", "complete")
-_CLAIM_SCRIPT = lua_source("reliable_sub", "parse", "dedup_claim")
+COMPLETE_LUA = lua_source(__package__, "parse", "complete")
+_CLAIM_SCRIPT = lua_source(__package__, "parse", "dedup_claim")
 
-_RENEW_SCRIPT = lua_source("reliable_sub", "parse", "dedup_renew")
-_RELEASE_SCRIPT = lua_source("reliable_sub", "parse", "dedup_release")
+_RENEW_SCRIPT = lua_source(__package__, "parse", "dedup_renew")
+_RELEASE_SCRIPT = lua_source(__package__, "parse", "dedup_release")
 
-_COMPLETE_SCRIPT = COMPLETE_LUA + lua_source("reliable_sub", "dedup_complete")
+_COMPLETE_SCRIPT = COMPLETE_LUA + lua_source(__package__, "dedup_complete")
 
 
 class RedisDedupStore(SingleKeyMethods):

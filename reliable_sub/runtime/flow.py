@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from .policy import FlowControl
+from ..policy import FlowControl
 
 
 class FlowGate:

@@ -12,8 +12,8 @@ import enum
 import math
 from typing import Any
 
-from .dedup import Claimed
-from .message import Delivery
+from ..dedup import Claimed
+from ..message import Delivery
 
 
 class Stage(enum.IntEnum):

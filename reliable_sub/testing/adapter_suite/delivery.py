@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
-from tests.conformance.harness import Harness
-
-pytestmark = pytest.mark.conformance
+from reliable_sub.message import Delivery
+from reliable_sub.testing.harness import Harness
 
 
 async def test_ack_removes_the_message(harness: Harness) -> None:
@@ -35,7 +32,7 @@ async def test_expired_deadline_redelivers_with_the_next_attempt(harness: Harnes
     assert again.message.attributes == {"k": "v"}
     assert harness.clock.now() - received_at >= harness.ack_deadline * 0.99
     assert again.ack_id != first.ack_id
-    if harness.capabilities.refuses_stale_acks:
+    if harness.features.refuses_stale_acks:
         assert await adapter.ack([first]) == [first], "a redelivered message's old ack id"
     assert await adapter.ack([again]) == []
 
@@ -82,7 +79,7 @@ async def test_extend_moves_the_deadline_and_stale_ids_are_refused(harness: Harn
         assert await adapter.extend([delivery], harness.ack_deadline) == []
     assert await harness.receive(adapter, sub, timeout=harness.ack_deadline * 0.5) == []
     assert await adapter.ack([delivery]) == []
-    if harness.capabilities.refuses_stale_acks:
+    if harness.features.refuses_stale_acks:
         assert await adapter.extend([delivery], harness.ack_deadline) == [delivery]
 
 
@@ -93,7 +90,7 @@ async def test_receive_respects_max_messages(harness: Harness) -> None:
         await adapter.publish(topic, f"m{i}".encode())
     first = await harness.receive(adapter, sub, timeout=harness.tick, max_messages=5)
     assert 1 <= len(first) <= 5
-    rest: list = []
+    rest: list[Delivery] = []
     while len(first) + len(rest) < 7:
         batch = await harness.receive(adapter, sub, timeout=harness.tick, max_messages=5)
         assert batch, "messages went missing"
@@ -110,7 +107,7 @@ async def test_fan_out_to_two_subscriptions(harness: Harness) -> None:
     ids = [await adapter.publish(topic, f"e{i}".encode()) for i in range(5)]
 
     for sub in (sub_a, sub_b):
-        got: list = []
+        got: list[Delivery] = []
         while len(got) < 5:
             batch = await harness.receive(adapter, sub, timeout=harness.tick)
             assert batch, f"{sub} is missing messages"
@@ -134,8 +131,7 @@ async def test_ordering_keys_deliver_in_order(harness: Harness) -> None:
     """Per key, messages are acked in publish order by a consumer that processes them in the
     order received and, when it nacks one, nacks the rest of that key in the batch too."""
     adapter = await harness.adapter()
-    if not harness.capabilities.ordering:
-        pytest.skip(f"{harness.name} declares no ordering capability")
+    harness.needs("ordering")
     topic, sub = await harness.topic_and_subscription(ordering=True)
     for i in range(6):
         await adapter.publish(topic, f"a{i}".encode(), ordering_key="A")
@@ -147,7 +143,8 @@ async def test_ordering_keys_deliver_in_order(harness: Harness) -> None:
         batch = await harness.receive(adapter, sub, timeout=3 * harness.ack_deadline)
         assert batch, "ordered messages went missing"
         blocked: set[str] = set()
-        to_ack, to_nack = [], []
+        to_ack: list[Delivery] = []
+        to_nack: list[Delivery] = []
         for delivery in batch:
             key, data = delivery.message.ordering_key or "", delivery.message.data
             if key in blocked or data in acked[key]:

@@ -15,10 +15,7 @@ from typing import Any
 import pytest
 
 from reliable_sub import Completed, DedupKey, MemoryDedupStore, Message, Outcome, Subscriber
-from tests.conformance.harness import Harness
-from tests.conformance.test_guarantees import Recorder, drain
-
-pytestmark = pytest.mark.conformance
+from reliable_sub.testing.harness import Harness, Recorder, drain
 
 
 class Fatal(BaseException):
@@ -35,9 +32,9 @@ async def keeps_consuming(harness: Harness, topic: str, recorder: Recorder) -> N
 
 
 async def test_a_handlers_own_timeout_cancels_only_its_own_task(
-    local_harness: Harness,
+    harness: Harness,
 ) -> None:
-    harness = local_harness
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     recorder = Recorder()
@@ -71,9 +68,9 @@ async def _with_timeout(seconds: float, awaitable: Any) -> Any:
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio.TaskGroup is 3.11+")
 async def test_a_task_group_with_a_failing_child_fails_only_its_message(
-    local_harness: Harness,
+    harness: Harness,
 ) -> None:
-    harness = local_harness
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     recorder = Recorder()
@@ -100,9 +97,9 @@ async def test_a_task_group_with_a_failing_child_fails_only_its_message(
     assert [o for i, o in recorder.outcomes if i == message_id] == [Outcome.RETRY, Outcome.ACKED]
 
 
-async def test_httpx_with_a_timeout_works_in_a_handler(local_harness: Harness) -> None:
+async def test_httpx_with_a_timeout_works_in_a_handler(harness: Harness) -> None:
+    harness.needs("subscriber_logic")
     httpx = pytest.importorskip("httpx")
-    harness = local_harness
     server = await asyncio.start_server(_answer_ok, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     adapter = await harness.adapter()
@@ -154,9 +151,9 @@ RAISERS: dict[str, Callable[[], None]] = {
 @pytest.mark.parametrize("when", ["sync", "async before await", "async after await"])
 @pytest.mark.parametrize("kind", sorted(RAISERS))
 async def test_anything_a_handler_raises_is_a_failed_attempt(
-    local_harness: Harness, kind: str, when: str
+    harness: Harness, kind: str, when: str
 ) -> None:
-    harness = local_harness
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     recorder = Recorder()
@@ -192,11 +189,11 @@ async def test_anything_a_handler_raises_is_a_failed_attempt(
 
 
 async def test_a_handler_that_always_raises_a_base_exception_is_dead_lettered(
-    local_harness: Harness,
+    harness: Harness,
 ) -> None:
     from reliable_sub import DeadLetterPolicy
 
-    harness = local_harness
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     dlq_topic, dlq_sub = await harness.topic_and_subscription()
@@ -222,9 +219,9 @@ async def test_a_handler_that_always_raises_a_base_exception_is_dead_lettered(
 
 
 async def test_a_result_nested_too_deeply_is_stored_as_null_and_not_rerun(
-    local_harness: Harness,
+    harness: Harness,
 ) -> None:
-    harness = local_harness
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     recorder = Recorder()
@@ -251,9 +248,9 @@ async def test_a_result_nested_too_deeply_is_stored_as_null_and_not_rerun(
 
 
 async def test_handlers_that_never_wait_do_not_starve_the_event_loop(
-    local_harness: Harness,
+    harness: Harness,
 ) -> None:
-    harness = local_harness
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     recorder = Recorder()

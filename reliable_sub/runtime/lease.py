@@ -29,12 +29,12 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from ._inflight import InFlight, Stage
-from .clock import Clock, sleep_or_event
-from .dedup import DedupStore
+from ..clock import Clock, sleep_or_event
+from ..dedup import DedupStore
+from ..policy import LeasePolicy
+from ..ports import Adapter
 from .histogram import SlidingHistogram
-from .policy import LeasePolicy
-from .ports import Adapter
+from .inflight import InFlight, Stage
 
 logger = logging.getLogger(__name__)
 

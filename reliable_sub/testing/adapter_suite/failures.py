@@ -8,11 +8,17 @@ from collections import Counter
 
 import pytest
 
-from reliable_sub import Claimed, DeadLetterPolicy, DedupKey, LeasePolicy, Message, Outcome
-from tests.conformance.harness import Harness
-from tests.conformance.test_guarantees import Recorder
-
-pytestmark = pytest.mark.conformance
+from reliable_sub import (
+    Claimed,
+    DeadLetterPolicy,
+    DedupKey,
+    LeasePolicy,
+    Message,
+    Outcome,
+    Subscriber,
+)
+from reliable_sub.ports import Adapter
+from reliable_sub.testing.harness import Harness, Recorder
 
 
 async def test_only_handler_failures_use_up_attempts_across_deferrals_and_restarts(
@@ -27,7 +33,7 @@ async def test_only_handler_failures_use_up_attempts_across_deferrals_and_restar
     assert isinstance(held, Claimed)
     calls: list[int] = []
 
-    def consumer(recorder: Recorder, dead_letter: DeadLetterPolicy):  # a fresh process each
+    def consumer(recorder: Recorder, dead_letter: DeadLetterPolicy) -> Subscriber:  # each new
         subscriber = harness.subscriber(adapter, dedup=harness.dedup_store(),
                                         on_outcome=recorder, dead_letter=dead_letter)
 
@@ -57,9 +63,9 @@ async def test_only_handler_failures_use_up_attempts_across_deferrals_and_restar
 
 
 async def test_a_hung_sync_handler_starves_nothing_and_is_dead_lettered_in_the_end(
-    local_harness: Harness,
+    harness: Harness,
 ) -> None:
-    harness = local_harness
+    harness.needs("subscriber_logic")
     consumer_a, consumer_b = await harness.adapter(), await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     dlq_topic, dlq_sub = await harness.topic_and_subscription()
@@ -71,7 +77,7 @@ async def test_a_hung_sync_handler_starves_nothing_and_is_dead_lettered_in_the_e
     hung = threading.Event()
     recorders = {"a": Recorder(), "b": Recorder()}
 
-    def consumer(name: str, adapter: object, workers: int):
+    def consumer(name: str, adapter: Adapter, workers: int) -> Subscriber:
         subscriber = harness.subscriber(
             adapter, dedup=harness.dedup_store(owner=name), sync_workers=workers, lease=lease,
             dead_letter=policy, on_outcome=recorders[name],
@@ -114,11 +120,11 @@ async def test_a_hung_sync_handler_starves_nothing_and_is_dead_lettered_in_the_e
 
 
 async def test_an_async_handler_blocking_the_loop_is_named_in_a_warning(
-    local_harness: Harness, caplog: pytest.LogCaptureFixture
+    harness: Harness, caplog: pytest.LogCaptureFixture
 ) -> None:
     import time
 
-    harness = local_harness
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     recorder = Recorder()
@@ -141,18 +147,18 @@ async def test_an_async_handler_blocking_the_loop_is_named_in_a_warning(
 
 
 async def test_a_claim_past_max_lease_is_renewed_on_its_own_schedule(
-    local_harness: Harness,
+    harness: Harness,
 ) -> None:
     """Once a delivery's broker lease is gone its claim is still renewed, but at its own pace,
     not every lease tick (#8.7: 1,900 renewals in 20 s)."""
-    harness = local_harness
+    harness.needs("subscriber_logic")
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     renewals: list[float] = []
     store = harness.dedup_store()
     renew = store.renew
 
-    async def counting_renew(claims, lease_ttl):  # type: ignore[no-untyped-def]
+    async def counting_renew(claims, lease_ttl):
         renewals.append(harness.clock.now())
         return await renew(claims, lease_ttl)
 

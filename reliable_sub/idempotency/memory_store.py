@@ -1,0 +1,225 @@
+"""The in-process dedup store, and what every store shares: fencing tokens, owner checks, the
+single-key methods over the batch ones."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .._results import checked_result_json, encode_result
+from ..clock import Clock, SystemClock
+from ..errors import ConfigurationError
+from ..ports import (
+    Claimed,
+    ClaimResult,
+    Completed,
+    Completion,
+    DedupKey,
+    InProgress,
+)
+
+if TYPE_CHECKING:  # for type checkers only: at runtime __getattr__ imports it on first use
+    from .redis_store import RedisDedupStore as RedisDedupStore
+
+# Expired records are swept every this many operations, so memory stays bounded without a timer.
+_SWEEP_EVERY = 4096
+# Separates an owner from its claim counter in a fencing token; owners may not contain it, nor
+# the "|" that stores use after the token.
+_TOKEN_SEPARATOR = "."
+
+
+def check_owner(owner: str | None, where: str) -> str:
+    """The owner token prefix to use: ``owner`` once checked, or a fresh random one."""
+    if owner is None:
+        return uuid.uuid4().hex
+    if not isinstance(owner, str) or not owner or any(c in owner for c in "|.{}"):
+        raise ConfigurationError(
+            f"{where}.owner must be a non-empty str without '|', '.', '{{' or '}}', got {owner!r}"
+        )
+    return owner
+
+
+class TokenSource:
+    """Fencing tokens: the store's owner, a dot, and a counter (unique per store instance)."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._counter = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self.owner}{_TOKEN_SEPARATOR}{next(self._counter)}"
+
+
+class SingleKeyMethods:
+    """``claim``, ``complete`` and ``release`` of one key, over a store's batch methods."""
+
+    async def claim_many(
+        self, keys: Sequence[DedupKey], lease_ttl: float, tokens: Sequence[str] | None = None
+    ) -> list[ClaimResult]:
+        raise NotImplementedError
+
+    async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+        raise NotImplementedError
+
+    async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
+        raise NotImplementedError
+
+    async def claim(self, key: DedupKey, lease_ttl: float) -> ClaimResult:
+        """:meth:`claim_many` for one key."""
+        return (await self.claim_many([key], lease_ttl))[0]
+
+    async def complete(self, claim: Claimed, result: Any, ttl: float) -> bool:
+        """Record ``claim`` as handled with a JSON-serialisable ``result``; False if refused.
+
+        Raises :class:`ResultNotSerializableError` (and stores nothing) for a result JSON
+        cannot hold.
+        """
+        refused = await self.complete_many([Completion(claim, encode_result(result))], ttl)
+        return not refused
+
+    async def release(self, claim: Claimed, retention: float = 0.0) -> None:
+        """:meth:`release_many` for one claim."""
+        await self.release_many([claim], retention)
+
+
+# A record: (state, expires_at, token or result JSON, failures). Plain tuples, not objects,
+# because a store holds records for days and the garbage collector walks every object.
+_CLAIMED, _FAILED, _COMPLETED = 0, 1, 2
+_Record = tuple[int, float, str | None, int]
+
+
+class MemoryDedupStore(SingleKeyMethods):
+    """A dedup store in this process's memory: for tests, examples and single-process consumers.
+
+    Args:
+        clock: time source for claim leases and retention (default: the system clock).
+        owner: prefix of this store's fencing tokens (default: a fresh random one).
+    """
+
+    def __init__(self, *, clock: Clock | None = None, owner: str | None = None) -> None:
+        self._clock: Clock = clock or SystemClock()
+        self._tokens = TokenSource(check_owner(owner, "MemoryDedupStore"))
+        self.owner = self._tokens.owner
+        self._records: dict[DedupKey, _Record] = {}
+        self._lock = threading.Lock()
+        self._operations = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            now = self._clock.now()
+            return sum(1 for record in self._records.values() if record[1] > now)
+
+    def __repr__(self) -> str:
+        return f"MemoryDedupStore(owner={self.owner!r})"
+
+    # -- claims --------------------------------------------------------------------------------
+
+    async def claim_many(
+        self,
+        keys: Sequence[DedupKey],
+        lease_ttl: float,
+        tokens: Sequence[str] | None = None,
+    ) -> list[ClaimResult]:
+        _check_duration("lease_ttl", lease_ttl)
+        with self._lock:
+            now = self._clock.now()
+            self._operations += len(keys)
+            if self._operations >= _SWEEP_EVERY:
+                self._operations = 0
+                self._sweep(now)
+            return [
+                self._claim(key, now + lease_ttl, now, tokens[i] if tokens else None)
+                for i, key in enumerate(keys)
+            ]
+
+    def _claim(
+        self, key: DedupKey, expires_at: float, now: float, token: str | None
+    ) -> ClaimResult:
+        record = self._records.get(key)
+        failures = 0
+        if record is not None and record[1] > now:
+            state, held_until, detail, failures = record
+            if state == _COMPLETED:
+                return Completed(detail, key)
+            if state == _CLAIMED and detail != token:
+                return InProgress(held_until - now, failures)
+        token = token or self._tokens.next()
+        self._records[key] = (_CLAIMED, expires_at, token, failures)
+        return Claimed(key, token, failures)
+
+    async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+        _check_duration("lease_ttl", lease_ttl)
+        lost: list[Claimed] = []
+        with self._lock:
+            now = self._clock.now()
+            for claim in claims:
+                if self._holds(claim, now):
+                    self._records[claim.key] = (
+                        _CLAIMED, now + lease_ttl, claim.token, claim.failures
+                    )
+                else:
+                    lost.append(claim)
+        return lost
+
+    async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+        _check_duration("ttl", ttl)
+        checked = [checked_result_json(c.result_json) for c in completions]
+        refused: list[Claimed] = []
+        with self._lock:
+            now = self._clock.now()
+            for (claim, _), result_json in zip(completions, checked, strict=True):
+                record = self._records.get(claim.key)
+                if record is not None and record[1] > now:
+                    if record[0] == _COMPLETED:
+                        continue  # a fact already recorded
+                    if record[0] == _CLAIMED and record[2] != claim.token:
+                        refused.append(claim)
+                        continue
+                self._records[claim.key] = (_COMPLETED, now + ttl, result_json, 0)
+        return refused
+
+    async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
+        with self._lock:
+            now = self._clock.now()
+            for claim in claims:
+                if not self._holds(claim, now):
+                    continue
+                if claim.failures > 0 and retention > 0:
+                    self._records[claim.key] = (_FAILED, now + retention, None, claim.failures)
+                else:
+                    del self._records[claim.key]
+
+    def _holds(self, claim: Claimed, now: float) -> bool:
+        record = self._records.get(claim.key)
+        return (
+            record is not None
+            and record[0] == _CLAIMED
+            and record[2] == claim.token
+            and record[1] > now
+        )
+
+    # -- lifecycle and inspection --------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Nothing to release: records live in this process until it exits."""
+
+    def close_sync(self) -> None:
+        """Blocking twin of :meth:`close`."""
+
+    def write_raw(self, key: DedupKey, result_json: str, ttl: float) -> None:
+        """Store ``result_json`` unchecked as a completed record (for tests of bad records)."""
+        with self._lock:
+            self._records[key] = (_COMPLETED, self._clock.now() + ttl, result_json, 0)
+
+    def _sweep(self, now: float) -> None:
+        expired = [key for key, record in self._records.items() if record[1] <= now]
+        for key in expired:
+            del self._records[key]
+
+
+def _check_duration(name: str, seconds: float) -> None:
+    if not isinstance(seconds, int | float) or not 0 < seconds < float("inf"):
+        raise ConfigurationError(f"dedup store: {name} must be in (0, inf), got {seconds!r}")

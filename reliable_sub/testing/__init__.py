@@ -1,0 +1,56 @@
+"""Testing tools shipped with reliable-sub: the conformance suites, a time driver, services.
+
+* :class:`AdapterSuite` -- the adapter conformance suite; derive a test class from it to run
+  it against your own adapter (see :mod:`reliable_sub.testing.adapter_suite`).
+* :class:`DedupStoreSuite` -- the same for a dedup store (:mod:`reliable_sub.testing.dedup_suite`).
+* :class:`Harness`, :class:`Features`, :class:`StoreHarness` -- what the suites need from you; the
+  ``*_harness`` and ``*_stores`` functions build them for this package's adapters and stores.
+* :mod:`reliable_sub.testing.timing` -- drive a ``ManualClock`` from a test: virtual hours pass
+  in milliseconds, in a deterministic order (``drive_until``, ``pass_time``).
+* :mod:`reliable_sub.testing.services` -- reach Redis and start the Pub/Sub emulator (skip the
+  test without them, or fail it under ``CI=true``).
+
+Needs pytest and pytest-asyncio: ``pip install "reliable-sub[testing]"``.
+"""
+
+from reliable_sub.errors import MissingExtraError
+
+try:
+    import pytest  # noqa: F401
+    import pytest_asyncio  # noqa: F401
+except ImportError as error:  # pragma: no cover - exercised without the extra
+    raise MissingExtraError("reliable_sub.testing", "testing", error.name or "pytest") from error
+
+from reliable_sub.testing.adapter_suite import AdapterSuite
+from reliable_sub.testing.dedup_suite import (
+    DedupStoreSuite,
+    StoreHarness,
+    fakeredis_stores,
+    memory_stores,
+    redis_stores,
+)
+from reliable_sub.testing.harness import (
+    Features,
+    Harness,
+    Recorder,
+    fakeredis_harness,
+    memory_harness,
+    pubsub_harness,
+    redis_harness,
+)
+
+__all__ = [
+    "AdapterSuite",
+    "DedupStoreSuite",
+    "Features",
+    "Harness",
+    "Recorder",
+    "StoreHarness",
+    "fakeredis_harness",
+    "fakeredis_stores",
+    "memory_harness",
+    "memory_stores",
+    "pubsub_harness",
+    "redis_harness",
+    "redis_stores",
+]
