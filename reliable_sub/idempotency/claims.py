@@ -9,7 +9,9 @@
   is conditional on the token, so a lapsed claim never overwrites a peer's.
 
 It also counts handler failures per message: in the dedup store's record when there is a store
-(shared by every consumer and kept across restarts), in this process's memory otherwise.
+(shared by every consumer and kept across restarts), in this process's memory otherwise. Every
+call to the store goes through this class: the lease manager renews and the settler completes
+and releases through it.
 """
 
 from __future__ import annotations
@@ -30,10 +32,12 @@ class Claims:
 
     Args:
         store: the dedup store, or None (no claims; failures counted in memory).
+        retention: seconds completed records and failure counts are kept (``dedup_ttl``).
     """
 
-    def __init__(self, store: DedupStore | None) -> None:
+    def __init__(self, store: DedupStore | None, retention: float = 0.0) -> None:
         self.store = store
+        self.retention = retention
         self._failures: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     @staticmethod
@@ -63,6 +67,21 @@ class Claims:
         else:
             item.claim = None
         return result
+
+    async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+        """Extend running handlers' claims (the lease manager's tick); returns those lost."""
+        assert self.store is not None
+        return await self.store.renew(claims, lease_ttl)
+
+    async def complete_many(self, completions: Sequence[Completion]) -> list[Claimed]:
+        """Record results before their acks (the settler); returns the refused claims."""
+        assert self.store is not None
+        return await self.store.complete_many(completions, self.retention)
+
+    async def release_many(self, claims: Sequence[Claimed]) -> None:
+        """End claims before their nacks (the settler), keeping failure counts."""
+        assert self.store is not None
+        await self.store.release_many(claims, self.retention)
 
     def failures_without_store(self, namespace: str, item: InFlight) -> int:
         """The failures this process counted for ``item``'s message (no store)."""

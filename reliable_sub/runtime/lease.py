@@ -28,11 +28,11 @@ import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..clock import Clock, sleep_or_event
-from ..dedup import DedupStore
 from ..policy import LeasePolicy
-from ..ports import Adapter
+from ..ports import Adapter, Claimed
 from .histogram import SlidingHistogram
 from .inflight import InFlight, Stage
 
@@ -49,6 +49,12 @@ BATCH_FRACTION = 0.2
 RETRY_FRACTION = 0.05
 # The loop never spins faster than this, whatever the leases say (a guard, not a schedule).
 MIN_TICK_INTERVAL = 0.01
+
+
+class ClaimRenewer(Protocol):
+    """What renews dedup claims: a DedupStore, or the Subscriber's claim-lifecycle owner."""
+
+    async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]: ...
 
 
 @dataclass
@@ -74,7 +80,8 @@ class LeaseManager:
         policy: extension bounds, percentile and maximum lease duration.
         clock: the time source (shared with the adapter in tests).
         initial_deadline: the deadline (seconds) a fresh delivery has from the broker.
-        dedup: the store whose claims are renewed with the deliveries, if any.
+        dedup: what renews the deliveries' dedup claims, if any (a ``DedupStore``; the
+            Subscriber passes its claim-lifecycle owner, which calls the store).
         on_max_lease: awaited with the deliveries that reached ``max_lease_duration`` (their
             broker lease is no longer extended).
         histogram: processing-time histogram (default: a fresh sliding one).
@@ -87,7 +94,7 @@ class LeaseManager:
         *,
         clock: Clock,
         initial_deadline: float,
-        dedup: DedupStore | None = None,
+        dedup: ClaimRenewer | None = None,
         on_max_lease: Callable[[list[InFlight]], Awaitable[None]] | None = None,
         histogram: SlidingHistogram | None = None,
     ) -> None:

@@ -152,12 +152,12 @@ class Runtime:
         self.routes = routes
         self.stats = stats
         self.lanes: dict[str, Lane] = {}
-        self.claims = Claims(config.dedup)
+        self.claims = Claims(config.dedup, config.dedup_ttl)
         self.flow = FlowGate(config.flow_control)
         self.workers = WorkerThreads(config.sync_workers)
         self.items: set[InFlight] = set()
         self.settler = Settler(
-            config.adapter, dedup=config.dedup, dedup_ttl=config.dedup_ttl, stats=stats,
+            config.adapter, claims=self.claims, stats=stats,
             on_settled=self._on_settled, sleep=config.clock.sleep,
         )
         self.supervisor = Supervisor(config.clock.sleep, config.clock.now)
@@ -183,7 +183,8 @@ class Runtime:
             deadline = await adapter.subscription_ack_deadline(route.subscription)
             lease = LeaseManager(
                 adapter, config.lease, clock=config.clock, initial_deadline=deadline,
-                dedup=config.dedup, on_max_lease=self._max_lease_reached,
+                dedup=self.claims if config.dedup is not None else None,
+                on_max_lease=self._max_lease_reached,
             )
             self.lanes[route.subscription] = Lane(
                 route=route,

@@ -15,16 +15,17 @@ back after their ack deadline, and a completion that was never written is logged
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from ..dedup import Claimed, Completion, DedupStore
 from ..errors import ConfigurationError
+from ..idempotency.claims import Claims
 from ..message import Delivery
 from ..outcome import Outcome, SubscriberStats
-from ..ports import AcksWithCompletions, Adapter
+from ..ports import AcksWithCompletions, Adapter, Claimed, Completion
 from .inflight import InFlight, Stage
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,19 @@ class Settle:
         self.release = release
 
 
+class Party(enum.Enum):
+    """Whom a settle call talks to: its failures count as that party's errors."""
+
+    STORE = "store"
+    BROKER = "broker"
+
+
+_STORE = frozenset({Party.STORE})
+_BROKER = frozenset({Party.BROKER})
+# The Redis ack script records completions and acks in one call: a failure is both.
+_BOTH = frozenset({Party.STORE, Party.BROKER})
+
+
 class _GiveUp(Exception):
     """The stop deadline passed while a call was still failing."""
 
@@ -91,15 +105,13 @@ class Settler:
         self,
         adapter: Adapter,
         *,
-        dedup: DedupStore | None,
-        dedup_ttl: float,
+        claims: Claims,
         stats: SubscriberStats,
         on_settled: Callable[[Settle, bool], None],
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self._adapter = adapter
-        self._dedup = dedup
-        self._dedup_ttl = dedup_ttl
+        self._claims = claims
         self._stats = stats
         self._on_settled = on_settled
         self._sleep = sleep
@@ -109,8 +121,9 @@ class Settler:
         self._calls: set[asyncio.Task[None]] = set()
         self._give_up_at: float | None = None
         self._combined: AcksWithCompletions | None = None
-        if (dedup is not None and isinstance(adapter, AcksWithCompletions)
-                and adapter.shares_store(dedup)):
+        store = claims.store
+        if (store is not None and isinstance(adapter, AcksWithCompletions)
+                and adapter.shares_store(store)):
             self._combined = adapter
 
     @property
@@ -192,23 +205,19 @@ class Settler:
         if releases:
             await self._release(releases)
         if completions and self._combined is not None:
-            assert self._dedup is not None
-            combined = self._combined
+            assert self._claims.store is not None
             refused, lost = await self._retry(
-                "recording completions and acking", len(acks), ("store", "ack"),
-                combined.ack_with_completions, deliveries, self._dedup, completions,
-                self._dedup_ttl,
+                "recording completions and acking", len(acks), _BOTH,
+                self._combined.ack_with_completions, deliveries, self._claims.store,
+                completions, self._claims.retention,
             )
             self._report_lost(lost)
         else:
             if completions:
-                assert self._dedup is not None
-                lost = await self._retry(
-                    "recording completions", len(completions), ("store",),
-                    self._dedup.complete_many, completions, self._dedup_ttl,
-                )
+                lost = await self._retry("recording completions", len(completions), _STORE,
+                                         self._claims.complete_many, completions)
                 self._report_lost(lost)
-            refused = await self._retry("ack", len(deliveries), ("ack",),
+            refused = await self._retry("ack", len(deliveries), _BROKER,
                                         self._adapter.ack, deliveries)
         if refused:
             self._stats.acks_refused += len(refused)
@@ -224,13 +233,12 @@ class Settler:
         for settle in nacks:
             by_delay.setdefault(quantize_delay(settle.delay), []).append(settle.item.delivery)
         for delay, deliveries in by_delay.items():
-            await self._retry("nack", len(deliveries), ("ack",), self._adapter.nack,
+            await self._retry("nack", len(deliveries), _BROKER, self._adapter.nack,
                               deliveries, delay)
 
     async def _release(self, releases: list[Claimed]) -> None:
-        assert self._dedup is not None
-        await self._retry("releasing dedup claims", len(releases), ("store",),
-                          self._dedup.release_many, releases, self._dedup_ttl)
+        await self._retry("releasing dedup claims", len(releases), _STORE,
+                          self._claims.release_many, releases)
 
     def _report_lost(self, lost: list[Claimed]) -> None:
         if not lost:
@@ -243,7 +251,7 @@ class Settler:
         )
 
     async def _retry(
-        self, what: str, count: int, errors: tuple[str, ...],
+        self, what: str, count: int, parties: frozenset[Party],
         call: Callable[..., Awaitable[T]], *args: Any,
     ) -> T:
         tries = 0
@@ -254,11 +262,10 @@ class Settler:
                 raise  # a bug, not an outage: retrying cannot help
             except Exception:
                 tries += 1
-                for kind in errors:
-                    if kind == "store":
-                        self._stats.store_errors += 1
-                    else:
-                        self._stats.ack_errors += 1
+                if Party.STORE in parties:
+                    self._stats.store_errors += 1
+                if Party.BROKER in parties:
+                    self._stats.ack_errors += 1
                 if tries == 1 or tries % LOG_EVERY == 0:
                     logger.warning("%s for %d deliveries failed (try %d); retrying", what,
                                    count, tries, exc_info=True)
