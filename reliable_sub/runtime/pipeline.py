@@ -8,11 +8,12 @@ The path of one delivery reads top to bottom here::
                             ▼ claimed
                its own task: wait for its ordering key, a worker thread, byte budget
                             ▼ (no handler starts once a stop began)
-               handler (in-process retries) ── ok ─► record result + ack "acked"
-                            │ raised anything
-                            ▼
-               failures += 1 ─► failures >= max_delivery_attempts ? dead-letter + ack
-                                : release claim + nack with backoff "retry"
+               the route's chain: your middleware ─► DeadLetterOrBackoff ─► InProcessRetry
+                                  ─► handler          (or the handler alone: the fast path)
+                            │
+               Decision ── ack ─► record result + ack                         "acked"
+                        ── redeliver ─► release claim (failures kept) + nack  "retry"
+                        ── dead-lettered ─► release claim + ack               "dead_lettered"
 
 Every ack and nack goes through the settler, which confirms it with the broker (and the result
 with the store) before the delivery's lease, claim and flow-control slot are let go.
