@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -16,30 +15,19 @@ from reliable_sub import (
     MemoryDedupStore,
     Message,
     Outcome,
-    RetryPolicy,
     Subscriber,
 )
-from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.middleware import CallNext, Context, Decision, Verdict
 from reliable_sub.outcome import DeliveryEvent
 from reliable_sub.testing.timing import drive_until
+from tests.memory_world import serving, setup
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def setup(**options) -> tuple[ManualClock, MemoryAdapter, Subscriber]:
-    clock = ManualClock()
-    broker = MemoryAdapter(clock=clock)
-    broker.ensure_subscription_sync("orders", "billing")
-    broker.ensure_topic_sync("orders-dlq")
-    options.setdefault("retry", RetryPolicy(min_backoff=1, max_backoff=2))
-    return clock, broker, Subscriber(broker, clock=clock, **options)
-
-
 async def run_until(sub: Subscriber, clock: ManualClock, done, what: str) -> None:
-    task = asyncio.ensure_future(sub.serve())
+    task = await serving(sub, clock)
     try:
-        await drive_until(clock, lambda: sub.running or task.done(), 1.0)
         await drive_until(clock, done, 120, what=what)
     finally:
         await sub.shutdown(timeout=1)

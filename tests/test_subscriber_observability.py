@@ -21,28 +21,13 @@ from reliable_sub import (
     MemoryDedupStore,
     Message,
     Outcome,
-    RetryPolicy,
     Subscriber,
     current_claim,
 )
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.message import Delivery
 from reliable_sub.testing.timing import drive_until
-
-
-def setup(**options) -> tuple[ManualClock, MemoryAdapter, Subscriber]:
-    clock = ManualClock()
-    broker = MemoryAdapter(clock=clock)
-    broker.ensure_subscription_sync("orders", "billing")
-    broker.ensure_topic_sync("orders-dlq")
-    options.setdefault("retry", RetryPolicy(min_backoff=1, max_backoff=2))
-    return clock, broker, Subscriber(broker, clock=clock, **options)
-
-
-async def serving(sub: Subscriber, clock: ManualClock) -> asyncio.Future[None]:
-    task = asyncio.ensure_future(sub.serve())
-    await drive_until(clock, lambda: sub.running, 1.0)
-    return task
+from tests.memory_world import serving, setup
 
 
 async def test_failures_and_the_lifecycle_are_logged_by_default(

@@ -1,0 +1,28 @@
+"""A Subscriber on the in-memory broker with a ManualClock: the set-up unit tests share."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from reliable_sub import ManualClock, RetryPolicy, Subscriber
+from reliable_sub.adapters.memory import MemoryAdapter
+from reliable_sub.testing.timing import drive_until
+
+
+def setup(**options: Any) -> tuple[ManualClock, MemoryAdapter, Subscriber]:
+    """A broker with topic ``orders`` (subscription ``billing``) and topic ``orders-dlq``, and a
+    Subscriber on it (short backoffs unless ``retry`` is given)."""
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("orders", "billing")
+    broker.ensure_topic_sync("orders-dlq")
+    options.setdefault("retry", RetryPolicy(min_backoff=1, max_backoff=2))
+    return clock, broker, Subscriber(broker, clock=clock, **options)
+
+
+async def serving(sub: Subscriber, clock: ManualClock) -> asyncio.Future[None]:
+    """``sub.serve()`` as a task, once it runs."""
+    task = asyncio.ensure_future(sub.serve())
+    await drive_until(clock, lambda: sub.running or task.done(), 1.0)
+    return task
