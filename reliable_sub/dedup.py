@@ -41,8 +41,9 @@ from .ports import (
     InProgress,
 )
 
-if TYPE_CHECKING:  # for type checkers only: at runtime __getattr__ imports it on first use
+if TYPE_CHECKING:  # for type checkers only: at runtime __getattr__ imports them on first use
     from .idempotency.redis_store import RedisDedupStore as RedisDedupStore
+    from .idempotency.sql_store import SqlDedupStore as SqlDedupStore
 
 __all__ = [
     "ClaimResult",
@@ -55,6 +56,7 @@ __all__ = [
     "MemoryDedupStore",
     "RedisDedupStore",
     "SingleKeyMethods",
+    "SqlDedupStore",
     "TokenSource",
     "check_owner",
     "checked_result_json",
@@ -66,11 +68,15 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """Import optional stores on first use, so the core never imports their client libraries.
 
-    Without the redis extra, ``RedisDedupStore`` raises :class:`MissingExtraError` naming the
+    Without its extra (``redis``, ``sql``), a store raises :class:`MissingExtraError` naming the
     ``pip install`` to run.
     """
     if name == "RedisDedupStore":
         from .idempotency.redis_store import RedisDedupStore
 
         return RedisDedupStore
+    if name == "SqlDedupStore":
+        from .idempotency.sql_store import SqlDedupStore
+
+        return SqlDedupStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

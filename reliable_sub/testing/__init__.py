@@ -28,6 +28,7 @@ from reliable_sub.testing.dedup_suite import (
     fakeredis_stores,
     memory_stores,
     redis_stores,
+    sql_stores,
 )
 from reliable_sub.testing.harness import (
     Features,
@@ -53,4 +54,5 @@ __all__ = [
     "pubsub_harness",
     "redis_harness",
     "redis_stores",
+    "sql_stores",
 ]

@@ -12,6 +12,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -30,6 +31,7 @@ from reliable_sub import (
     StoredResultError,
 )
 from reliable_sub.dedup import encode_result
+from reliable_sub.ports import ClaimResult
 
 POLL = 0.01
 
@@ -43,6 +45,7 @@ class StoreHarness:
     wait_until_gone: Callable[[DedupKey], Awaitable[None]]
     write_raw: Callable[[DedupKey, str], Awaitable[None]]
     cleanup: Callable[[], Awaitable[None]]
+    prepare: Callable[[], Awaitable[None]] | None = None  # e.g. create the schema
 
 
 def memory_stores() -> StoreHarness:
@@ -95,6 +98,30 @@ def redis_stores(url: str | None = None, client_factory: Callable[[], object] | 
         await peer.close()
 
     return StoreHarness(name, store, peer, 0.15, gone, write_raw, cleanup)
+
+
+def sql_stores(url: str, name: str = "sql") -> StoreHarness:
+    """Two SqlDedupStores over one fresh table on ``url``, on a shared ManualClock."""
+    from reliable_sub.idempotency.sql_store import SqlDedupStore
+
+    clock = ManualClock(start=1000.0)
+    table = f"test_processed_{uuid.uuid4().hex[:10]}"
+    store = SqlDedupStore(url, table=table, owner="me", clock=clock)
+    peer = SqlDedupStore(store.url, table=table, owner="peer", clock=clock)
+    async def gone(key: DedupKey) -> None:
+        clock.advance(1.0)
+
+    async def write_raw(key: DedupKey, text: str) -> None:
+        await store.write_raw(key, text, 60)
+
+    async def cleanup() -> None:
+        async with store.engine.begin() as connection:
+            await connection.run_sync(store.metadata.drop_all)
+        await store.close()
+        await peer.close()
+
+    return StoreHarness(name, store, peer, 0.5, gone, write_raw, cleanup,
+                        prepare=store.create_schema)
 
 
 def fakeredis_stores() -> StoreHarness:
@@ -273,6 +300,28 @@ async def test_concurrent_claims_have_exactly_one_winner(stores: StoreHarness) -
     assert sum(isinstance(r, InProgress) for r in results) == 199
 
 
+async def test_claims_from_many_threads_have_exactly_one_winner(stores: StoreHarness) -> None:
+    """Each thread runs its own event loop (as sync callers and worker threads do)."""
+    key = DedupKey("threads", uuid.uuid4().hex)
+
+    async def contend(store: DedupStore) -> list[ClaimResult]:
+        try:
+            return list(await asyncio.gather(*(store.claim(key, 30) for _ in range(5))))
+        finally:
+            close = getattr(store, "close", None)
+            if close is not None:
+                await close()  # this loop's connections
+
+    def in_thread(index: int) -> list[ClaimResult]:
+        return asyncio.run(contend(stores.store if index % 2 else stores.peer))
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = [r for rs in await asyncio.to_thread(lambda: list(pool.map(in_thread, range(8))))
+                   for r in rs]
+    assert sum(isinstance(r, Claimed) for r in results) == 1, results
+    assert sum(isinstance(r, InProgress) for r in results) == len(results) - 1
+
+
 async def test_durations_must_be_positive(stores: StoreHarness) -> None:
     from reliable_sub import ConfigurationError
 
@@ -295,6 +344,8 @@ class DedupStoreSuite:
     @pytest_asyncio.fixture
     async def stores(self) -> AsyncIterator[StoreHarness]:
         harness = self.make_stores()
+        if harness.prepare is not None:
+            await harness.prepare()
         try:
             yield harness
         finally:

@@ -5,6 +5,7 @@ calling test -- and fail it under ``CI=true``, where a missing service is a fail
 skip. For benchmarks and scripts: :class:`EmulatorProcess` starts and stops an emulator.
 
 * Redis: ``RELIABLE_SUB_REDIS_URL`` (default ``redis://127.0.0.1:6379/0``).
+* PostgreSQL: ``RELIABLE_SUB_POSTGRES_URL`` (default ``postgresql://postgres@127.0.0.1:5432/test``).
 * The emulator (Debian package ``google-cloud-cli-pubsub-emulator``, needs a JDK) is started on a
   free loopback port on first use; ``PUBSUB_EMULATOR_HOST`` is set for the Google clients.
 """
@@ -80,6 +81,34 @@ def _ping(url: str) -> str | None:
         return f"{type(error).__name__}: {error}"
     finally:
         client.close()
+    return None
+
+
+# -- PostgreSQL ----------------------------------------------------------------------------------
+
+DEFAULT_POSTGRES_URL = os.environ.get(
+    "RELIABLE_SUB_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+
+
+def postgres_url(url: str = DEFAULT_POSTGRES_URL) -> str:
+    """``url`` once PostgreSQL answers there; else skip the test (fail it when ``CI=true``)."""
+    problem = _postgres_problem(url)
+    if problem is not None:
+        missing_service(f"PostgreSQL at {url} is unreachable: {problem}")
+    return url
+
+
+@functools.cache
+def _postgres_problem(url: str) -> str | None:
+    try:
+        import psycopg
+    except ImportError:
+        return 'psycopg is not installed (pip install "reliable-sub[sql]")'
+    try:
+        psycopg.connect(url, connect_timeout=2).close()
+    except psycopg.Error as error:
+        return f"{type(error).__name__}: {error}".strip()
     return None
 
 

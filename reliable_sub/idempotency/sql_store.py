@@ -1,0 +1,488 @@
+"""SqlDedupStore: the dedup store in your own database, so a handler's effect and its dedup
+record can commit in one transaction (extra ``sql``).
+
+SQLAlchemy 2 Core, on PostgreSQL (psycopg 3) and SQLite. One table (``metadata`` holds it, for
+your Alembic migrations; :meth:`SqlDedupStore.create_schema` creates it)::
+
+    namespace  key  owner  state  failures  lease_expires_at  completed_at  expires_at  result
+    primary key (namespace, key); index on expires_at (for purge_expired)
+
+``state`` is ``claimed`` (``owner`` holds it until ``lease_expires_at``), ``failed`` (released
+after ``failures`` failed attempts, kept until ``expires_at``) or ``completed`` (``result`` is the
+handler's result as JSON text). A row whose ``expires_at`` has passed counts as absent. Times are
+epoch seconds from the store's clock: keep consumers' clocks in sync (NTP), as their claims are
+compared across hosts. Namespaces and keys longer than ``READABLE_LIMIT`` characters are stored
+as ``h:`` + their SHA-256 hex, as in the Redis store.
+
+Never blocking the event loop: the store's own calls run on SQLAlchemy's asyncio engine
+(psycopg's async driver, aiosqlite); a *sync* transactional handler, which runs on a worker
+thread, gets a connection of a sync engine on the same database. Each batch method is one
+statement on PostgreSQL (the claim is an ``INSERT ... ON CONFLICT DO UPDATE`` inside a CTE that
+also reports the rows it left alone) and one transaction of at most two statements on SQLite.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+from .._results import checked_result_json
+from ..clock import Clock, SystemClock
+from ..errors import ConfigurationError, MissingExtraError
+from ..loops import PerLoop
+from ..ports import Claimed, ClaimResult, Completed, Completion, DedupKey, InProgress
+from .memory_store import SingleKeyMethods, TokenSource, check_owner
+
+try:
+    import sqlalchemy as sa
+    from sqlalchemy.dialects import postgresql, sqlite
+    from sqlalchemy.engine import URL, Engine, make_url
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+    from sqlalchemy.pool import NullPool
+except ImportError as error:  # the sql extra is not installed
+    raise MissingExtraError("SqlDedupStore", "sql", "SQLAlchemy") from error
+
+DEFAULT_TABLE = "reliable_sub_processed"
+# Namespaces and keys up to this many characters are stored as they are; longer ones hashed.
+READABLE_LIMIT = 200
+_HASHED = "h:"
+CLAIMED, FAILED, COMPLETED = "claimed", "failed", "completed"
+# The async drivers each dialect uses, and the sync driver for sync transactional handlers.
+_ASYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "aiosqlite"}
+_SYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "pysqlite"}
+# SQLite waits this long (ms) for a lock held by another connection before it fails.
+SQLITE_BUSY_TIMEOUT_MS = 5000
+
+
+def processed_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
+    """The dedup table, defined on ``metadata`` (put it in your migrations)."""
+    return sa.Table(
+        name,
+        metadata,
+        sa.Column("namespace", sa.String(2 * READABLE_LIMIT), primary_key=True),
+        sa.Column("key", sa.String(2 * READABLE_LIMIT), primary_key=True),
+        sa.Column("owner", sa.String(200), nullable=True),
+        sa.Column("state", sa.String(16), nullable=False),
+        sa.Column("failures", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("lease_expires_at", sa.Float, nullable=True),
+        sa.Column("completed_at", sa.Float, nullable=True),
+        sa.Column("expires_at", sa.Float, nullable=False),
+        sa.Column("result", sa.Text, nullable=True),
+        sa.Index(f"ix_{name}_expires_at", "expires_at"),
+    )
+
+
+class SqlDedupStore(SingleKeyMethods):
+    """A dedup store on PostgreSQL or SQLite, usable inside a handler's own transaction.
+
+    Args:
+        url_or_engine: a database URL (``postgresql://...``, ``sqlite:///path``, ``sqlite://``
+            for an in-process database) or an ``AsyncEngine`` you own.
+        table: the table name (default ``reliable_sub_processed``).
+        owner: prefix of this store's fencing tokens (default: a fresh random one).
+        clock: the time source (``wall()`` is what rows record).
+        sync_engine: the engine sync transactional handlers use (default: one on the same
+            database, made on first use).
+    """
+
+    def __init__(
+        self,
+        url_or_engine: str | URL | AsyncEngine,
+        *,
+        table: str = DEFAULT_TABLE,
+        owner: str | None = None,
+        clock: Clock | None = None,
+        sync_engine: Engine | None = None,
+    ) -> None:
+        self._tokens = TokenSource(check_owner(owner, "SqlDedupStore"))
+        self.owner = self._tokens.owner
+        self._clock: Clock = clock or SystemClock()
+        self.metadata = sa.MetaData()
+        self.table = processed_table(self.metadata, table)
+        self._given_engine: AsyncEngine | None = None
+        if isinstance(url_or_engine, AsyncEngine):
+            self._given_engine = url_or_engine
+            self._url = url_or_engine.url
+        elif isinstance(url_or_engine, str | URL):
+            self._url = _database_url(make_url(url_or_engine))
+        else:
+            raise ConfigurationError(
+                "SqlDedupStore needs a database URL or an AsyncEngine, got "
+                f"{type(url_or_engine).__name__}"
+            )
+        self.dialect = self._url.get_backend_name()
+        if self.dialect not in _ASYNC_DRIVERS:
+            raise ConfigurationError(
+                f"SqlDedupStore supports postgresql and sqlite, got {self.dialect!r}"
+            )
+        self._sync_engine = sync_engine
+        self._engines: PerLoop[AsyncEngine] = PerLoop(self._make_engine)
+
+    def __repr__(self) -> str:
+        return f"SqlDedupStore({self.dialect}, table={self.table.name!r}, owner={self.owner!r})"
+
+    # -- engines -------------------------------------------------------------------------------
+
+    @property
+    def url(self) -> URL:
+        """The database URL (``sqlite://`` resolved to its shared in-process database, so a
+        second store given this URL shares the database)."""
+        return self._url
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The asyncio engine of the running event loop."""
+        return self._given_engine if self._given_engine is not None else self._engines.get()
+
+    @property
+    def sync_engine(self) -> Engine:
+        """A sync engine on the same database (for sync transactional handlers and scripts)."""
+        if self._sync_engine is None:
+            url = self._url.set(drivername=f"{self.dialect}+{_SYNC_DRIVERS[self.dialect]}")
+            self._sync_engine = sa.create_engine(url, **self._pool_options(sync=True))
+            if self.dialect == "sqlite":
+                sa.event.listen(self._sync_engine, "connect", _sqlite_pragmas)
+        return self._sync_engine
+
+    def _make_engine(self) -> AsyncEngine:
+        url = self._url.set(drivername=f"{self.dialect}+{_ASYNC_DRIVERS[self.dialect]}")
+        engine = create_async_engine(url, **self._pool_options(sync=False))
+        if self.dialect == "sqlite":
+            sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+
+    def _pool_options(self, *, sync: bool) -> dict[str, Any]:
+        if self.dialect != "sqlite":
+            return {"pool_pre_ping": True}
+        return {"poolclass": NullPool}
+
+    async def close(self) -> None:
+        """Dispose of this loop's engine (its connections); the store reconnects on next use."""
+        engine = self._engines.pop()
+        if engine is not None:
+            await engine.dispose()
+
+    def close_sync(self) -> None:
+        """Dispose of the sync engine's connections; the store reconnects on next use."""
+        if self._sync_engine is not None:
+            self._sync_engine.dispose()
+
+    # -- schema and maintenance -----------------------------------------------------------------
+
+    async def create_schema(self) -> None:
+        """Create the table and its index if missing (or put ``metadata`` in your migrations)."""
+        async with self.engine.begin() as connection:
+            await connection.run_sync(self.metadata.create_all)
+
+    def create_schema_sync(self) -> None:
+        """Blocking twin of :meth:`create_schema`."""
+        self.metadata.create_all(self.sync_engine)
+
+    async def purge_expired(self, batch_size: int = 1000) -> int:
+        """Delete rows whose retention (or lease) has passed, ``batch_size`` at a time;
+        returns how many were deleted."""
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigurationError(f"purge_expired: batch_size must be >= 1, got {batch_size}")
+        t = self.table
+        deleted = 0
+        while True:
+            now = self._clock.wall()
+            doomed = (
+                sa.select(t.c.namespace, t.c.key).where(t.c.expires_at <= now).limit(batch_size)
+            )
+            async with self.engine.begin() as connection:
+                keys = (await connection.execute(doomed)).all()
+                if keys:
+                    await connection.execute(
+                        sa.delete(t).where(
+                            sa.tuple_(t.c.namespace, t.c.key).in_([tuple(k) for k in keys]),
+                            t.c.expires_at <= now,
+                        )
+                    )
+            deleted += len(keys)
+            if len(keys) < batch_size:
+                return deleted
+
+    # -- the DedupStore protocol ----------------------------------------------------------------
+
+    async def claim_many(
+        self,
+        keys: Sequence[DedupKey],
+        lease_ttl: float,
+        tokens: Sequence[str] | None = None,
+    ) -> list[ClaimResult]:
+        if not keys:
+            return []
+        lease = _seconds("lease_ttl", lease_ttl)
+        chosen = list(tokens) if tokens else [self._tokens.next() for _ in keys]
+        stored = [_stored(key) for key in keys]
+        first: dict[tuple[str, str], int] = {}
+        for index, row_key in enumerate(stored):
+            first.setdefault(row_key, index)
+        rows = [
+            {"namespace": ns, "key": k, "owner": chosen[index], "state": CLAIMED, "failures": 0,
+             "lease_expires_at": None, "completed_at": None, "expires_at": 0.0, "result": None}
+            for (ns, k), index in first.items()
+        ]
+        now = self._clock.wall()
+        async with self.engine.begin() as connection:
+            found = await self._claim_rows(connection, rows, now, now + lease)
+        results: list[ClaimResult] = []
+        for index, key in enumerate(keys):
+            row = found.get(stored[index])
+            token = chosen[index]
+            if row is None:  # cannot happen: the upsert either wrote or saw every key
+                raise RuntimeError(f"claim of {key!r} left no row")
+            state, owner, failures, expires_at, result = row
+            if state == COMPLETED:
+                results.append(Completed(result, key))
+            elif owner == token and first[stored[index]] == index:
+                results.append(Claimed(key, token, failures))
+            else:
+                results.append(InProgress(max(0.0, expires_at - now), failures))
+        return results
+
+    async def _claim_rows(
+        self, connection: AsyncConnection, rows: list[dict[str, Any]], now: float,
+        lease_end: float,
+    ) -> dict[tuple[str, str], tuple[str, str | None, int, float, str | None]]:
+        """Upsert the claims; return every row of the batch as it stands afterwards."""
+        t = self.table
+        for row in rows:
+            row["lease_expires_at"] = row["expires_at"] = lease_end
+        insert = (postgresql if self.dialect == "postgresql" else sqlite).insert(t)
+        excluded = insert.excluded
+        takes_over = sa.or_(
+            t.c.expires_at <= now,
+            t.c.state == FAILED,
+            sa.and_(t.c.state == CLAIMED, t.c.owner == excluded.owner),
+        )
+        upsert = insert.values(rows).on_conflict_do_update(
+            index_elements=[t.c.namespace, t.c.key],
+            set_={
+                "owner": excluded.owner,
+                "state": CLAIMED,
+                "failures": sa.case((t.c.expires_at <= now, 0), else_=t.c.failures),
+                "lease_expires_at": excluded.lease_expires_at,
+                "completed_at": None,
+                "expires_at": excluded.expires_at,
+                "result": None,
+            },
+            where=takes_over,
+        )
+        columns = (t.c.namespace, t.c.key, t.c.state, t.c.owner, t.c.failures, t.c.expires_at,
+                   t.c.result)
+        batch = sa.tuple_(t.c.namespace, t.c.key).in_([(r["namespace"], r["key"]) for r in rows])
+        if self.dialect == "postgresql":
+            # One statement: the CTE's RETURNING gives the rows it wrote; the outer SELECT sees
+            # the table as it was before the statement, i.e. the rows it left alone.
+            written = upsert.returning(*columns).cte("written")
+            untouched = sa.select(*columns).where(
+                batch,
+                sa.tuple_(t.c.namespace, t.c.key).not_in(
+                    sa.select(written.c.namespace, written.c.key)
+                ),
+            )
+            statement = sa.union_all(sa.select(*written.c), untouched)
+            result = list((await connection.execute(statement)).all())
+            seen = {(r[0], r[1]) for r in result}
+            keys = [(r["namespace"], r["key"]) for r in rows]
+            racing = [k for k in keys if k not in seen]
+            if racing:
+                # A row a concurrent transaction inserted and committed while this statement
+                # waited on it is newer than the statement's snapshot: read it afresh.
+                again = sa.select(*columns).where(sa.tuple_(t.c.namespace, t.c.key).in_(racing))
+                result += (await connection.execute(again)).all()
+        else:
+            await connection.execute(upsert)
+            result = (await connection.execute(sa.select(*columns).where(batch))).all()
+        return {(r[0], r[1]): (r[2], r[3], r[4], r[5], r[6]) for r in result}
+
+    async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+        if not claims:
+            return []
+        lease = _seconds("lease_ttl", lease_ttl)
+        now = self._clock.wall()
+        async with self.engine.begin() as connection:
+            renewed = await self._update_held(
+                connection, claims, now,
+                {"expires_at": now + lease, "lease_expires_at": now + lease},
+                failures=True,
+            )
+        return [claim for claim in claims if _stored(claim.key) not in renewed]
+
+    async def _update_held(
+        self, connection: AsyncConnection, claims: Sequence[Claimed], now: float,
+        values: dict[str, Any], *, failures: bool = False,
+    ) -> set[tuple[str, str]]:
+        """Update the rows still held under their claims' tokens; returns those it updated."""
+        t = self.table
+        changes = dict(values)
+        if failures:  # tokens are unique, so each row's own count is chosen by its token
+            changes["failures"] = sa.case(
+                {claim.token: claim.failures for claim in claims}, value=t.c.owner,
+                else_=t.c.failures,
+            )
+        statement = (
+            sa.update(t)
+            .where(
+                sa.tuple_(t.c.namespace, t.c.key, t.c.owner).in_(
+                    [(*_stored(c.key), c.token) for c in claims]
+                ),
+                t.c.state == CLAIMED,
+                t.c.expires_at > now,
+            )
+            .values(**changes)
+            .returning(t.c.namespace, t.c.key)
+        )
+        return {(r[0], r[1]) for r in (await connection.execute(statement)).all()}
+
+    async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+        if not completions:
+            return []
+        retention = _seconds("ttl", ttl)
+        checked = [checked_result_json(c.result_json) for c in completions]
+        now = self._clock.wall()
+        t = self.table
+        rows = {}
+        for completion, result_json in zip(completions, checked, strict=True):
+            ns, k = _stored(completion.claim.key)
+            rows[(ns, k)] = {
+                "namespace": ns, "key": k, "owner": completion.claim.token, "state": COMPLETED,
+                "failures": 0, "lease_expires_at": None, "completed_at": now,
+                "expires_at": now + retention, "result": result_json,
+            }
+        insert = (postgresql if self.dialect == "postgresql" else sqlite).insert(t)
+        excluded = insert.excluded
+        # a completion is recorded unless a peer holds the key under another token, or it was
+        # completed already (a fact)
+        may_write = sa.or_(
+            t.c.expires_at <= now,
+            t.c.state == FAILED,
+            sa.and_(t.c.state == CLAIMED, t.c.owner == excluded.owner),
+        )
+        upsert = insert.values(list(rows.values())).on_conflict_do_update(
+            index_elements=[t.c.namespace, t.c.key],
+            set_={"owner": None, "state": COMPLETED, "failures": 0, "lease_expires_at": None,
+                  "completed_at": excluded.completed_at, "expires_at": excluded.expires_at,
+                  "result": excluded.result},
+            where=may_write,
+        ).returning(t.c.namespace, t.c.key)
+        async with self.engine.begin() as connection:
+            written = {(r[0], r[1]) for r in (await connection.execute(upsert)).all()}
+            left = [key for key in rows if key not in written]
+            refused: set[tuple[str, str]] = set()
+            if left:
+                state = sa.select(t.c.namespace, t.c.key, t.c.state).where(
+                    sa.tuple_(t.c.namespace, t.c.key).in_(left)
+                )
+                refused = {(r[0], r[1]) for r in (await connection.execute(state)).all()
+                           if r[2] != COMPLETED}
+        return [c.claim for c in completions if _stored(c.claim.key) in refused]
+
+    async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
+        if not claims:
+            return
+        now = self._clock.wall()
+        keep = [c for c in claims if c.failures > 0 and retention > 0]
+        forget = [c for c in claims if not (c.failures > 0 and retention > 0)]
+        t = self.table
+        async with self.engine.begin() as connection:
+            if keep:
+                await self._update_held(
+                    connection, keep, now,
+                    {"state": FAILED, "owner": None, "lease_expires_at": None,
+                     "expires_at": now + retention},
+                    failures=True,
+                )
+            if forget:
+                await connection.execute(sa.delete(t).where(
+                    sa.tuple_(t.c.namespace, t.c.key, t.c.owner).in_(
+                        [(*_stored(c.key), c.token) for c in forget]
+                    ),
+                    t.c.state == CLAIMED,
+                ))
+
+    # -- inside a handler's transaction ------------------------------------------------------
+
+    def completion_statement(self, claim: Claimed, result_json: str, ttl: float) -> sa.Update:
+        """The UPDATE that records ``claim`` as completed, conditional on its token: run it in
+        the handler's own transaction; 0 rows updated means a peer took the key over."""
+        t = self.table
+        ns, k = _stored(claim.key)
+        now = self._clock.wall()
+        return (
+            sa.update(t)
+            .where(t.c.namespace == ns, t.c.key == k, t.c.owner == claim.token,
+                   t.c.state == CLAIMED)
+            .values(owner=None, state=COMPLETED, failures=0, lease_expires_at=None,
+                    completed_at=now, expires_at=now + _seconds("ttl", ttl),
+                    result=checked_result_json(result_json))
+        )
+
+    async def write_raw(self, key: DedupKey, result_json: str, ttl: float) -> None:
+        """Store ``result_json`` unchecked as a completed record (for tests of bad records)."""
+        ns, k = _stored(key)
+        now = self._clock.wall()
+        t = self.table
+        async with self.engine.begin() as connection:
+            await connection.execute(sa.delete(t).where(t.c.namespace == ns, t.c.key == k))
+            await connection.execute(sa.insert(t).values(
+                namespace=ns, key=k, owner=None, state=COMPLETED, failures=0, completed_at=now,
+                expires_at=now + ttl, result=result_json,
+            ))
+
+
+def _stored(key: DedupKey) -> tuple[str, str]:
+    """The (namespace, key) as stored: as they are, or hashed when long or hash-like."""
+    return _part(key.namespace), _part(key.key)
+
+
+def _part(text: str) -> str:
+    # Databases refuse NUL in text and lone surrogates in UTF-8: those are hashed too.
+    if len(text) <= READABLE_LIMIT and not text.startswith(_HASHED) and _storable(text):
+        return text
+    return _HASHED + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _storable(text: str) -> bool:
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _seconds(name: str, seconds: float) -> float:
+    if not isinstance(seconds, int | float) or not 0 < seconds < float("inf"):
+        raise ConfigurationError(f"SqlDedupStore: {name} must be in (0, inf), got {seconds!r}")
+    return float(seconds)
+
+
+def _database_url(url: URL) -> URL:
+    """``sqlite://`` as a throwaway database file, removed at exit; any other URL as it is.
+
+    Not a shared-cache memory database: SQLite locks whole tables there and fails concurrent
+    writers at once (``database table is locked``) instead of waiting ``busy_timeout``.
+    """
+    if url.get_backend_name() == "sqlite" and not url.database:
+        directory = tempfile.mkdtemp(prefix="reliable-sub-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        return url.set(database=os.path.join(directory, "dedup.sqlite3"))
+    return url
+
+
+def _sqlite_pragmas(connection: Any, _record: Any) -> None:
+    cursor = connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.close()
+
+
+__all__ = ["DEFAULT_TABLE", "SqlDedupStore", "processed_table"]

@@ -1,0 +1,110 @@
+"""Two real processes claim the same keys at the same time: every key has exactly one winner.
+
+Each child builds its own store over the shared database (Redis, PostgreSQL, an SQLite file),
+prints ``ready``, waits for the parent's start file (polled, with a deadline), then claims 200
+keys in its own shuffled order, one ``claim_many`` batch of 10 at a time, and prints the keys it
+won. The parent checks the two sets are disjoint and cover all keys.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from reliable_sub.testing.services import postgres_url, redis_url
+from tests.redis_processes import Child
+
+KEYS = 200
+
+CHILD = r'''
+import asyncio, json, random, sys, time
+from pathlib import Path
+
+from reliable_sub import Claimed, DedupKey
+
+settings = json.loads(sys.argv[1])
+
+
+def build_store():
+    if settings["kind"] == "redis":
+        from reliable_sub.dedup import RedisDedupStore
+        return RedisDedupStore(settings["url"], prefix=settings["name"], owner=settings["owner"])
+    from reliable_sub.dedup import SqlDedupStore
+    return SqlDedupStore(settings["url"], table=settings["name"], owner=settings["owner"])
+
+
+async def main():
+    store = build_store()
+    keys = [DedupKey("race", str(i)) for i in range(settings["keys"])]
+    random.Random(settings["owner"]).shuffle(keys)
+    print("ready", flush=True)
+    start = Path(settings["start_file"])
+    give_up = time.monotonic() + 30
+    while not start.exists():
+        assert time.monotonic() < give_up, "no start file"
+        await asyncio.sleep(0.001)
+    won = []
+    for first in range(0, len(keys), 10):
+        batch = keys[first:first + 10]
+        for key, result in zip(batch, await store.claim_many(batch, 60)):
+            if isinstance(result, Claimed):
+                won.append(key.key)
+    await store.close()
+    print("won " + json.dumps(won), flush=True)
+
+
+asyncio.run(main())
+'''
+
+
+@pytest.fixture(params=["redis", "postgresql", "sqlite-file"])
+def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Settings naming one fresh store on a shared database; the schema made for SQL."""
+    name = f"test_race_{uuid.uuid4().hex[:10]}"
+    if request.param == "redis":
+        yield {"kind": "redis", "url": redis_url(), "name": name}
+        import redis
+
+        client = redis.Redis.from_url(redis_url())
+        keys = list(client.scan_iter(match=f"{name}*"))
+        if keys:
+            client.delete(*keys)
+        client.close()
+        return
+    from reliable_sub.dedup import SqlDedupStore
+
+    url = postgres_url() if request.param == "postgresql" else f"sqlite:///{tmp_path / 'd.db'}"
+    store = SqlDedupStore(url, table=name)
+    store.create_schema_sync()
+    yield {"kind": "sql", "url": url, "name": name}
+    store.metadata.drop_all(store.sync_engine)
+    store.close_sync()
+
+
+def test_two_processes_claiming_the_same_keys_never_both_win(
+    shared_store: dict[str, str], tmp_path: Path
+) -> None:
+    start_file = tmp_path / "start"
+    script = tmp_path / "claimer.py"
+    script.write_text(CHILD)
+    children = [
+        Child(script, json.dumps({**shared_store, "owner": owner, "keys": KEYS,
+                                  "start_file": str(start_file)}))
+        for owner in ("left", "right")
+    ]
+    try:
+        for child in children:
+            child.wait_for_line("ready")
+        start_file.touch()
+        won = [set(json.loads(child.wait_for_line("won ", timeout=60)[4:])) for child in children]
+    finally:
+        for child in children:
+            child.process.kill()
+            child.process.wait(timeout=10)
+    assert won[0].isdisjoint(won[1]), f"both processes won {sorted(won[0] & won[1])[:10]}"
+    assert won[0] | won[1] == {str(i) for i in range(KEYS)}
+    assert won[0] and won[1], "one process won everything: the two never raced"
