@@ -300,7 +300,7 @@ class SqlDedupStore(SingleKeyMethods):
                 result += (await connection.execute(again)).all()
         else:
             await connection.execute(upsert)
-            result = (await connection.execute(sa.select(*columns).where(batch))).all()
+            result = list((await connection.execute(sa.select(*columns).where(batch))).all())
         return {(r[0], r[1]): (r[2], r[3], r[4], r[5], r[6]) for r in result}
 
     async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
