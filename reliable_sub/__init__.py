@@ -18,6 +18,7 @@ from .dedup import (
 from .errors import (
     AccessDeniedError,
     AdapterError,
+    ClaimLostError,
     ConfigurationError,
     HandlerTimeoutError,
     MalformedMessageError,
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AccessDeniedError",
     "AdapterError",
+    "ClaimLostError",
     "Claimed",
     "Clock",
     "Completed",

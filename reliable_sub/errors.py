@@ -55,3 +55,9 @@ class MalformedMessageError(ReliableSubError, ValueError):
 
 class HandlerTimeoutError(ReliableSubError, TimeoutError):
     """A handler was still running at ``LeasePolicy.max_lease_duration``: a failed attempt."""
+
+
+class ClaimLostError(ReliableSubError):
+    """A transactional handler's dedup claim was taken over by a peer before its transaction
+    committed: the transaction (the handler's writes included) was rolled back, and the message
+    is deferred to the peer, which holds the key now."""

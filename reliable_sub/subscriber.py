@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 from .clock import Clock, SystemClock
 from .dedup import DedupStore
 from .errors import ConfigurationError
+from .idempotency.transactional import TransactionalStore
 from .message import Message
 from .middleware import Middleware
 from .outcome import DeliveryEvent, Outcome, SubscriberStats
@@ -176,6 +177,7 @@ class Subscriber:
         *,
         namespace: str | None = None,
         middleware: Sequence[Middleware] = (),
+        transactional: bool = False,
     ) -> Callable[[HandlerT], HandlerT]:
         """Register the decorated function as the handler of ``subscription``.
 
@@ -183,6 +185,14 @@ class Subscriber:
         return value is stored (as JSON) in the dedup store. ``namespace`` scopes dedup keys
         (default: the adapter's name for the broker, topic and subscription). ``middleware``
         wraps this handler only, inside the Subscriber-wide ones.
+
+        ``transactional=True`` (needs a :class:`~reliable_sub.dedup.SqlDedupStore`): the
+        handler is called as ``handler(message, connection)``, with a SQLAlchemy connection in
+        an open transaction (``AsyncConnection`` for a coroutine function, ``Connection`` for a
+        sync one). Its writes and the message's dedup record commit together, conditional on
+        this delivery still holding the claim; if a peer took the key over meanwhile,
+        everything is rolled back and the message is deferred to the peer. Do not commit on
+        the connection yourself.
         """
         route_middleware = _checked_middleware(middleware, "handler middleware")
         if not isinstance(subscription, str) or not subscription:
@@ -193,6 +203,9 @@ class Subscriber:
             raise ConfigurationError(
                 f"handler: namespace must be a non-empty str or None, got {namespace!r}"
             )
+
+        if transactional:
+            self._check_transactional(subscription)
 
         def register(function: HandlerT) -> HandlerT:
             if not callable(function):
@@ -211,10 +224,20 @@ class Subscriber:
                 namespace=namespace,
                 name=_name_of(function),
                 middleware=route_middleware,
+                transactional=transactional,
             )
             return function
 
         return register
+
+    def _check_transactional(self, subscription: str) -> None:
+        store = self._config.dedup
+        if not isinstance(store, TransactionalStore):
+            raise ConfigurationError(
+                f"handler {subscription!r}: transactional=True needs a dedup store that commits "
+                f"in the handler's transaction (SqlDedupStore), got {store!r}; pass "
+                "Subscriber(..., dedup=SqlDedupStore(url))"
+            )
 
     def lease_manager(self, subscription: str) -> LeaseManager:
         """The running lease manager of ``subscription`` (for stats and inspection)."""

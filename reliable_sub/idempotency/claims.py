@@ -118,6 +118,11 @@ class Claims:
         """What to record for ``item`` when its handler succeeded (None without a claim)."""
         return Completion(item.claim, result_json) if item.claim is not None else None
 
+    def committed(self, item: InFlight) -> None:
+        """``item``'s completion committed with its handler's transaction: the claim is over,
+        with nothing left to write."""
+        item.claim, item.claim_active = None, False
+
     def release(self, item: InFlight) -> Claimed | None:
         """The claim to release for ``item`` (with its failure count), dropping it from the
         item so it is released once."""

@@ -29,6 +29,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
 from .._results import checked_result_json
@@ -41,7 +42,7 @@ from .memory_store import SingleKeyMethods, TokenSource, check_owner
 try:
     import sqlalchemy as sa
     from sqlalchemy.dialects import postgresql, sqlite
-    from sqlalchemy.engine import URL, Engine, make_url
+    from sqlalchemy.engine import URL, Connection, Engine, make_url
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
     from sqlalchemy.pool import NullPool
 except ImportError as error:  # the sql extra is not installed
@@ -409,6 +410,14 @@ class SqlDedupStore(SingleKeyMethods):
                 ))
 
     # -- inside a handler's transaction ------------------------------------------------------
+
+    def begin(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """An ``AsyncConnection`` of this loop's engine in a transaction (commits on exit)."""
+        return self.engine.begin()
+
+    def begin_sync(self) -> AbstractContextManager[Connection]:
+        """A sync ``Connection`` in a transaction (for sync handlers; commits on exit)."""
+        return self.sync_engine.begin()
 
     def completion_statement(self, claim: Claimed, result_json: str, ttl: float) -> sa.Update:
         """The UPDATE that records ``claim`` as completed, conditional on its token: run it in

@@ -32,19 +32,21 @@ import sys
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from tenacity import AsyncRetrying, retry_if_exception, wait_random_exponential
 
 from ..clock import Clock
 from ..dedup import Claimed, Completed, DedupStore, InProgress, encode_result
 from ..errors import (
+    ClaimLostError,
     HandlerTimeoutError,
     MalformedMessageError,
     ResultNotSerializableError,
     UnknownTopicError,
 )
 from ..idempotency.claims import Claims
+from ..idempotency.transactional import Committed, TransactionalStore, transactional_handler
 from ..message import Delivery, Message
 from ..middleware import CallNext, Context, Decision, Middleware, Verdict, chain
 from ..middleware.dead_letter import DeadLetterOrBackoff, log_fields
@@ -127,6 +129,8 @@ class Route:
     namespace: str | None
     name: str
     middleware: tuple[Middleware, ...] = ()
+    # handler(message, connection): its writes and its dedup record commit in one transaction
+    transactional: bool = False
 
 
 @dataclass(eq=False)
@@ -140,6 +144,9 @@ class Lane:
     # the middleware chain, or None: no middleware of the user's and no in-process retries,
     # so the handler is called directly and failures go straight to DeadLetterOrBackoff
     call: CallNext | None
+    # the handler as called with the message alone (a transactional one wrapped in its
+    # transaction)
+    handler: Callable[[Message], Any]
     receive_call: asyncio.Task[list[Delivery]] | None = None
     # ordering key -> deliveries waiting for the running one of that key
     keys: dict[str, deque[InFlight]] = field(default_factory=dict)
@@ -193,6 +200,7 @@ class Runtime:
                 lease=lease,
                 ordered=adapter.capabilities.ordering,
                 call=self._chain_of(route),
+                handler=self._handler_of(route),
             )
         self.receiving = self.accepting = True
         self.supervisor.spawn("settler", self.settler.run)
@@ -208,6 +216,15 @@ class Runtime:
                 asyncio.get_running_loop(), config.loop_lag_warning, self._describe_task
             )
             self.watchdog.start()
+
+    def _handler_of(self, route: Route) -> Callable[[Message], Any]:
+        if not route.transactional:
+            return route.handler
+        store = cast(TransactionalStore, self.config.dedup)  # checked at registration
+        return transactional_handler(
+            route.handler, store, retention=self.config.dedup_ttl, is_async=route.is_async,
+            claim_of=current_claim, encode=self._encode,
+        )
 
     def _chain_of(self, route: Route) -> CallNext | None:
         """The route's middleware chain (built once), or None for the direct fast path."""
@@ -467,6 +484,10 @@ class Runtime:
                 except BaseException as error:
                     if _ours(item, error):
                         raise
+                    if isinstance(error, ClaimLostError):
+                        item.duration = lane.lease.finished(item)
+                        self._claim_lost(item, error)
+                        return
                     # Anything a handler raises is its failure: Exception, SystemExit,
                     # KeyboardInterrupt, a CancelledError it raised itself, a BaseException.
                     item.duration = lane.lease.finished(item)
@@ -484,6 +505,10 @@ class Runtime:
             except BaseException as error:  # a middleware of the user's raised: its failure
                 if _ours(item, error):
                     raise
+                if isinstance(error, ClaimLostError):
+                    item.duration = lane.lease.finished(item)
+                    self._claim_lost(item, error)
+                    return
                 decision = await self.failure.after_failure(message, item.failures, error)
             finally:
                 _current_item.reset(item_token)
@@ -498,13 +523,13 @@ class Runtime:
         try:
             result = await self._call(item.route, item)
         except BaseException as error:
-            if _ours(item, error):
-                raise
+            if _ours(item, error) or isinstance(error, ClaimLostError):
+                raise  # not the handler's failure: past the middleware, to _attempt
             return Decision.failed(error)
         return Decision.ack(result)
 
     async def _call(self, lane: Lane, item: InFlight) -> Any:
-        handler, message = lane.route.handler, item.delivery.message
+        handler, message = lane.handler, item.delivery.message
         if lane.route.is_async:
             result = handler(message)
             if inspect.isawaitable(result):
@@ -519,6 +544,10 @@ class Runtime:
         return value
 
     def _succeeded(self, lane: Lane, item: InFlight, result: Any) -> None:
+        if isinstance(result, Committed):  # recorded in the handler's transaction: only ack
+            self.claims.committed(item)
+            self._settle(item, Outcome.ACKED, ack=True)
+            return
         result_json = "null"
         if item.claim is not None:
             result_json = self._encode(result, item.delivery.message)
@@ -547,6 +576,14 @@ class Runtime:
         else:
             self._settle(item, Outcome.RETRY, ack=False, delay=decision.delay,
                          release=self.claims.release(item))
+
+    def _claim_lost(self, item: InFlight, error: ClaimLostError) -> None:
+        """A transactional handler's claim was taken over: rolled back; the peer has it."""
+        self.stats.lost_claims += 1
+        item.claim, item.claim_active = None, False  # the peer's now: nothing to release
+        logger.warning("%s; deferring it", error, extra={"message_id": item.message_id})
+        self._settle(item, Outcome.DEFERRED, ack=False,
+                     delay=self._defer_delay(self.config.lease.max_lease_duration))
 
     async def _decide_failure(self, item: InFlight, error: BaseException) -> None:
         item.stage = Stage.SETTLING

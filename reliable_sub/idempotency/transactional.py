@@ -1,0 +1,105 @@
+"""Transactional handlers: the handler's writes and its dedup record commit in one transaction.
+
+``@sub.handler(subscription, transactional=True)`` wraps the handler once, at registration::
+
+    BEGIN
+      handler(message, connection)          -- your writes, on the connection you were given
+      UPDATE processed SET state='completed', result=...
+        WHERE namespace=... AND key=... AND owner=<this delivery's token> AND state='claimed'
+    COMMIT                                  -- or ROLLBACK when the UPDATE matched no row
+
+The completion is the last statement, so the dedup row is locked only for the commit, never
+while the handler runs (a peer's claim of another key never waits on this transaction). If the
+claim lapsed and a peer took the key over, the UPDATE matches nothing: the whole transaction,
+the handler's writes included, is rolled back and :class:`ClaimLostError` tells the Subscriber
+to defer the message to the peer. Otherwise the effect and the "completed" mark are one commit,
+so a crash can never leave one without the other. The Subscriber then only acks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
+from typing import Any, Protocol, runtime_checkable
+
+from ..errors import ClaimLostError
+from ..message import Message
+from ..ports import Claimed
+
+
+@runtime_checkable
+class TransactionalStore(Protocol):
+    """A dedup store whose completion can run inside the handler's own transaction."""
+
+    def begin(self) -> AbstractAsyncContextManager[Any]:
+        """An async connection in a transaction (committed on exit, rolled back on error)."""
+        ...
+
+    def begin_sync(self) -> AbstractContextManager[Any]:
+        """The same, for a sync handler on a worker thread."""
+        ...
+
+    def completion_statement(self, claim: Claimed, result_json: str, ttl: float) -> Any:
+        """The owner-fenced statement that marks ``claim`` completed (1 row, or 0 if lost)."""
+        ...
+
+
+class Committed:
+    """A transactional handler's result, committed together with its dedup record."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+
+def transactional_handler(
+    handler: Callable[..., Any],
+    store: TransactionalStore,
+    *,
+    retention: float,
+    is_async: bool,
+    claim_of: Callable[[], Claimed | None],
+    encode: Callable[[Any, Message], str],
+) -> Callable[[Message], Any]:
+    """Wrap ``handler(message, connection)`` as a one-argument handler that runs it and its
+    completion in one transaction and returns :class:`Committed` (sync or async, as given)."""
+
+    def claim_for(message: Message) -> Claimed:
+        claim = claim_of()
+        if claim is None:  # the Subscriber always claims first; this is a bug guard
+            raise RuntimeError(f"message {message.id}: a transactional handler ran unclaimed")
+        return claim
+
+    def lost(message: Message, claim: Claimed) -> ClaimLostError:
+        return ClaimLostError(
+            f"the dedup claim of message {message.id} (key {claim.key.key!r}) was taken over "
+            "by a peer before the transaction committed; rolled back, handler's writes included"
+        )
+
+    if is_async:
+
+        async def run_async(message: Message) -> Committed:
+            claim = claim_for(message)
+            async with store.begin() as connection:
+                result = await handler(message, connection)
+                statement = store.completion_statement(claim, encode(result, message), retention)
+                if (await connection.execute(statement)).rowcount != 1:
+                    raise lost(message, claim)  # leaving the block rolls back
+            return Committed(result)
+
+        return run_async
+
+    def run_sync(message: Message) -> Committed:
+        claim = claim_for(message)
+        with store.begin_sync() as connection:
+            result = handler(message, connection)
+            statement = store.completion_statement(claim, encode(result, message), retention)
+            if connection.execute(statement).rowcount != 1:
+                raise lost(message, claim)
+        return Committed(result)
+
+    return run_sync
+
+
+__all__ = ["Committed", "TransactionalStore", "transactional_handler"]

@@ -1,0 +1,309 @@
+"""Transactional handlers: the handler's writes and its dedup record commit together, or neither.
+
+Each test runs a Subscriber on the in-memory broker with a SqlDedupStore on PostgreSQL and on
+SQLite, and counts the handler's effects as rows of a ``payments`` table, read outside the
+consumer. The real-process cases (SIGKILL, SIGSTOP) are in test_transactional_processes.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from reliable_sub import (
+    ClaimLostError,
+    ConfigurationError,
+    MemoryDedupStore,
+    Message,
+    Outcome,
+    RetryPolicy,
+    Subscriber,
+    SystemClock,
+    current_claim,
+)
+from reliable_sub.adapters.memory import MemoryAdapter
+from reliable_sub.dedup import Completed, DedupKey
+from reliable_sub.idempotency.sql_store import SqlDedupStore
+from reliable_sub.testing.services import postgres_url
+from reliable_sub.testing.timing import drive_until
+
+# Real seconds a test may wait for something that takes milliseconds.
+WITHIN = 10.0
+
+
+@dataclass
+class World:
+    store: SqlDedupStore
+    payments: Any  # sa.Table
+    broker: MemoryAdapter = field(default_factory=MemoryAdapter)
+    outcomes: list[tuple[str, Outcome]] = field(default_factory=list)
+
+    def subscriber(self, **options: Any) -> Subscriber:
+        options.setdefault("retry", RetryPolicy(min_backoff=0.01, max_backoff=0.02))
+        return Subscriber(
+            self.broker, dedup=self.store,
+            on_outcome=lambda m, o: self.outcomes.append((m.id, o)), **options,
+        )
+
+    async def rows(self) -> list[tuple[str, str]]:
+        async with self.store.engine.connect() as connection:
+            result = await connection.execute(
+                sa.select(self.payments.c.message_id, self.payments.c.note)
+                .order_by(self.payments.c.id)
+            )
+            return [(r[0], r[1]) for r in result]
+
+    async def record(self, message_id: str) -> Any:
+        key = DedupKey(self.broker.dedup_namespace("billing"), message_id)
+        [result] = await self.store.claim_many([key], 0.001, ["probe"])
+        return result
+
+    async def served(self, sub: Subscriber, until: Any, what: str) -> None:
+        task = asyncio.ensure_future(sub.serve())
+        try:
+            await drive_until(SystemClock(), until, WITHIN, what=what)
+        finally:
+            await sub.shutdown(timeout=5)
+            await task
+
+
+def _payments_table(metadata: Any, name: str) -> Any:
+    return sa.Table(
+        name, metadata,
+        sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+        # no unique constraint on purpose: only the dedup record keeps effects single
+        sa.Column("message_id", sa.String(100), nullable=False),
+        sa.Column("note", sa.String(100), nullable=False),
+    )
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+async def world(request: pytest.FixtureRequest) -> AsyncIterator[World]:
+    url = postgres_url() if request.param == "postgresql" else "sqlite://"
+    suffix = uuid.uuid4().hex[:10]
+    store = SqlDedupStore(url, table=f"test_tx_processed_{suffix}")
+    payments = _payments_table(store.metadata, f"test_tx_payments_{suffix}")
+    await store.create_schema()  # creates every table on store.metadata: payments too
+    world = World(store, payments)
+    world.broker.ensure_subscription_sync("orders", "billing")
+    try:
+        yield world
+    finally:
+        async with store.engine.begin() as connection:
+            await connection.run_sync(store.metadata.drop_all)
+        await store.close()
+        store.close_sync()
+
+
+def _insert(world: World, message: Message, note: str) -> Any:
+    return sa.insert(world.payments).values(message_id=message.id, note=note)
+
+
+async def test_async_handler_commits_its_write_with_the_record_and_a_duplicate_is_a_no_op(
+    world: World,
+) -> None:
+    sub = world.subscriber()
+
+    @sub.handler("billing", transactional=True)
+    async def charge(message: Message, connection: Any) -> dict[str, str]:
+        assert connection.in_transaction()
+        await connection.execute(_insert(world, message, "charged"))
+        return {"charged": message.id}
+
+    first = await world.broker.publish("orders", b"pay", {"idempotency-key": "order-1"})
+    task = asyncio.ensure_future(sub.serve())
+    try:
+        await drive_until(SystemClock(), lambda: len(world.outcomes) == 1, WITHIN)
+        # the producer retries: the same key again, after the first was handled
+        second = await world.broker.publish("orders", b"pay", {"idempotency-key": "order-1"})
+        await drive_until(SystemClock(), lambda: len(world.outcomes) == 2, WITHIN)
+    finally:
+        await sub.shutdown(timeout=5)
+        await task
+
+    assert world.outcomes == [(first, Outcome.ACKED), (second, Outcome.DUPLICATE)]
+    assert await world.rows() == [(first, "charged")]
+    record = await world.record("order-1")
+    assert isinstance(record, Completed) and record.result == {"charged": first}
+
+
+async def test_sync_handler_gets_a_sync_connection_on_its_worker_thread(world: World) -> None:
+    sub = world.subscriber()
+    threads: list[str] = []
+
+    @sub.handler("billing", transactional=True)
+    def charge(message: Message, connection: Any) -> int:
+        threads.append(threading.current_thread().name)
+        assert connection.in_transaction()
+        connection.execute(_insert(world, message, "sync"))
+        return 7
+
+    message_id = await world.broker.publish("orders", b"pay")
+    await world.served(sub, lambda: len(world.outcomes) == 1, "the delivery to settle")
+
+    assert world.outcomes == [(message_id, Outcome.ACKED)]
+    assert threads and threads[0] != threading.main_thread().name
+    assert await world.rows() == [(message_id, "sync")]
+    record = await world.record(message_id)
+    assert isinstance(record, Completed) and record.result == 7
+
+
+async def test_a_failing_handler_leaves_nothing_and_the_retry_commits_once(world: World) -> None:
+    sub = world.subscriber()
+    attempts: list[int] = []
+
+    @sub.handler("billing", transactional=True)
+    async def charge(message: Message, connection: Any) -> None:
+        attempts.append(message.delivery_attempt)
+        await connection.execute(_insert(world, message, f"attempt {len(attempts)}"))
+        if len(attempts) < 3:
+            raise ConnectionError("the payment provider timed out")
+
+    message_id = await world.broker.publish("orders", b"pay")
+    await world.served(sub, lambda: (message_id, Outcome.ACKED) in world.outcomes,
+                       "the third attempt to succeed")
+
+    assert [o for _, o in world.outcomes] == [Outcome.RETRY, Outcome.RETRY, Outcome.ACKED]
+    assert await world.rows() == [(message_id, "attempt 3")], "failed attempts rolled back"
+
+
+async def test_a_claim_taken_over_before_commit_rolls_back_the_handlers_writes(
+    world: World,
+) -> None:
+    sub = world.subscriber()
+    peer_token = "peer.1"
+
+    @sub.handler("billing", transactional=True)
+    async def charge(message: Message, connection: Any) -> str:
+        claim = current_claim()
+        assert claim is not None
+        if message.delivery_attempt == 1:
+            # A peer takes the key over while this handler runs (as after its lease lapsed),
+            # committing on a connection of its own. (Before this handler's first write: on
+            # SQLite that write takes the database's write lock until the commit.)
+            await _take_over(world.store, claim.key, peer_token)
+        await connection.execute(_insert(world, message, "stale"))
+        return "done"
+
+    message_id = await world.broker.publish("orders", b"pay")
+    await world.served(sub, lambda: len(world.outcomes) >= 1, "the first delivery to settle")
+
+    assert world.outcomes[0] == (message_id, Outcome.DEFERRED)
+    assert await world.rows() == [], "the handler's write went with the rollback"
+    assert sub.stats.lost_claims == 1
+    key = DedupKey(world.broker.dedup_namespace("billing"), message_id)
+    t = world.store.table
+    async with world.store.engine.connect() as connection:
+        owner = (await connection.execute(
+            sa.select(t.c.owner, t.c.state).where(t.c.key == key.key)
+        )).one()
+    assert tuple(owner) == (peer_token, "claimed"), "the peer's claim is untouched"
+
+
+async def _take_over(store: SqlDedupStore, key: DedupKey, token: str) -> None:
+    t = store.table
+    async with store.engine.begin() as connection:
+        updated = await connection.execute(
+            sa.update(t).where(t.c.namespace == key.namespace, t.c.key == key.key)
+            .values(owner=token)
+        )
+        assert updated.rowcount == 1
+
+
+async def test_claim_lost_error_is_not_a_handler_failure_even_through_middleware(
+    world: World,
+) -> None:
+    seen: list[Any] = []
+
+    async def watching(context: Any, call_next: Any) -> Any:
+        try:
+            decision = await call_next(context)
+        except ClaimLostError as error:
+            seen.append(error)
+            raise
+        return decision
+
+    sub = world.subscriber(middleware=[watching])
+
+    @sub.handler("billing", transactional=True)
+    async def charge(message: Message, connection: Any) -> None:
+        claim = current_claim()
+        assert claim is not None
+        await _take_over(world.store, claim.key, "peer.2")
+        await connection.execute(_insert(world, message, "stale"))
+
+    message_id = await world.broker.publish("orders", b"pay")
+    await world.served(sub, lambda: len(world.outcomes) >= 1, "the delivery to settle")
+    assert world.outcomes[0] == (message_id, Outcome.DEFERRED)
+    assert len(seen) == 1 and message_id in str(seen[0])
+    assert sub.stats.handler_errors == 0
+    assert await world.rows() == []
+
+
+def test_transactional_needs_a_store_that_commits_in_the_handlers_transaction() -> None:
+    broker = MemoryAdapter()
+    for dedup in (None, MemoryDedupStore()):
+        sub = Subscriber(broker, dedup=dedup)
+        with pytest.raises(ConfigurationError, match="SqlDedupStore"):
+            sub.handler("billing", transactional=True)
+
+
+async def test_the_event_loop_keeps_ticking_while_a_claim_waits_on_a_locked_row() -> None:
+    """A claim blocked by a row lock (a peer's open transaction) must not stall the loop."""
+    url = postgres_url()
+    store = SqlDedupStore(url, table=f"test_tx_lock_{uuid.uuid4().hex[:10]}")
+    await store.create_schema()
+    key = DedupKey("ns", "locked")
+    [first] = await store.claim_many([key], 60)
+    holder = sa.create_engine(store.url.set(drivername="postgresql+psycopg"))
+    t = store.table
+    locked, release = threading.Event(), threading.Event()
+
+    def hold_the_row_lock() -> None:
+        with holder.begin() as connection:
+            connection.execute(sa.select(t.c.key).where(t.c.key == "locked").with_for_update())
+            locked.set()
+            release.wait(WITHIN)
+
+    period, lateness = 0.010, [0.0]
+    stop = asyncio.Event()
+
+    async def heartbeat() -> None:
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            due = loop.time() + period
+            await asyncio.sleep(period)
+            lateness[0] = max(lateness[0], loop.time() - due)
+
+    holder_thread = threading.Thread(target=hold_the_row_lock)
+    holder_thread.start()
+    beats = asyncio.create_task(heartbeat())
+    try:
+        assert await asyncio.to_thread(locked.wait, WITHIN)
+        claim = asyncio.create_task(store.claim_many([key], 60, ["me.waiting"]))
+        # the claim is blocked on the lock for as long as the holder keeps its transaction
+        waited = 0
+        while waited < 30:  # 30 heartbeats (~0.3 s) with the claim parked on the row lock
+            await asyncio.sleep(period)
+            assert not claim.done(), "the claim should wait for the row lock"
+            waited += 1
+        release.set()
+        [verdict] = await asyncio.wait_for(claim, WITHIN)
+    finally:
+        release.set()
+        stop.set()
+        await beats
+        holder_thread.join(WITHIN)
+        holder.dispose()
+        async with store.engine.begin() as connection:
+            await connection.run_sync(store.metadata.drop_all)
+        await store.close()
+    assert first is not None and verdict is not None
+    assert lateness[0] < 0.050, f"a 10 ms heartbeat was {lateness[0] * 1000:.0f} ms late"
