@@ -8,10 +8,13 @@ consumer. The real-process cases (SIGKILL, SIGSTOP) are in test_transactional_pr
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -307,3 +310,14 @@ async def test_the_event_loop_keeps_ticking_while_a_claim_waits_on_a_locked_row(
         await store.close()
     assert first is not None and verdict is not None
     assert lateness[0] < 0.050, f"a 10 ms heartbeat was {lateness[0] * 1000:.0f} ms late"
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_the_transactional_example_runs_and_charges_each_payment_once(database: str) -> None:
+    url = postgres_url() if database == "postgresql" else "sqlite://"
+    done = subprocess.run(
+        [sys.executable, "examples/transactional.py", url],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "payments: ['P-1', 'P-2'] balance: 50.00" in done.stdout, done.stdout
