@@ -90,12 +90,15 @@ async def main(url: str) -> int:
             raise ConnectionError("ledger service unavailable")  # rolls back the two writes
         return {"order": order_id, "charged": amount}
 
+    async def settled_count(count: int) -> None:
+        while len(outcomes) < count:
+            settled.clear()
+            await settled.wait()
+
     async def wait_for(count: int) -> None:
-        with contextlib.suppress(TimeoutError):  # the check at the end says what is missing
-            async with asyncio.timeout(WAIT_LIMIT):
-                while len(outcomes) < count:
-                    settled.clear()
-                    await settled.wait()
+        # on timeout, the check at the end says what is missing
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(settled_count(count), WAIT_LIMIT)
 
     serving = asyncio.ensure_future(sub.serve())
     try:
