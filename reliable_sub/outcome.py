@@ -74,6 +74,7 @@ class SubscriberStats:
     acks_refused: int = 0
     lost_claims: int = 0
     malformed: int = 0
+    purged_records: int = 0  # expired dedup records deleted by the periodic purge
 
     def __getitem__(self, outcome: Outcome | str) -> int:
         return self.outcomes[Outcome(outcome)]

@@ -52,6 +52,9 @@ DEFAULT_SYNC_WORKERS = 10
 DEFAULT_STOP_TIMEOUT = 30.0
 # Real seconds of event-loop lag after which the watchdog warns that a handler blocks the loop.
 DEFAULT_LOOP_LAG_WARNING = 1.0
+# Seconds between deletions of expired dedup records, for stores that keep them until deleted
+# (SqlDedupStore; Redis expires its keys itself). Every consumer purges; deletes are batched.
+DEFAULT_DEDUP_PURGE_INTERVAL = 300.0
 
 HandlerT = TypeVar("HandlerT", bound=Callable[..., Any])
 
@@ -84,6 +87,8 @@ class Subscriber:
             (a signal under ``run``, a cancelled ``serve()``, ``stop()``/``shutdown()``).
         loop_lag_warning: real seconds of event-loop lag after which a WARNING names the
             handler blocking the loop; None turns the watchdog off.
+        dedup_purge_interval: seconds between ``dedup.purge_expired()`` calls, for a store
+            that has one (``SqlDedupStore``); None never purges (run it yourself, e.g. cron).
 
     The Subscriber closes ``adapter`` and ``dedup`` when a run ends; both reconnect if used
     again (by you, or by the next run).
@@ -109,11 +114,14 @@ class Subscriber:
         receive_timeout: float = RECEIVE_TIMEOUT,
         stop_timeout: float = DEFAULT_STOP_TIMEOUT,
         loop_lag_warning: float | None = DEFAULT_LOOP_LAG_WARNING,
+        dedup_purge_interval: float | None = DEFAULT_DEDUP_PURGE_INTERVAL,
     ) -> None:
         _check_positive("dedup_ttl", dedup_ttl)
         _check_positive("receive_timeout", receive_timeout)
         if loop_lag_warning is not None:
             _check_positive("loop_lag_warning", loop_lag_warning)
+        if dedup_purge_interval is not None:
+            _check_positive("dedup_purge_interval", dedup_purge_interval)
         if not isinstance(stop_timeout, int | float) or not stop_timeout >= 0:
             raise ConfigurationError(
                 f"Subscriber.stop_timeout must be in [0, inf), got {stop_timeout!r}"
@@ -134,6 +142,7 @@ class Subscriber:
             receive_batch=receive_batch,
             receive_timeout=receive_timeout,
             loop_lag_warning=loop_lag_warning,
+            dedup_purge_interval=dedup_purge_interval,
             on_outcome=on_outcome,
             on_event=on_event,
             middleware=_checked_middleware(middleware, "Subscriber.middleware"),

@@ -114,6 +114,7 @@ class Config:
     receive_batch: int
     receive_timeout: float
     loop_lag_warning: float | None
+    dedup_purge_interval: float | None
     on_outcome: Callable[[Message, Outcome], None] | None
     on_event: Callable[[DeliveryEvent], None] | None
     middleware: tuple[Middleware, ...]
@@ -211,6 +212,10 @@ class Runtime:
                 f"receive loop of {name!r}", functools.partial(self._receive_loop, lane),
                 keep_running=lambda: self.receiving,
             )
+        purge = getattr(config.dedup, "purge_expired", None)
+        if purge is not None and config.dedup_purge_interval is not None:
+            self.supervisor.spawn("dedup purge", functools.partial(
+                self._purge_loop, purge, config.dedup_purge_interval))
         if config.loop_lag_warning is not None:
             self.watchdog = LoopWatchdog(
                 asyncio.get_running_loop(), config.loop_lag_warning, self._describe_task
@@ -225,6 +230,23 @@ class Runtime:
             route.handler, store, retention=self.config.dedup_ttl, is_async=route.is_async,
             claim_of=current_claim, encode=self._encode,
         )
+
+    async def _purge_loop(
+        self, purge: Callable[[], Coroutine[Any, Any, int]], interval: float
+    ) -> None:
+        """Delete expired dedup records every ``interval`` seconds (the store's own batches)."""
+        while True:
+            await self.config.clock.sleep(interval)
+            try:
+                deleted = await purge()
+            except Exception:
+                self.stats.store_errors += 1
+                logger.warning("purging expired dedup records failed; trying again in %gs",
+                               interval, exc_info=True)
+                continue
+            self.stats.purged_records += deleted
+            if deleted:
+                logger.debug("purged %d expired dedup records", deleted)
 
     def _chain_of(self, route: Route) -> CallNext | None:
         """The route's middleware chain (built once), or None for the direct fast path."""
