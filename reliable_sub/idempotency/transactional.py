@@ -39,8 +39,17 @@ class TransactionalStore(Protocol):
         """The same, for a sync handler on a worker thread."""
         ...
 
-    def completion_statement(self, claim: Claimed, result_json: str, ttl: float) -> Any:
-        """The owner-fenced statement that marks ``claim`` completed (1 row, or 0 if lost)."""
+    async def complete_in(
+        self, connection: Any, claim: Claimed, result_json: str, ttl: float
+    ) -> bool:
+        """Mark ``claim`` completed inside ``connection``'s transaction, owner-fenced; False
+        if a peer took the key over."""
+        ...
+
+    def complete_in_sync(
+        self, connection: Any, claim: Claimed, result_json: str, ttl: float
+    ) -> bool:
+        """The same on a sync connection."""
         ...
 
 
@@ -83,8 +92,8 @@ def transactional_handler(
             claim = claim_for(message)
             async with store.begin() as connection:
                 result = await handler(message, connection)
-                statement = store.completion_statement(claim, encode(result, message), retention)
-                if (await connection.execute(statement)).rowcount != 1:
+                result_json = encode(result, message)
+                if not await store.complete_in(connection, claim, result_json, retention):
                     raise lost(message, claim)  # leaving the block rolls back
             return Committed(result)
 
@@ -94,8 +103,8 @@ def transactional_handler(
         claim = claim_for(message)
         with store.begin_sync() as connection:
             result = handler(message, connection)
-            statement = store.completion_statement(claim, encode(result, message), retention)
-            if connection.execute(statement).rowcount != 1:
+            result_json = encode(result, message)
+            if not store.complete_in_sync(connection, claim, result_json, retention):
                 raise lost(message, claim)
         return Committed(result)
 
