@@ -321,3 +321,24 @@ def test_the_transactional_example_runs_and_charges_each_payment_once(database: 
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "payments: ['P-1', 'P-2'] balance: 50.00" in done.stdout, done.stdout
+
+
+async def test_an_orm_session_bound_to_the_connection_joins_the_transaction(
+    world: World,
+) -> None:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    sub = world.subscriber()
+
+    @sub.handler("billing", transactional=True)
+    async def charge(message: Message, connection: Any) -> None:
+        async with AsyncSession(bind=connection) as session:
+            await session.execute(_insert(world, message, "orm"))
+            await session.commit()  # joins the outer transaction: does not commit it
+        if message.delivery_attempt == 1:
+            raise ConnectionError("after the session's commit: must still roll back")
+
+    message_id = await world.broker.publish("orders", b"pay")
+    await world.served(sub, lambda: (message_id, Outcome.ACKED) in world.outcomes,
+                       "the second attempt to succeed")
+    assert await world.rows() == [(message_id, "orm")], "the first attempt left nothing"
