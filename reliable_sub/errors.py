@@ -61,3 +61,32 @@ class ClaimLostError(ReliableSubError):
     """A transactional handler's dedup claim was taken over by a peer before its transaction
     committed: the transaction (the handler's writes included) was rolled back, and the message
     is deferred to the peer, which holds the key now."""
+
+
+class IdempotencyInProgressError(ReliableSubError):
+    """An ``@idempotent`` call found its key held by a call still running (or it waited for
+    that call longer than ``wait_timeout``); retry later with the same key.
+
+    Attributes:
+        key: the idempotency key.
+        expires_in: seconds left on the running call's claim when last seen (it is renewed
+            while that call runs; it lapses this long after a crash).
+    """
+
+    def __init__(self, message: str, *, key: str = "", expires_in: float = 0.0) -> None:
+        super().__init__(message)
+        self.key = key
+        self.expires_in = expires_in
+
+
+class IdempotencyKeyReuseError(ReliableSubError, ValueError):
+    """An ``@idempotent`` call reused an idempotency key with other arguments than the call
+    that completed it: a client bug (one key per distinct request), never replayed.
+
+    Attributes:
+        key: the idempotency key.
+    """
+
+    def __init__(self, message: str, *, key: str = "") -> None:
+        super().__init__(message)
+        self.key = key

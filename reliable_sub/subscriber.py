@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import inspect
 import logging
 import random
 import signal
@@ -24,6 +23,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
+from ._callables import is_async_callable
 from .clock import Clock, SystemClock
 from .dedup import DedupStore
 from .errors import ConfigurationError
@@ -229,7 +229,7 @@ class Subscriber:
             self._routes[subscription] = Route(
                 subscription=subscription,
                 handler=function,
-                is_async=_is_async_callable(function),
+                is_async=is_async_callable(function),
                 namespace=namespace,
                 name=_name_of(function),
                 middleware=route_middleware,
@@ -475,14 +475,6 @@ class Subscriber:
     def _log_stopped(self) -> None:
         counts = {outcome.value: n for outcome, n in self.stats.outcomes.items() if n}
         logger.info("stopped: %s", counts or "no messages", extra={"outcomes": counts})
-
-
-def _is_async_callable(function: Callable[..., Any]) -> bool:
-    while isinstance(function, functools.partial):
-        function = function.func
-    return inspect.iscoroutinefunction(function) or inspect.iscoroutinefunction(
-        getattr(function, "__call__", None)  # noqa: B004
-    )
 
 
 def _name_of(function: Callable[..., Any]) -> str:
