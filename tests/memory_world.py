@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
-from reliable_sub import ManualClock, RetryPolicy, Subscriber
+from reliable_sub import ManualClock, RetryPolicy, Subscriber, SystemClock
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.testing.timing import drive_until
 
@@ -26,3 +27,16 @@ async def serving(sub: Subscriber, clock: ManualClock) -> asyncio.Future[None]:
     task = asyncio.ensure_future(sub.serve())
     await drive_until(clock, lambda: sub.running or task.done(), 1.0)
     return task
+
+
+async def serve_until(
+    sub: Subscriber, until: Callable[[], bool], what: str, within: float = 10.0
+) -> None:
+    """Serve ``sub`` on the real clock until ``until()`` holds (or fail after ``within`` s),
+    then shut it down."""
+    task = asyncio.ensure_future(sub.serve())
+    try:
+        await drive_until(SystemClock(), until, within, what=what)
+    finally:
+        await sub.shutdown(timeout=5)
+        await task

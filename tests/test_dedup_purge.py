@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from collections.abc import Callable
 
 import pytest
 import sqlalchemy as sa
 
-from reliable_sub import ConfigurationError, MemoryDedupStore, Message, Subscriber, SystemClock
+from reliable_sub import ConfigurationError, MemoryDedupStore, Message, Subscriber
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.idempotency.sql_store import SqlDedupStore
-from reliable_sub.testing.timing import drive_until
+from tests.memory_world import serve_until
 
 WITHIN = 10.0
-
-
-async def _serve_until(sub: Subscriber, until: Callable[[], bool], what: str) -> None:
-    task = asyncio.ensure_future(sub.serve())
-    try:
-        await drive_until(SystemClock(), until, WITHIN, what=what)
-    finally:
-        await sub.shutdown(timeout=5)
-        await task
 
 
 async def test_expired_records_are_purged_while_the_subscriber_runs() -> None:
@@ -40,7 +29,7 @@ async def test_expired_records_are_purged_while_the_subscriber_runs() -> None:
 
     for n in range(3):
         await broker.publish("orders", f"order-{n}".encode())
-    await _serve_until(sub, lambda: sub.stats.purged_records == 3, "three records purged")
+    await serve_until(sub, lambda: sub.stats.purged_records == 3, "three records purged")
 
     assert len(handled) == 3
     async with store.engine.connect() as connection:
@@ -71,7 +60,7 @@ async def test_a_failing_purge_is_counted_and_tried_again() -> None:
     async def handle(message: Message) -> None:
         return None
 
-    await _serve_until(sub, lambda: store.calls >= 3, "the purge to run three times")
+    await serve_until(sub, lambda: store.calls >= 3, "the purge to run three times")
     assert sub.stats.store_errors >= 1
 
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from reliable_sub.dedup import Completed, DedupKey
 from reliable_sub.idempotency.sql_store import SqlDedupStore
 from reliable_sub.testing.services import postgres_url
 from reliable_sub.testing.timing import drive_until
+from tests.memory_world import serve_until
 
 # Real seconds a test may wait for something that takes milliseconds.
 WITHIN = 10.0
@@ -68,13 +69,8 @@ class World:
         [result] = await self.store.claim_many([key], 0.001, ["probe"])
         return result
 
-    async def served(self, sub: Subscriber, until: Any, what: str) -> None:
-        task = asyncio.ensure_future(sub.serve())
-        try:
-            await drive_until(SystemClock(), until, WITHIN, what=what)
-        finally:
-            await sub.shutdown(timeout=5)
-            await task
+    async def served(self, sub: Subscriber, until: Callable[[], bool], what: str) -> None:
+        await serve_until(sub, until, what, WITHIN)
 
 
 def _payments_table(metadata: Any, name: str) -> Any:
