@@ -23,12 +23,8 @@ also reports the rows it left alone) and one transaction of at most two statemen
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
@@ -36,29 +32,24 @@ from typing import Any
 from .._results import checked_result_json
 from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, MissingExtraError
-from ..loops import PerLoop
 from ..ports import Claimed, ClaimResult, Completed, Completion, DedupKey, InProgress
 from .memory_store import SingleKeyMethods, TokenSource, check_owner
 
 try:
     import sqlalchemy as sa
     from sqlalchemy.dialects import postgresql, sqlite
-    from sqlalchemy.engine import URL, Connection, Engine, make_url
-    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
-    from sqlalchemy.pool import NullPool
+    from sqlalchemy.engine import URL, Connection, Engine
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("SqlDedupStore", "sql", "SQLAlchemy") from error
+
+from ..sql_engines import SqlEngines
 
 DEFAULT_TABLE = "reliable_sub_processed"
 # Namespaces and keys up to this many characters are stored as they are; longer ones hashed.
 READABLE_LIMIT = 200
 _HASHED = "h:"
 CLAIMED, FAILED, COMPLETED = "claimed", "failed", "completed"
-# The async drivers each dialect uses, and the sync driver for sync transactional handlers.
-_ASYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "aiosqlite"}
-_SYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "pysqlite"}
-# SQLite waits this long (ms) for a lock held by another connection before it fails.
-SQLITE_BUSY_TIMEOUT_MS = 5000
 
 
 def processed_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
@@ -109,24 +100,8 @@ class SqlDedupStore(SingleKeyMethods):
         self._claim_sql: tuple[Any, Any] | None = None
         self._complete_sql: Any = None
         self._update_sql: Any = None
-        self._given_engine: AsyncEngine | None = None
-        if isinstance(url_or_engine, AsyncEngine):
-            self._given_engine = url_or_engine
-            self._url = url_or_engine.url
-        elif isinstance(url_or_engine, str | URL):
-            self._url = _database_url(make_url(url_or_engine))
-        else:
-            raise ConfigurationError(
-                "SqlDedupStore needs a database URL or an AsyncEngine, got "
-                f"{type(url_or_engine).__name__}"
-            )
-        self.dialect = self._url.get_backend_name()
-        if self.dialect not in _ASYNC_DRIVERS:
-            raise ConfigurationError(
-                f"SqlDedupStore supports postgresql and sqlite, got {self.dialect!r}"
-            )
-        self._sync_engine = sync_engine
-        self._engines: PerLoop[AsyncEngine] = PerLoop(self._make_engine)
+        self._engines = SqlEngines(url_or_engine, owner="SqlDedupStore", sync_engine=sync_engine)
+        self.dialect = self._engines.dialect
 
     def __repr__(self) -> str:
         return f"SqlDedupStore({self.dialect}, table={self.table.name!r}, owner={self.owner!r})"
@@ -135,47 +110,27 @@ class SqlDedupStore(SingleKeyMethods):
 
     @property
     def url(self) -> URL:
-        """The database URL (``sqlite://`` resolved to its shared in-process database, so a
-        second store given this URL shares the database)."""
-        return self._url
+        """The database URL (``sqlite://`` resolved to its temporary file, so a second store
+        given this URL shares the database)."""
+        return self._engines.url
 
     @property
     def engine(self) -> AsyncEngine:
         """The asyncio engine of the running event loop."""
-        return self._given_engine if self._given_engine is not None else self._engines.get()
+        return self._engines.engine
 
     @property
     def sync_engine(self) -> Engine:
         """A sync engine on the same database (for sync transactional handlers and scripts)."""
-        if self._sync_engine is None:
-            url = self._url.set(drivername=f"{self.dialect}+{_SYNC_DRIVERS[self.dialect]}")
-            self._sync_engine = sa.create_engine(url, **self._pool_options(sync=True))
-            if self.dialect == "sqlite":
-                sa.event.listen(self._sync_engine, "connect", _sqlite_pragmas)
-        return self._sync_engine
-
-    def _make_engine(self) -> AsyncEngine:
-        url = self._url.set(drivername=f"{self.dialect}+{_ASYNC_DRIVERS[self.dialect]}")
-        engine = create_async_engine(url, **self._pool_options(sync=False))
-        if self.dialect == "sqlite":
-            sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
-        return engine
-
-    def _pool_options(self, *, sync: bool) -> dict[str, Any]:
-        if self.dialect != "sqlite":
-            return {"pool_pre_ping": True}
-        return {"poolclass": NullPool}
+        return self._engines.sync_engine
 
     async def close(self) -> None:
         """Dispose of this loop's engine (its connections); the store reconnects on next use."""
-        engine = self._engines.pop()
-        if engine is not None:
-            await engine.dispose()
+        await self._engines.close()
 
     def close_sync(self) -> None:
         """Dispose of the sync engine's connections; the store reconnects on next use."""
-        if self._sync_engine is not None:
-            self._sync_engine.dispose()
+        self._engines.close_sync()
 
     # -- schema and maintenance -----------------------------------------------------------------
 
@@ -566,25 +521,6 @@ def _seconds(name: str, seconds: float) -> float:
     if not isinstance(seconds, int | float) or not 0 < seconds < float("inf"):
         raise ConfigurationError(f"SqlDedupStore: {name} must be in (0, inf), got {seconds!r}")
     return float(seconds)
-
-
-def _database_url(url: URL) -> URL:
-    """``sqlite://`` as a throwaway database file, removed at exit; any other URL as it is.
-
-    Not a shared-cache memory database: SQLite locks whole tables there and fails concurrent
-    writers at once (``database table is locked``) instead of waiting ``busy_timeout``.
-    """
-    if url.get_backend_name() == "sqlite" and not url.database:
-        directory = tempfile.mkdtemp(prefix="reliable-sub-")
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)
-        return url.set(database=os.path.join(directory, "dedup.sqlite3"))
-    return url
-
-
-def _sqlite_pragmas(connection: Any, _record: Any) -> None:
-    cursor = connection.cursor()
-    cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-    cursor.close()
 
 
 __all__ = ["DEFAULT_TABLE", "SqlDedupStore", "processed_table"]

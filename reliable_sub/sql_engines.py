@@ -1,0 +1,122 @@
+"""The SQLAlchemy engines of one database, shared by the SQL dedup store and the outbox.
+
+From a URL (``postgresql://...``, ``sqlite:///path``, ``sqlite://``) it makes an asyncio engine
+per event loop (psycopg's async driver, aiosqlite: a call that waits on a lock never blocks the
+loop) and, on first use, a sync engine on the same database (for sync handlers and scripts).
+Given an ``AsyncEngine``, it uses that one. Import it only where the ``sql`` extra is needed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from .errors import ConfigurationError, MissingExtraError
+from .loops import PerLoop
+
+try:
+    import sqlalchemy as sa
+    from sqlalchemy.engine import URL, Engine, make_url
+    from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+    from sqlalchemy.pool import NullPool
+except ImportError as error:  # the sql extra is not installed
+    raise MissingExtraError("The SQL store and outbox", "sql", "SQLAlchemy") from error
+
+# The async driver of each dialect, and the sync driver of its sync engine.
+ASYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "aiosqlite"}
+SYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "pysqlite"}
+# SQLite waits this long (ms) for a lock held by another connection before it fails.
+SQLITE_BUSY_TIMEOUT_MS = 5000
+
+
+class SqlEngines:
+    """The async engine of each event loop and one sync engine, on one database.
+
+    Args:
+        url_or_engine: a database URL or an ``AsyncEngine`` you own.
+        owner: who uses it, for error messages (``"SqlDedupStore"``, ``"Outbox"``).
+        sync_engine: the sync engine to use (default: one on the same database, on first use).
+    """
+
+    def __init__(
+        self, url_or_engine: str | URL | AsyncEngine, *, owner: str,
+        sync_engine: Engine | None = None,
+    ) -> None:
+        self._given: AsyncEngine | None = None
+        if isinstance(url_or_engine, AsyncEngine):
+            self._given = url_or_engine
+            self.url: URL = url_or_engine.url
+        elif isinstance(url_or_engine, str | URL):
+            self.url = _database_url(make_url(url_or_engine))
+        else:
+            raise ConfigurationError(
+                f"{owner} needs a database URL or an AsyncEngine, got "
+                f"{type(url_or_engine).__name__}"
+            )
+        self.dialect: str = self.url.get_backend_name()
+        if self.dialect not in ASYNC_DRIVERS:
+            raise ConfigurationError(
+                f"{owner} supports postgresql and sqlite, got {self.dialect!r}"
+            )
+        self._sync = sync_engine
+        self._engines: PerLoop[AsyncEngine] = PerLoop(self._make)
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The asyncio engine of the running event loop."""
+        return self._given if self._given is not None else self._engines.get()
+
+    @property
+    def sync_engine(self) -> Engine:
+        """A sync engine on the same database."""
+        if self._sync is None:
+            url = self.url.set(drivername=f"{self.dialect}+{SYNC_DRIVERS[self.dialect]}")
+            self._sync = sa.create_engine(url, **self._pool_options())
+            if self.dialect == "sqlite":
+                sa.event.listen(self._sync, "connect", _sqlite_pragmas)
+        return self._sync
+
+    def _make(self) -> AsyncEngine:
+        url = self.url.set(drivername=f"{self.dialect}+{ASYNC_DRIVERS[self.dialect]}")
+        engine = create_async_engine(url, **self._pool_options())
+        if self.dialect == "sqlite":
+            sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+
+    def _pool_options(self) -> dict[str, Any]:
+        if self.dialect != "sqlite":
+            return {"pool_pre_ping": True}  # a restarted database costs no failed call
+        return {"poolclass": NullPool}
+
+    async def close(self) -> None:
+        """Dispose of this loop's engine (its connections); a later call reconnects."""
+        engine = self._engines.pop()
+        if engine is not None:
+            await engine.dispose()
+
+    def close_sync(self) -> None:
+        """Dispose of the sync engine's connections; a later call reconnects."""
+        if self._sync is not None:
+            self._sync.dispose()
+
+
+def _database_url(url: URL) -> URL:
+    """``sqlite://`` as a throwaway database file, removed at exit; any other URL as it is.
+
+    Not a shared-cache memory database: SQLite locks whole tables there and fails concurrent
+    writers at once (``database table is locked``) instead of waiting ``busy_timeout``.
+    """
+    if url.get_backend_name() == "sqlite" and not url.database:
+        directory = tempfile.mkdtemp(prefix="reliable-sub-")
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        return url.set(database=os.path.join(directory, "db.sqlite3"))
+    return url
+
+
+def _sqlite_pragmas(connection: Any, _record: Any) -> None:
+    cursor = connection.cursor()
+    cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+    cursor.close()
