@@ -1,9 +1,10 @@
 """Two real processes claim the same keys at the same time: every key has exactly one winner.
 
 Each child builds its own store over the shared database (Redis, PostgreSQL, an SQLite file),
-prints ``ready``, waits for the parent's start file (polled, with a deadline), then claims 200
-keys in its own shuffled order, one ``claim_many`` batch of 10 at a time, and prints the keys it
-won. The parent checks the two sets are disjoint and cover all keys.
+connects, prints ``ready``, waits for the parent's start file (polled, with a deadline), then
+claims 400 keys in its own shuffled order, one ``claim_many`` batch of 10 at a time, and prints
+the keys it won. The parent checks the two sets are disjoint and cover all keys, and that both
+won some (else the two never raced).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import pytest
 from reliable_sub.testing.services import postgres_url, redis_url
 from tests.redis_processes import Child
 
-KEYS = 200
+KEYS = 400
 
 CHILD = r'''
 import asyncio, json, random, sys, time
@@ -41,6 +42,8 @@ async def main():
     store = build_store()
     keys = [DedupKey("race", str(i)) for i in range(settings["keys"])]
     random.Random(settings["owner"]).shuffle(keys)
+    # connect (and compile the statement) before the race, so neither starts far behind
+    await store.claim_many([DedupKey("warm-up", settings["owner"])], 60)
     print("ready", flush=True)
     start = Path(settings["start_file"])
     give_up = time.monotonic() + 30
