@@ -1,0 +1,56 @@
+"""The outbox table: one row per event to publish, written in the business transaction.
+
+::
+
+    id  key  topic  data  attributes  ordering_key  created_at  published_at  attempts
+    last_error  failed_at
+
+``id`` orders rows (oldest first); ``key`` is the idempotency key the relay publishes (the
+caller's, or a fresh UUIDv7), unique. A row is *pending* while ``published_at`` and
+``failed_at`` are both NULL; ``failed_at`` parks a row whose publishing failed too often (it
+blocks only its own ordering key). Times are epoch seconds.
+"""
+
+from __future__ import annotations
+
+from ..errors import MissingExtraError
+
+try:
+    import sqlalchemy as sa
+except ImportError as error:  # the sql extra is not installed
+    raise MissingExtraError("Outbox", "sql", "SQLAlchemy") from error
+
+DEFAULT_TABLE = "reliable_sub_outbox"
+# Longest idempotency key, topic and ordering key a row holds.
+KEY_LIMIT = 200
+NAME_LIMIT = 255
+
+
+def outbox_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
+    """The outbox table, defined on ``metadata`` (put it in your migrations)."""
+    table = sa.Table(
+        name,
+        metadata,
+        # BIGINT on PostgreSQL; INTEGER PRIMARY KEY (the rowid) on SQLite
+        sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True,
+                  autoincrement=True),
+        sa.Column("key", sa.String(KEY_LIMIT), nullable=False, unique=True),
+        sa.Column("topic", sa.String(NAME_LIMIT), nullable=False),
+        sa.Column("data", sa.LargeBinary, nullable=False),
+        sa.Column("attributes", sa.Text, nullable=False),  # a JSON object of str to str
+        sa.Column("ordering_key", sa.String(NAME_LIMIT), nullable=True),
+        sa.Column("created_at", sa.Float, nullable=False),
+        sa.Column("published_at", sa.Float, nullable=True),
+        sa.Column("attempts", sa.Integer, nullable=False, server_default="0"),
+        sa.Column("last_error", sa.Text, nullable=True),
+        sa.Column("failed_at", sa.Float, nullable=True),
+    )
+    pending = sa.and_(table.c.published_at.is_(None), table.c.failed_at.is_(None))
+    # what a relay reads: the pending rows, oldest first, and each ordering key's oldest
+    sa.Index(f"ix_{name}_pending", table.c.id, postgresql_where=pending, sqlite_where=pending)
+    sa.Index(f"ix_{name}_ordering_key", table.c.ordering_key, table.c.id)
+    sa.Index(f"ix_{name}_published_at", table.c.published_at)  # for retention
+    return table
+
+
+__all__ = ["DEFAULT_TABLE", "outbox_table"]
