@@ -39,6 +39,7 @@ from .ports import (
     DedupKey,
     DedupStore,
     InProgress,
+    SyncDedupStore,
 )
 
 if TYPE_CHECKING:  # for type checkers only: at runtime __getattr__ imports them on first use
@@ -57,6 +58,7 @@ __all__ = [
     "RedisDedupStore",
     "SingleKeyMethods",
     "SqlDedupStore",
+    "SyncDedupStore",
     "TokenSource",
     "check_owner",
     "checked_result_json",

@@ -12,6 +12,8 @@ elsewhere (``adapters/``, a third party's package) implement them using public n
 * :class:`Capabilities` -- what a broker offers, read by the core and the conformance suite.
 * :class:`DedupStore` and its records (:class:`DedupKey`, :class:`Claimed`, :class:`Completed`,
   :class:`InProgress`, :class:`Completion`) -- the idempotent-consumer store.
+* :class:`SyncDedupStore` -- an optional capability of a store: blocking twins of its batch
+  methods, for callers on threads without an event loop (sync ``@idempotent`` functions).
 
 Every method that takes deliveries takes a batch and should cost one broker round trip per batch
 where the broker allows it.
@@ -343,4 +345,40 @@ class DedupStore(Protocol):
 
     async def close(self) -> None:
         """Release connections of the running event loop; the store reconnects on next use."""
+        ...
+
+
+@runtime_checkable
+class SyncDedupStore(Protocol):
+    """An optional capability of a :class:`DedupStore`: blocking twins of its batch methods.
+
+    Each ``*_sync`` method has exactly the semantics and return value of the async method it is
+    named after (see :class:`DedupStore`), and sees the same records: a key claimed by one is
+    in progress for the other. They block the calling thread for one round trip and may be
+    called from any thread, concurrently, with or without a running event loop (they never use
+    one). Sync ``@idempotent`` functions call them on the calling thread when the store has
+    them (``isinstance(store, SyncDedupStore)``); other stores' calls run on a background loop.
+    """
+
+    def claim_many_sync(
+        self,
+        keys: Sequence[DedupKey],
+        lease_ttl: float,
+        tokens: Sequence[str] | None = None,
+    ) -> list[ClaimResult]:
+        """Blocking twin of :meth:`DedupStore.claim_many`."""
+        ...
+
+    def renew_sync(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+        """Blocking twin of :meth:`DedupStore.renew`; returns the claims no longer held."""
+        ...
+
+    def complete_many_sync(
+        self, completions: Sequence[Completion], ttl: float
+    ) -> list[Claimed]:
+        """Blocking twin of :meth:`DedupStore.complete_many`; returns the refused claims."""
+        ...
+
+    def release_many_sync(self, claims: Sequence[Claimed], retention: float) -> None:
+        """Blocking twin of :meth:`DedupStore.release_many`."""
         ...

@@ -9,6 +9,7 @@ fresh one. A client you pass is used as it is, in every loop; closing releases i
 
 from __future__ import annotations
 
+import threading
 from importlib import resources
 from typing import Any
 
@@ -20,9 +21,10 @@ try:
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
-    from redis.commands.core import AsyncScript
+    from redis.commands.core import AsyncScript, Script
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
+    from redis.retry import Retry as SyncRetry
 except ImportError as error:  # the redis extra is not installed
     raise MissingExtraError("reliable-sub's Redis support", "redis", "redis") from error
 
@@ -55,6 +57,7 @@ class RedisClients:
         self._options = dict(pool_options or {})
         self._blocking_pool = blocking_pool
         self._sync = sync_client
+        self._sync_lock = threading.Lock()  # blocking twins may first be called from threads
         if isinstance(url_or_client, str):
             self.url: str | None = url_or_client
             self._given: aioredis.Redis | None = None
@@ -77,24 +80,34 @@ class RedisClients:
 
     @property
     def sync(self) -> redis.Redis:
-        """The blocking client (made on first use)."""
-        if self._sync is None:
-            if self.url is not None:
-                self._sync = redis.Redis.from_url(
-                    self.url, decode_responses=False, **_sync_options(self._options)
-                )
-            else:
-                kwargs = self.connection_kwargs
-                where: dict[str, Any] = (
-                    {"unix_socket_path": kwargs["path"]} if kwargs.get("path")
-                    else {"host": kwargs.get("host", "localhost"),
-                          "port": kwargs.get("port", 6379)}
-                )
-                self._sync = redis.Redis(
-                    db=kwargs.get("db", 0), username=kwargs.get("username"),
-                    password=kwargs.get("password"), **where,
-                )
-        return self._sync
+        """The blocking client (made on first use), retrying dropped connections as the
+        asyncio clients do."""
+        client = self._sync
+        if client is not None:
+            return client
+        with self._sync_lock:
+            if self._sync is None:
+                self._sync = self._make_sync()
+            return self._sync
+
+    def _make_sync(self) -> redis.Redis:
+        retries: dict[str, Any] = {
+            "retry": SyncRetry(ExponentialBackoff(cap=CONNECT_RETRY_CAP), CONNECT_RETRIES),
+            "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+        }
+        if self.url is not None:
+            return redis.Redis.from_url(
+                self.url, decode_responses=False, **retries, **_sync_options(self._options)
+            )
+        kwargs = self.connection_kwargs
+        where: dict[str, Any] = (
+            {"unix_socket_path": kwargs["path"]} if kwargs.get("path")
+            else {"host": kwargs.get("host", "localhost"), "port": kwargs.get("port", 6379)}
+        )
+        return redis.Redis(
+            db=kwargs.get("db", 0), username=kwargs.get("username"),
+            password=kwargs.get("password"), **retries, **where,
+        )
 
     def same_server(self, other: RedisClients) -> bool:
         """True when both talk to the same Redis server and database."""
@@ -116,10 +129,12 @@ class RedisClients:
 
     def close_sync(self) -> None:
         """Release the blocking client's connections (a later call reconnects)."""
-        if self._sync is not None:
-            self._sync.close()
-            if self.url is not None:
+        with self._sync_lock:
+            client = self._sync
+            if client is not None and self.url is not None:
                 self._sync = None
+        if client is not None:
+            client.close()
 
     def _make(self) -> aioredis.Redis:
         assert self.url is not None
@@ -149,10 +164,24 @@ def script(source: str) -> AsyncScript:
     return AsyncScript(unbound, source.encode())
 
 
+def sync_script(source: str) -> Script:
+    """The blocking twin of :func:`script`: call it with ``client=`` a ``redis.Redis`` (it is
+    loaded on that server on first use, and again after a restart flushed it)."""
+    unbound: Any = None
+    return Script(unbound, source.encode())
+
+
 def _sync_options(options: dict[str, Any]) -> dict[str, Any]:
     """The options that a sync client understands the same way."""
     keep = ("socket_timeout", "socket_connect_timeout")
     return {name: value for name, value in options.items() if name in keep}
 
 
-__all__ = ["CONNECT_RETRIES", "CONNECT_RETRY_CAP", "RedisClients", "lua_source", "script"]
+__all__ = [
+    "CONNECT_RETRIES",
+    "CONNECT_RETRY_CAP",
+    "RedisClients",
+    "lua_source",
+    "script",
+    "sync_script",
+]

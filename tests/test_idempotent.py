@@ -3,9 +3,10 @@
 Each store test runs on the in-memory store, Redis, and SqlDedupStore on PostgreSQL and SQLite,
 each with a *peer*: a second store over the same records, as another process would have. A sync
 function is called on a worker thread (``asyncio.to_thread``), so the test's loop stays free;
-its store calls run on the decorator's background loop, the async function's on the test's loop.
-Nothing waits on a sleep: calls are held on events, and what takes time is polled with a
-deadline.
+its store calls run on that thread with the store's blocking twins (memory, Redis: a
+SyncDedupStore, renewed by the shared renewer thread) or on the decorator's background loop
+(SQL), the async function's on the test's loop. Nothing waits on a sleep: calls are held on
+events, and what takes time is polled with a deadline.
 """
 
 from __future__ import annotations
@@ -43,13 +44,16 @@ from reliable_sub import (
 from reliable_sub.dedup import Completion, SingleKeyMethods
 from reliable_sub.idempotency import (
     IdempotentResult,
+    background_loop,
     idempotency_key,
     idempotent,
     new_idempotency_key,
 )
 from reliable_sub.idempotency import keys as keys_module
+from reliable_sub.idempotency import renewer as renewer_module
 from reliable_sub.idempotency.decorator import close_sync_connections
-from reliable_sub.ports import ClaimResult
+from reliable_sub.idempotency.renewer import Renewer
+from reliable_sub.ports import ClaimResult, SyncDedupStore
 from reliable_sub.testing import redis_stores
 from reliable_sub.testing.services import postgres_url, redis_url
 
@@ -96,6 +100,49 @@ class Spy(SingleKeyMethods):
 
     def seen(self, kind: type) -> list[Any]:
         return [c for c in self.claims if isinstance(c, kind)]
+
+
+class SyncSpy(Spy):
+    """A Spy over a store with blocking twins (a SyncDedupStore itself): it passes them on too,
+    counting renewals either way and naming the threads that renewed."""
+
+    def __init__(self, inner: DedupStore) -> None:
+        super().__init__(inner)
+        assert isinstance(inner, SyncDedupStore)
+        self.sync_inner: SyncDedupStore = inner
+        self.renewed_on: set[str] = set()
+        self.sync_calls = 0
+
+    def claim_many_sync(
+        self, keys: Sequence[DedupKey], lease_ttl: float, tokens: Sequence[str] | None = None
+    ) -> list[ClaimResult]:
+        self.sync_calls += 1
+        results = self.sync_inner.claim_many_sync(keys, lease_ttl, tokens)
+        self.claims.extend(results)
+        return results
+
+    def renew_sync(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+        self.renewals += 1
+        self.renewed_on.add(threading.current_thread().name)
+        return self.sync_inner.renew_sync(claims, lease_ttl)
+
+    def complete_many_sync(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+        self.sync_calls += 1
+        return self.sync_inner.complete_many_sync(completions, ttl)
+
+    def release_many_sync(self, claims: Sequence[Claimed], retention: float) -> None:
+        self.sync_calls += 1
+        self.sync_inner.release_many_sync(claims, retention)
+
+    def close_sync(self) -> None:
+        close_sync = getattr(self.inner, "close_sync", None)
+        if close_sync is not None:
+            close_sync()
+
+
+def spy(inner: DedupStore) -> Spy:
+    """The Spy of ``inner``: with blocking twins when it has them."""
+    return SyncSpy(inner) if isinstance(inner, SyncDedupStore) else Spy(inner)
 
 
 @dataclass
@@ -147,11 +194,12 @@ async def stores(request: pytest.FixtureRequest) -> AsyncIterator[Stores]:
         store, peer, prepare, cleanup = _sql(url)
     if prepare is not None:
         await prepare()
-    spy = Spy(store)
+    spying = spy(store)
+    assert isinstance(spying, SyncSpy) == (name in ("memory", "redis")), "which have sync twins"
     try:
-        yield Stores(name, spy, peer)
+        yield Stores(name, spying, peer)
     finally:
-        await asyncio.to_thread(close_sync_connections, spy)  # the background loop's
+        await asyncio.to_thread(close_sync_connections, spying)  # the background loop's
         await cleanup()
 
 
@@ -480,6 +528,253 @@ async def test_sync_and_async_functions_share_records_across_event_loops(
     assert sync.calls == 1 and in_loop.calls == 1
 
 
+# -- sync calls on a store with blocking twins: the calling thread and the renewer -------------
+
+
+@pytest.mark.parametrize("stores", ["memory", "redis"], indirect=True)
+async def test_sync_calls_on_a_sync_store_never_use_the_background_loop(
+    stores: Stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    used: list[object] = []
+
+    def refuse(coroutine: Any, store: object = None) -> Any:
+        used.append(coroutine)
+        coroutine.close()
+        raise AssertionError("a sync call on a SyncDedupStore used the background loop")
+
+    monkeypatch.setattr(background_loop.BACKGROUND, "run", refuse)
+    assert isinstance(stores.store, SyncSpy)
+    subject = Subject("sync", stores.store, lease_ttl=RENEWED_LEASE, on_in_progress="wait",
+                      wait_timeout=WITHIN)
+    assert (await subject.call("o-1")).replayed is False  # a claim and a completion
+    assert (await subject.call("o-1")).replayed is True  # a claim that replays
+    subject.fail_with = RuntimeError("declined")
+    with pytest.raises(RuntimeError, match="declined"):
+        await subject.call("o-2")  # released
+    assert (await subject.call("o-2")).replayed is False
+
+    subject.entered.clear()
+    subject.hold()
+    first = subject.start("o-3")  # a long call, renewed ...
+    try:
+        await subject.wait_entered()
+        second = subject.start("o-3")  # ... and a caller waiting for it
+        await poll_until(lambda: stores.store.renewals >= 2, "two renewals")
+        await poll_until(lambda: len(stores.store.seen(InProgress)) >= 2, "the second polls")
+    finally:
+        subject.let_go()
+    assert (await first).replayed is False
+    assert (await asyncio.wait_for(second, WITHIN)).replayed is True
+    assert stores.store.renewed_on == {"reliable-sub-renewer"}, "one shared renewer thread"
+    assert used == [] and subject.calls == 4
+
+
+@pytest.mark.parametrize("stores", ["memory", "redis"], indirect=True)
+async def test_a_sync_call_whose_claim_is_taken_logs_it_and_stores_nothing(
+    stores: Stores, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    subject = Subject("sync", stores.store, lease_ttl=RENEWED_LEASE)
+    subject.hold()
+    first = subject.start("o-1")
+    try:
+        await subject.wait_entered()
+        [claim] = stores.store.seen(Claimed)
+        await stores.store.inner.release_many([claim], 0.0)  # as if its lease lapsed ...
+        taken = await stores.peer.claim(subject.record("o-1"), 30)  # ... and a peer took it
+        assert isinstance(taken, Claimed)
+        await poll_until(
+            lambda: any("lapsed or was taken over" in r.getMessage() for r in caplog.records),
+            "the renewer found the claim lost",
+        )
+        renewals = stores.store.renewals
+    finally:
+        subject.let_go()
+    result = await first
+    assert result.replayed is False and result.value["order"] == "o-1", "still returned"
+    assert any("lost to another call" in r.getMessage() for r in caplog.records)
+    assert isinstance(await stores.store.inner.claim(subject.record("o-1"), 30), InProgress), \
+        "the peer still holds the key: the refused completion wrote nothing"
+    assert stores.store.renewals == renewals, "a lost claim is not renewed again"
+
+
+class RenewalLog:
+    """A SyncDedupStore for the renewer alone: it records each renew_sync batch, fails the next
+    ``fail`` calls, and reports the claims in ``lost`` as no longer held."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[Claimed]] = []
+        self.fail = 0
+        self.lost: set[Claimed] = set()
+        self.leases: set[float] = set()
+
+    def renew_sync(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+        self.batches.append(list(claims))
+        self.leases.add(lease_ttl)
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("the store is down")
+        return [claim for claim in claims if claim in self.lost]
+
+    def renewals(self, claim: Claimed) -> int:
+        return sum(claim in batch for batch in list(self.batches))
+
+    def claim_many_sync(
+        self, keys: Sequence[DedupKey], lease_ttl: float, tokens: Sequence[str] | None = None
+    ) -> list[ClaimResult]:
+        raise NotImplementedError
+
+    def complete_many_sync(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+        raise NotImplementedError
+
+    def release_many_sync(self, claims: Sequence[Claimed], retention: float) -> None:
+        raise NotImplementedError
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` (the renewer's thread makes it true) until WITHIN has passed."""
+    give_up = time.monotonic() + WITHIN
+    while not condition():
+        assert time.monotonic() < give_up, f"timed out waiting until {what}"
+        time.sleep(POLL)
+
+
+def a_claim(name: str) -> Claimed:
+    return Claimed(DedupKey("renewer", name), f"me.{name}")
+
+
+# A lease renewed every 20 ms.
+FAST_LEASE = 0.06
+
+
+def test_the_renewer_renews_claims_until_unregistered() -> None:
+    renewer, store, lost = Renewer(), RenewalLog(), list[str]()
+    a, b = a_claim("a"), a_claim("b")
+    ticket_a = renewer.register(store, a, FAST_LEASE, "a", lost.append)
+    ticket_b = renewer.register(store, b, FAST_LEASE, "b", lost.append)
+    assert len(renewer) == 2
+    wait_until(lambda: store.renewals(a) >= 2 and store.renewals(b) >= 2, "renewals")
+    assert store.leases == {FAST_LEASE}
+
+    renewer.unregister(ticket_a)
+    after = len(store.batches)
+    wait_until(lambda: sum(b in batch for batch in store.batches[after:]) >= 3, "b renewed on")
+    assert sum(a in batch for batch in store.batches[after:]) <= 1, \
+        "after unregister, at most the renewal already in flight"
+    assert sum(a in batch for batch in store.batches[after + 1:]) == 0
+    renewer.unregister(ticket_b)
+    renewer.unregister(ticket_b)  # twice is fine
+    assert len(renewer) == 0 and lost == []
+
+
+def test_claims_due_together_share_one_store_call() -> None:
+    renewer, store, other = Renewer(), RenewalLog(), RenewalLog()
+    a, b, c = a_claim("a"), a_claim("b"), a_claim("c")
+    lease = 1.5  # renewed every 0.5 s, or up to 50 ms early to join a call due now
+    tickets = [renewer.register(store, a, lease, "a", lambda key: None),
+               renewer.register(other, c, lease, "c", lambda key: None),
+               renewer.register(store, b, lease, "b", lambda key: None)]
+    wait_until(lambda: len(store.batches) >= 1 and len(other.batches) >= 1, "a renewal")
+    assert store.batches[0] == [a, b], "one store, one call"
+    assert other.batches[0] == [c], "another store, its own call"
+    for ticket in tickets:
+        renewer.unregister(ticket)
+
+
+def test_a_failed_renewal_is_logged_and_tried_again(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger=renewer_module.__name__)
+    renewer, store = Renewer(), RenewalLog()
+    store.fail = 2
+    claim = a_claim("a")
+    ticket = renewer.register(store, claim, FAST_LEASE, "a", lambda key: None)
+    wait_until(lambda: store.renewals(claim) >= 4, "renewals after two failures")
+    failures = [r for r in caplog.records
+                if "renewing the claims of 1 sync @idempotent call(s)" in r.getMessage()]
+    assert len(failures) == 2 and "'a'" in failures[0].getMessage()
+    assert failures[0].exc_info is not None and failures[0].levelno == logging.WARNING
+    assert len(renewer) == 1, "a failure keeps the claim registered"
+    renewer.unregister(ticket)
+
+
+def test_a_lost_claim_is_reported_once_and_not_renewed_again() -> None:
+    renewer, store, lost = Renewer(), RenewalLog(), list[str]()
+    gone, kept = a_claim("gone"), a_claim("kept")
+    store.lost = {gone}
+    renewer.register(store, gone, FAST_LEASE, "gone", lost.append)
+    ticket = renewer.register(store, kept, FAST_LEASE, "kept", lost.append)
+    wait_until(lambda: lost == ["gone"], "the loss reported")
+    wait_until(lambda: store.renewals(kept) >= 3, "the other claim renewed on")
+    assert store.renewals(gone) == 1 and lost == ["gone"]
+    assert len(renewer) == 1
+    renewer.unregister(ticket)
+
+
+def test_a_shorter_lease_wakes_the_renewer_early() -> None:
+    renewer, store = Renewer(), RenewalLog()
+    slow, fast = a_claim("slow"), a_claim("fast")
+    renewer.register(store, slow, 600.0, "slow", lambda key: None)  # the thread sleeps 200 s
+    waiters = renewer._condition._waiters  # type: ignore[attr-defined]  # CPython's Condition
+    wait_until(lambda: len(waiters) == 1, "the renewer sleeps until the slow claim is due")
+    ticket = renewer.register(store, fast, FAST_LEASE, "fast", lambda key: None)
+    wait_until(lambda: store.renewals(fast) >= 2, "the fast claim renewed")
+    assert store.renewals(slow) == 0
+    renewer.unregister(ticket)
+
+
+def test_the_renewer_thread_ends_when_idle_and_starts_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(renewer_module, "IDLE_EXIT", 0.05)
+    renewer, store = Renewer(), RenewalLog()
+    claim = a_claim("a")
+    renewer.unregister(renewer.register(store, claim, FAST_LEASE, "a", lambda key: None))
+    thread = renewer._thread
+    assert thread is not None
+    thread.join(WITHIN)
+    assert not thread.is_alive() and renewer._thread is None
+    ticket = renewer.register(store, claim, FAST_LEASE, "a", lambda key: None)
+    wait_until(lambda: store.renewals(claim) >= 1, "a renewal by a new thread")
+    renewer.unregister(ticket)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_renews_its_own_claims_on_its_own_thread() -> None:
+    script = (
+        "import os, time\n"
+        "from reliable_sub.idempotency.renewer import Renewer\n"
+        "from reliable_sub.ports import Claimed, DedupKey\n"
+        "class Log:\n"
+        "    def __init__(self): self.renewed = []\n"
+        "    def renew_sync(self, claims, lease):\n"
+        "        self.renewed += [c.token for c in claims]; return []\n"
+        "def wait(check):\n"
+        "    give_up = time.monotonic() + 10\n"
+        "    while not check():\n"
+        "        assert time.monotonic() < give_up; time.sleep(0.005)\n"
+        "renewer, log = Renewer(), Log()\n"
+        "renewer.register(log, Claimed(DedupKey('n', 'p'), 'parent'), 0.03, 'p', print)\n"
+        "wait(lambda: len(log.renewed) >= 1)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    code = 1\n"
+        "    try:\n"
+        "        assert len(renewer) == 0, 'the parent claims are not the child s'\n"
+        "        mine = Log()\n"
+        "        renewer.register(mine, Claimed(DedupKey('n', 'c'), 'child'), 0.03, 'c', print)\n"
+        "        wait(lambda: len(mine.renewed) >= 2)\n"
+        "        code = 0 if set(mine.renewed) == {'child'} else 2\n"
+        "    finally:\n"
+        "        os._exit(code)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "wait(lambda: len(log.renewed) >= 3)\n"
+        "print(os.waitstatus_to_exitcode(status), set(log.renewed))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=WITHIN * 2)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "{'parent'}"], done.stdout
+
+
 # -- the decorator itself ------------------------------------------------------------------------
 
 
@@ -532,6 +827,49 @@ async def test_the_key_must_name_a_parameter_and_be_a_non_empty_str() -> None:
             function(bad)  # type: ignore[arg-type]
     by_callable = idempotent(store, key=lambda order: order.upper(), namespace="n")(charge_once)
     assert by_callable.call_with_info("o-1").key == "O-1"
+
+
+def _plain(a: Any, b: Any = 2, c: Any = None) -> None: ...
+
+
+def _positional_only(a: Any, /, b: Any = 1) -> None: ...
+
+
+def _variadic(a: Any, *rest: Any, k: Any = 1, **more: Any) -> None: ...
+
+
+def _keyword_only(a: Any, *, b: Any) -> None: ...
+
+
+@pytest.mark.parametrize("function", [_plain, _positional_only, _variadic, _keyword_only])
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        ((1,), {}), ((1, 5), {}), ((1, 5, 6), {}), ((1, 5, 6, 7), {}), ((), {}),
+        ((1,), {"c": 3}), ((), {"c": 3, "a": 1}), ((), {"a": 1, "b": 2}), ((1,), {"a": 1}),
+        ((1,), {"zzz": 1}), ((), {"b": 1}), ((1,), {"b": 5, "k": 2}), ((1, 2), {"b": 3}),
+    ],
+)
+def test_arguments_are_bound_as_signature_bind_binds_them(
+    function: Callable[..., None], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
+    """The decorator's own binder (for plain signatures) answers as Signature.bind does."""
+    import inspect
+
+    core = idempotent(MemoryDedupStore(), key=lambda *a, **k: "k", namespace="n")(
+        function
+    )._core
+    signature = inspect.signature(function)
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as error:
+        with pytest.raises(TypeError) as caught:
+            core.arguments(signature, args, kwargs)
+        assert str(caught.value) == str(error)
+        return
+    bound.apply_defaults()
+    got = core.arguments(signature, args, kwargs)
+    assert list(got.items()) == list(bound.arguments.items()), "the same values, in order"
 
 
 async def test_a_sync_function_may_be_called_inside_a_running_loop() -> None:

@@ -46,12 +46,19 @@ another request's result. It is checked against completed records only: an in-pr
 holds no fingerprint, so a waiting caller is checked when the call it waits for completes. The
 record's JSON is ``{"p": <fingerprint hex or null>, "r": <result>}``.
 
-**Sync functions** run on the calling thread; their store calls run on one background event
-loop (a daemon thread, shared by every sync ``@idempotent`` function of the process), which also
-renews their claims. So the store's connections are reused from call to call, and a sync
-function may even be called from inside a running event loop (it blocks that loop, as any sync
-call does). The stores keep one client per event loop, so one store may serve sync and async
-functions alike. :func:`close_sync_connections` closes a store's connections on that loop.
+**Sync functions** run on the calling thread, and so do their store calls when the store has
+blocking twins (a :class:`~reliable_sub.ports.SyncDedupStore`: MemoryDedupStore,
+RedisDedupStore) and the clock is the system clock: one round trip for a replay, two for a first
+call, no thread hop, no event loop. Their claims are renewed by one shared daemon thread (see
+:mod:`~reliable_sub.idempotency.renewer`), which a call joins when its function starts and leaves
+when it returns; a ``"wait"`` caller sleeps with ``time.sleep``. With another store (SqlDedupStore)
+or clock (a ManualClock: its sleeps are async only), the store calls, renewals and waits run on
+one background event loop (a daemon thread shared by every sync ``@idempotent`` function of the
+process), so the store's connections are reused from call to call. Either way a sync function
+may be called from inside a running event loop (it blocks that loop, as any sync call does), and
+one store serves sync and async functions alike: the records are the same.
+:func:`close_sync_connections` closes the connections sync calls use (the background loop's and
+the store's blocking client).
 """
 
 from __future__ import annotations
@@ -60,9 +67,9 @@ import asyncio
 import copy
 import functools
 import inspect
-import json
 import logging
 import math
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, cast, overload
@@ -77,9 +84,19 @@ from ..errors import (
     ResultNotSerializableError,
     StoredResultError,
 )
-from ..ports import Claimed, Completed, Completion, DedupKey, DedupStore, InProgress
+from ..ports import (
+    Claimed,
+    ClaimResult,
+    Completed,
+    Completion,
+    DedupKey,
+    DedupStore,
+    InProgress,
+    SyncDedupStore,
+)
 from .background_loop import BACKGROUND
 from .fingerprint import fingerprint
+from .renewer import RENEWALS_PER_LEASE, RENEWER
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +106,6 @@ T = TypeVar("T")
 # A waiting caller polls the store this often at first, doubling up to MAX_POLL.
 INITIAL_POLL = 0.01
 MAX_POLL = 0.2
-# A running call renews its claim this many times per lease.
-RENEWALS_PER_LEASE = 3
 _IN_PROGRESS_MODES = ("raise", "wait")
 
 
@@ -138,7 +153,9 @@ def idempotent(
             (:class:`IdempotencyKeyReuseError`).
         namespace: the records' namespace (default ``idempotent:<module>.<qualname>``);
             functions given the same one share records.
-        clock: the clock of renewals and waits (default: the system clock).
+        clock: the clock of renewals and waits (default: the system clock). Sync functions
+            with another clock make their store calls on the background loop, which can sleep
+            on it.
 
     Raises:
         ConfigurationError: an argument outside its allowed values (the message names it).
@@ -277,6 +294,33 @@ class IdempotentFunction(_Bindable, Generic[P, T]):
         core = self._core
         call_args = (*self._bound, *args)
         key, fingerprint = core.prepare(call_args, kwargs, len(self._bound))
+        store = core.sync_store
+        if store is None:
+            return self._on_background_loop(call_args, kwargs, key, fingerprint)
+        started = core.begin_sync(store, key, fingerprint)
+        if isinstance(started, IdempotentResult):
+            return started
+        ticket = None
+        try:
+            ticket = RENEWER.register(store, started, core.settings.lease_ttl, key,
+                                      core.claim_lost)
+            value = core.function(*call_args, **kwargs)
+            record = core.record(value, fingerprint)
+        except BaseException:
+            if ticket is not None:
+                RENEWER.unregister(ticket)
+            core.finish_sync(store, started, key, None)
+            raise
+        RENEWER.unregister(ticket)
+        core.finish_sync(store, started, key, record)
+        return IdempotentResult(value, False, key)
+
+    def _on_background_loop(
+        self, call_args: tuple[Any, ...], kwargs: dict[str, Any], key: str,
+        fingerprint: str | None,
+    ) -> IdempotentResult[T]:
+        """A call whose store calls and renewals run on the background loop."""
+        core = self._core
         started = BACKGROUND.run(core.begin(key, fingerprint), core.settings.store)
         if isinstance(started, IdempotentResult):
             return started
@@ -335,6 +379,13 @@ class _Core:
     def __init__(self, function: Callable[..., Any], settings: _Settings) -> None:
         self.function = function
         self.settings = settings
+        # The store whose blocking twins sync calls make on the calling thread (None: they run
+        # on the background loop, which follows any clock; time.sleep follows the system one).
+        self.sync_store: SyncDedupStore | None = (
+            settings.store
+            if isinstance(settings.store, SyncDedupStore) and type(settings.clock) is SystemClock
+            else None
+        )
         qualname = getattr(function, "__qualname__", None)
         module = getattr(function, "__module__", None)
         self.name = f"{module}.{qualname}" if qualname and module else repr(function)
@@ -351,6 +402,18 @@ class _Core:
             self.signature: inspect.Signature | None = inspect.signature(function)
         except (TypeError, ValueError):  # some builtins and C callables have none
             self.signature = None
+        # A signature of positional-or-keyword parameters only (most are) is bound here without
+        # Signature.bind, which costs more than the rest of a replay's own work: its names in
+        # order, and its defaults.
+        self.plain: tuple[tuple[str, ...], dict[str, Any]] | None = None
+        if self.signature is not None and all(
+            p.kind is p.POSITIONAL_OR_KEYWORD for p in self.signature.parameters.values()
+        ):
+            self.plain = (
+                tuple(self.signature.parameters),
+                {name: p.default for name, p in self.signature.parameters.items()
+                 if p.default is not p.empty},
+            )
         self.key_parameter: str | None = None
         if isinstance(settings.key, str):
             self.key_parameter = settings.key
@@ -378,9 +441,7 @@ class _Core:
         if self.signature is not None and (
             self.key_parameter is not None or self.settings.validate_payload
         ):
-            bound = self.signature.bind(*args, **kwargs)  # a TypeError as the call would raise
-            bound.apply_defaults()
-            arguments = dict(bound.arguments)
+            arguments = self.arguments(self.signature, args, kwargs)
         if self.key_parameter is not None:
             assert arguments is not None
             key = arguments[self.key_parameter]
@@ -404,29 +465,87 @@ class _Core:
             payload = arguments
         return key, fingerprint(payload)
 
+    def arguments(
+        self, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The call's arguments by name in the signature's order, defaults applied: what
+        ``signature.bind(...)`` and ``apply_defaults()`` give, or the TypeError the call
+        would raise."""
+        if self.plain is not None:
+            names, defaults = self.plain
+            if len(args) <= len(names):
+                arguments = dict(zip(names, args, strict=False))  # the first ones
+                used = 0
+                for name in names[len(args):]:
+                    if name in kwargs:
+                        arguments[name] = kwargs[name]
+                        used += 1
+                    elif name in defaults:
+                        arguments[name] = defaults[name]
+                    else:
+                        break  # missing: bind raises the TypeError
+                else:
+                    if used == len(kwargs):  # else one is unknown or given twice: bind raises
+                        return arguments
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+
     async def begin(self, key: str, fingerprint: str | None) -> Claimed | IdempotentResult[Any]:
         """Claim the key: the claim to run under, or the stored result to replay."""
         settings = self.settings
         record = DedupKey(self.namespace, key)
-        deadline: float | None = None
-        delay = INITIAL_POLL
+        waiting = _Waiting()
         while True:
             [found] = await settings.store.claim_many([record], settings.lease_ttl)
-            if isinstance(found, Claimed):
+            answer = self.after_claim(key, found, fingerprint, waiting, "claim_many")
+            if not isinstance(answer, float):
+                return answer
+            await settings.clock.sleep(answer)
+
+    def begin_sync(
+        self, store: SyncDedupStore, key: str, fingerprint: str | None
+    ) -> Claimed | IdempotentResult[Any]:
+        """:meth:`begin` with the store's blocking twins, on the calling thread (the system
+        clock: waits sleep with ``time.sleep``)."""
+        settings = self.settings
+        record = DedupKey(self.namespace, key)
+        waiting: _Waiting | None = None
+        while True:
+            [found] = store.claim_many_sync([record], settings.lease_ttl)
+            if type(found) is Claimed:  # the common answers first, without the waiting state
                 return found
-            if isinstance(found, Completed):
+            if type(found) is Completed:
                 return self.replay(key, found, fingerprint)
-            if not isinstance(found, InProgress):
-                raise TypeError(f"{settings.store!r}.claim_many answered {found!r}")
-            if settings.on_in_progress == "raise":
-                raise self.in_progress(key, found, waited=None)
-            now = settings.clock.now()
-            if deadline is None:
-                deadline = now + settings.wait_timeout
-            elif now >= deadline:
-                raise self.in_progress(key, found, waited=settings.wait_timeout)
-            await settings.clock.sleep(min(delay, deadline - now))
-            delay = min(2 * delay, MAX_POLL)
+            waiting = waiting or _Waiting()
+            answer = self.after_claim(key, found, fingerprint, waiting, "claim_many_sync")
+            if not isinstance(answer, float):
+                return answer
+            time.sleep(answer)
+
+    def after_claim(
+        self, key: str, found: ClaimResult, fingerprint: str | None, waiting: _Waiting,
+        method: str,
+    ) -> Claimed | IdempotentResult[Any] | float:
+        """What a claim's answer means: the claim to run under, the stored result to replay,
+        or (waiting for a call in progress) the seconds to sleep before claiming again."""
+        settings = self.settings
+        if isinstance(found, Claimed):
+            return found
+        if isinstance(found, Completed):
+            return self.replay(key, found, fingerprint)
+        if not isinstance(found, InProgress):
+            raise TypeError(f"{settings.store!r}.{method} answered {found!r}")
+        if settings.on_in_progress == "raise":
+            raise self.in_progress(key, found, waited=None)
+        now = settings.clock.now()
+        if waiting.deadline is None:
+            waiting.deadline = now + settings.wait_timeout
+        elif now >= waiting.deadline:
+            raise self.in_progress(key, found, waited=settings.wait_timeout)
+        pause = min(waiting.delay, waiting.deadline - now)
+        waiting.delay = min(2 * waiting.delay, MAX_POLL)
+        return float(pause)
 
     def replay(
         self, key: str, completed: Completed, fingerprint: str | None
@@ -494,12 +613,16 @@ class _Core:
                 )
                 continue
             if lost:
-                logger.warning(
-                    "@idempotent %s: the claim of idempotency key %r lapsed or was taken over "
-                    "while the call runs; another call may run it too, and this call's result "
-                    "will not be stored if a peer holds the key", self.name, key,
-                )
+                self.claim_lost(key)
                 return
+
+    def claim_lost(self, key: str) -> None:
+        """Log that the claim of ``key`` was lost while the call ran (renewals found it)."""
+        logger.warning(
+            "@idempotent %s: the claim of idempotency key %r lapsed or was taken over "
+            "while the call runs; another call may run it too, and this call's result "
+            "will not be stored if a peer holds the key", self.name, key,
+        )
 
     def record(self, value: Any, fingerprint: str | None) -> str:
         """The JSON text to store: ``{"p": fingerprint, "r": value}``."""
@@ -510,7 +633,8 @@ class _Core:
                 f"@idempotent {self.name}: {error}; nothing was stored and the key was "
                 "released"
             ) from error
-        return f'{{"p":{json.dumps(fingerprint)},"r":{result_json}}}'
+        stamp = "null" if fingerprint is None else f'"{fingerprint}"'  # hex: no escapes
+        return f'{{"p":{stamp},"r":{result_json}}}'
 
     async def finish(
         self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
@@ -523,33 +647,72 @@ class _Core:
             try:
                 await store.release_many([claim], 0.0)
             except Exception:
-                logger.warning(
-                    "@idempotent %s: releasing idempotency key %r failed; a retry can run "
-                    "once its claim lapses (lease_ttl)", self.name, key, exc_info=True,
-                )
+                self.release_failed(key)
             return
         try:
             refused = await store.complete_many([Completion(claim, record)], self.settings.ttl)
         except Exception:
-            logger.error(
-                "@idempotent %s: storing the result of idempotency key %r failed; the result "
-                "is returned, but a later call with this key may run the function again",
-                self.name, key, exc_info=True,
-            )
+            self.completion_failed(key)
             return
         if refused:
-            logger.warning(
-                "@idempotent %s: the claim of idempotency key %r was lost to another call "
-                "before this one finished; its result is returned but not stored (the other "
-                "call's record stands)", self.name, key,
-            )
+            self.completion_refused(key)
+
+    def finish_sync(
+        self, store: SyncDedupStore, claim: Claimed, key: str, record: str | None
+    ) -> None:
+        """:meth:`finish` with the store's blocking twins (the caller stopped renewing)."""
+        if record is None:
+            try:
+                store.release_many_sync([claim], 0.0)
+            except Exception:
+                self.release_failed(key)
+            return
+        try:
+            refused = store.complete_many_sync([Completion(claim, record)], self.settings.ttl)
+        except Exception:
+            self.completion_failed(key)
+            return
+        if refused:
+            self.completion_refused(key)
+
+    def release_failed(self, key: str) -> None:
+        logger.warning(
+            "@idempotent %s: releasing idempotency key %r failed; a retry can run "
+            "once its claim lapses (lease_ttl)", self.name, key, exc_info=True,
+        )
+
+    def completion_failed(self, key: str) -> None:
+        logger.error(
+            "@idempotent %s: storing the result of idempotency key %r failed; the result "
+            "is returned, but a later call with this key may run the function again",
+            self.name, key, exc_info=True,
+        )
+
+    def completion_refused(self, key: str) -> None:
+        logger.warning(
+            "@idempotent %s: the claim of idempotency key %r was lost to another call "
+            "before this one finished; its result is returned but not stored (the other "
+            "call's record stands)", self.name, key,
+        )
+
+
+@dataclass
+class _Waiting:
+    """A ``"wait"`` caller's progress: when it gives up, and its next pause."""
+
+    deadline: float | None = None
+    delay: float = INITIAL_POLL
 
 
 def close_sync_connections(store: DedupStore) -> None:
-    """Close ``store``'s connections on the background loop of sync ``@idempotent`` functions
-    (they reopen on next use). For tests and orderly shutdowns; at exit it happens by itself.
-    Call it outside that loop's thread (anywhere but inside a store call)."""
+    """Close the connections sync ``@idempotent`` functions use: ``store``'s on the background
+    loop, and its blocking client (``close_sync``, if it has one). They reopen on next use. For
+    tests and orderly shutdowns; at exit it happens by itself. Call it outside that loop's
+    thread (anywhere but inside a store call)."""
     BACKGROUND.close_store(store)
+    close_sync = getattr(store, "close_sync", None)
+    if callable(close_sync):
+        close_sync()
 
 
 __all__ = [

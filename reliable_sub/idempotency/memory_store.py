@@ -94,6 +94,9 @@ _Record = tuple[int, float, str | None, int]
 class MemoryDedupStore(SingleKeyMethods):
     """A dedup store in this process's memory: for tests, examples and single-process consumers.
 
+    It also has the blocking twins of a :class:`~reliable_sub.ports.SyncDedupStore`
+    (``claim_many_sync`` ...), safe from any thread.
+
     Args:
         clock: time source for claim leases and retention (default: the system clock).
         owner: prefix of this store's fencing tokens (default: a fresh random one).
@@ -116,6 +119,10 @@ class MemoryDedupStore(SingleKeyMethods):
         return f"MemoryDedupStore(owner={self.owner!r})"
 
     # -- claims --------------------------------------------------------------------------------
+    #
+    # Every state change happens under a threading.Lock and never awaits, so the blocking twins
+    # (the SyncDedupStore capability) are the implementation and the async methods return them:
+    # both may be called from any thread and event loop, on the same records.
 
     async def claim_many(
         self,
@@ -123,6 +130,24 @@ class MemoryDedupStore(SingleKeyMethods):
         lease_ttl: float,
         tokens: Sequence[str] | None = None,
     ) -> list[ClaimResult]:
+        return self.claim_many_sync(keys, lease_ttl, tokens)
+
+    async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+        return self.renew_sync(claims, lease_ttl)
+
+    async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+        return self.complete_many_sync(completions, ttl)
+
+    async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
+        self.release_many_sync(claims, retention)
+
+    def claim_many_sync(
+        self,
+        keys: Sequence[DedupKey],
+        lease_ttl: float,
+        tokens: Sequence[str] | None = None,
+    ) -> list[ClaimResult]:
+        """Blocking twin of :meth:`claim_many`."""
         _check_duration("lease_ttl", lease_ttl)
         with self._lock:
             now = self._clock.now()
@@ -150,7 +175,8 @@ class MemoryDedupStore(SingleKeyMethods):
         self._records[key] = (_CLAIMED, expires_at, token, failures)
         return Claimed(key, token, failures)
 
-    async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+    def renew_sync(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+        """Blocking twin of :meth:`renew`."""
         _check_duration("lease_ttl", lease_ttl)
         lost: list[Claimed] = []
         with self._lock:
@@ -164,7 +190,8 @@ class MemoryDedupStore(SingleKeyMethods):
                     lost.append(claim)
         return lost
 
-    async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+    def complete_many_sync(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+        """Blocking twin of :meth:`complete_many`."""
         _check_duration("ttl", ttl)
         checked = [checked_result_json(c.result_json) for c in completions]
         refused: list[Claimed] = []
@@ -181,7 +208,8 @@ class MemoryDedupStore(SingleKeyMethods):
                 self._records[claim.key] = (_COMPLETED, now + ttl, result_json, 0)
         return refused
 
-    async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
+    def release_many_sync(self, claims: Sequence[Claimed], retention: float) -> None:
+        """Blocking twin of :meth:`release_many`."""
         with self._lock:
             now = self._clock.now()
             for claim in claims:

@@ -25,6 +25,11 @@ never pickle. Every method is one Lua script call (registered with ``register_sc
 reloaded after a Redis restart) and one round trip per batch. Fencing tokens are made before the
 call, so a command that redis-py retries after a dropped connection finds its own claim and
 reports it Claimed rather than InProgress.
+
+The batch methods have blocking twins (``claim_many_sync`` ..., the
+:class:`~reliable_sub.ports.SyncDedupStore` capability): the same scripts, arguments and replies
+on the blocking ``redis.Redis`` client, from any thread, without an event loop. Sync
+``@idempotent`` functions use them.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import logging
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from .._results import checked_result_json
 from ..errors import ConfigurationError, MissingExtraError
@@ -47,7 +52,9 @@ try:
 except ImportError as error:  # the redis extra is not installed
     raise MissingExtraError("RedisDedupStore", "redis", "redis") from error
 
-from ..redis_clients import RedisClients, lua_source, script
+import redis
+
+from ..redis_clients import RedisClients, lua_source, script, sync_script
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +109,9 @@ class RedisDedupStore(SingleKeyMethods):
         prefix: the first part of every Redis key this store writes; no braces.
         owner: prefix of this store's fencing tokens (default: a fresh random one); no ``|``,
             ``.`` or braces.
+        sync_client: the ``redis.Redis`` client of the blocking twins (``claim_many_sync`` ...)
+            on the same server (default: one built from the URL, or from the given client's
+            host, port, database and credentials -- pass one for TLS or a fake server).
     """
 
     def __init__(
@@ -110,6 +120,7 @@ class RedisDedupStore(SingleKeyMethods):
         *,
         prefix: str = DEFAULT_PREFIX,
         owner: str | None = None,
+        sync_client: redis.Redis | None = None,
     ) -> None:
         if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
             raise ConfigurationError(
@@ -128,6 +139,7 @@ class RedisDedupStore(SingleKeyMethods):
                 "socket_timeout": SOCKET_TIMEOUT,
                 "socket_connect_timeout": SOCKET_TIMEOUT,
             },
+            sync_client=sync_client,
         )
         self.prefix = prefix
         # Scripts are bound to no client: each call names the running loop's client.
@@ -135,6 +147,10 @@ class RedisDedupStore(SingleKeyMethods):
         self._renew_script = script(_RENEW_SCRIPT)
         self._release_script = script(_RELEASE_SCRIPT)
         self._complete_script = script(_COMPLETE_SCRIPT)
+        self._claim_script_sync = sync_script(_CLAIM_SCRIPT)
+        self._renew_script_sync = sync_script(_RENEW_SCRIPT)
+        self._release_script_sync = sync_script(_RELEASE_SCRIPT)
+        self._complete_script_sync = sync_script(_COMPLETE_SCRIPT)
 
     def __repr__(self) -> str:
         return f"RedisDedupStore(prefix={self.prefix!r}, owner={self.owner!r})"
@@ -143,6 +159,11 @@ class RedisDedupStore(SingleKeyMethods):
     def client(self) -> aioredis.Redis:
         """The ``redis.asyncio.Redis`` client of the running event loop."""
         return self.clients.get()
+
+    @property
+    def sync_client(self) -> redis.Redis:
+        """The blocking ``redis.Redis`` client of the ``*_sync`` methods."""
+        return self.clients.sync
 
     async def close(self) -> None:
         """Release this loop's connections; the store reconnects on next use."""
@@ -168,12 +189,83 @@ class RedisDedupStore(SingleKeyMethods):
     ) -> list[ClaimResult]:
         if not keys:
             return []
+        redis_keys, args, chosen = self._claim_arguments(keys, lease_ttl, tokens)
+        reply = await self._claim_script(keys=redis_keys, args=args, client=self.client)
+        return self._claim_results(keys, chosen, reply)
+
+    async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+        if not claims:
+            return []
+        keys, args = self._held_arguments(claims, _milliseconds("lease_ttl", lease_ttl))
+        lost = await self._renew_script(keys=keys, args=args, client=self.client)
+        return _at_positions(claims, lost)
+
+    async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+        if not completions:
+            return []
+        keys, args = self.completion_records(completions, ttl)
+        refused = await self._complete_script(keys=keys, args=args, client=self.client)
+        return [c.claim for c in _at_positions(completions, refused)]
+
+    async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
+        if not claims:
+            return
+        keys, args = self._held_arguments(claims, _retention_milliseconds(retention))
+        await self._release_script(keys=keys, args=args, client=self.client)
+
+    # -- the blocking twins (SyncDedupStore): same arguments, scripts and replies --------------
+
+    def claim_many_sync(
+        self,
+        keys: Sequence[DedupKey],
+        lease_ttl: float,
+        tokens: Sequence[str] | None = None,
+    ) -> list[ClaimResult]:
+        """Blocking twin of :meth:`claim_many`."""
+        if not keys:
+            return []
+        redis_keys, args, chosen = self._claim_arguments(keys, lease_ttl, tokens)
+        reply = self._claim_script_sync(keys=redis_keys, args=args, client=self.clients.sync)
+        return self._claim_results(keys, chosen, reply)
+
+    def renew_sync(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
+        """Blocking twin of :meth:`renew`."""
+        if not claims:
+            return []
+        keys, args = self._held_arguments(claims, _milliseconds("lease_ttl", lease_ttl))
+        lost = self._renew_script_sync(keys=keys, args=args, client=self.clients.sync)
+        return _at_positions(claims, lost)
+
+    def complete_many_sync(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
+        """Blocking twin of :meth:`complete_many`."""
+        if not completions:
+            return []
+        keys, args = self.completion_records(completions, ttl)
+        refused = self._complete_script_sync(keys=keys, args=args, client=self.clients.sync)
+        return [c.claim for c in _at_positions(completions, refused)]
+
+    def release_many_sync(self, claims: Sequence[Claimed], retention: float) -> None:
+        """Blocking twin of :meth:`release_many`."""
+        if not claims:
+            return
+        keys, args = self._held_arguments(claims, _retention_milliseconds(retention))
+        self._release_script_sync(keys=keys, args=args, client=self.clients.sync)
+
+    # -- what both share: script arguments and replies -----------------------------------------
+
+    def _claim_arguments(
+        self, keys: Sequence[DedupKey], lease_ttl: float, tokens: Sequence[str] | None
+    ) -> tuple[list[str], list[Any], list[str]]:
+        """The claim script's KEYS and ARGV (the lease in ms, then a token per key), and the
+        tokens: the given ones, or fresh ones."""
         lease = _milliseconds("lease_ttl", lease_ttl)
         chosen = list(tokens) if tokens else [self._tokens.next() for _ in keys]
-        reply = await self._claim_script(
-            keys=[self.redis_key(key) for key in keys], args=[lease, *chosen],
-            client=self.client,
-        )
+        return [self.redis_key(key) for key in keys], [lease, *chosen], chosen
+
+    def _claim_results(
+        self, keys: Sequence[DedupKey], chosen: Sequence[str], reply: Sequence[Any]
+    ) -> list[ClaimResult]:
+        """The claim script's reply, one (state, detail, failures) triple per key, as results."""
         results: list[ClaimResult] = []
         for index, key in enumerate(keys):
             state = int(reply[3 * index])
@@ -186,24 +278,15 @@ class RedisDedupStore(SingleKeyMethods):
                 results.append(InProgress(self._remaining(key, int(detail)), failures))
         return results
 
-    async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
-        if not claims:
-            return []
-        lease = _milliseconds("lease_ttl", lease_ttl)
-        args: list[Any] = [lease]
+    def _held_arguments(
+        self, claims: Sequence[Claimed], milliseconds: int
+    ) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of the renew and release scripts: ``milliseconds`` (the lease, or the
+        retention), then each claim's token and failure count."""
+        args: list[Any] = [milliseconds]
         for claim in claims:
             args += (claim.token, claim.failures)
-        lost = await self._renew_script(
-            keys=[self.redis_key(c.key) for c in claims], args=args, client=self.client
-        )
-        return [claims[int(position) - 1] for position in lost]
-
-    async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
-        if not completions:
-            return []
-        keys, args = self.completion_records(completions, ttl)
-        refused = await self._complete_script(keys=keys, args=args, client=self.client)
-        return [completions[int(position) - 1].claim for position in refused]
+        return [self.redis_key(c.key) for c in claims], args
 
     def completion_records(
         self, completions: Sequence[Completion], ttl: float
@@ -215,16 +298,6 @@ class RedisDedupStore(SingleKeyMethods):
         for claim, result_json in completions:
             args += (claim.token, b"c:" + checked_result_json(result_json).encode())
         return [self.redis_key(c.claim.key) for c in completions], args
-
-    async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
-        if not claims:
-            return
-        args: list[Any] = [max(0, round(retention * 1000)) if retention < math.inf else 0]
-        for claim in claims:
-            args += (claim.token, claim.failures)
-        await self._release_script(
-            keys=[self.redis_key(c.key) for c in claims], args=args, client=self.client
-        )
 
     def same_server(self, clients: RedisClients) -> bool:
         """True when ``clients`` talk to the same Redis server and database as this store."""
@@ -246,6 +319,19 @@ def _milliseconds(name: str, seconds: float) -> int:
     if not isinstance(seconds, int | float) or not 0 < seconds < math.inf:
         raise ConfigurationError(f"RedisDedupStore: {name} must be in (0, inf), got {seconds!r}")
     return max(1, round(seconds * 1000))
+
+
+def _retention_milliseconds(retention: float) -> int:
+    """The release script's retention: whole ms (0, forgotten at once, for none or infinite)."""
+    return max(0, round(retention * 1000)) if retention < math.inf else 0
+
+
+_Item = TypeVar("_Item")
+
+
+def _at_positions(items: Sequence[_Item], positions: Sequence[Any]) -> list[_Item]:
+    """The ``items`` at the 1-based ``positions`` a script returned."""
+    return [items[int(position) - 1] for position in positions]
 
 
 def _text(value: bytes | str) -> str:

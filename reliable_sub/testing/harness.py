@@ -242,7 +242,8 @@ def fakeredis_harness() -> Harness:
     def new_store(owner: str) -> DedupStore:
         from reliable_sub.idempotency.redis_store import RedisDedupStore
 
-        return RedisDedupStore(fakeredis.FakeAsyncRedis(server=server), owner=owner)
+        return RedisDedupStore(fakeredis.FakeAsyncRedis(server=server), owner=owner,
+                               sync_client=fakeredis.FakeRedis(server=server))
 
     return Harness(name="fakeredis", clock=SystemClock(), ack_deadline=1.0, tick=0.1,
                    new_adapter=new_adapter, new_store=new_store)
