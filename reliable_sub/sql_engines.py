@@ -21,7 +21,6 @@ try:
     import sqlalchemy as sa
     from sqlalchemy.engine import URL, Engine, make_url
     from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
-    from sqlalchemy.pool import NullPool
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("The SQL store and outbox", "sql", "SQLAlchemy") from error
 
@@ -46,11 +45,15 @@ class SqlEngines:
         sync_engine: Engine | None = None,
     ) -> None:
         self._given: AsyncEngine | None = None
+        self._throwaway = False
         if isinstance(url_or_engine, AsyncEngine):
             self._given = url_or_engine
             self.url: URL = url_or_engine.url
         elif isinstance(url_or_engine, str | URL):
-            self.url = _database_url(make_url(url_or_engine))
+            given = make_url(url_or_engine)
+            self.url = _database_url(given)
+            # a throwaway database need not survive a crash: its commits skip the fsync
+            self._throwaway = self.url is not given
         else:
             raise ConfigurationError(
                 f"{owner} needs a database URL or an AsyncEngine, got "
@@ -76,20 +79,28 @@ class SqlEngines:
             url = self.url.set(drivername=f"{self.dialect}+{SYNC_DRIVERS[self.dialect]}")
             self._sync = sa.create_engine(url, **self._pool_options())
             if self.dialect == "sqlite":
-                sa.event.listen(self._sync, "connect", _sqlite_pragmas)
+                sa.event.listen(self._sync, "connect", self._sqlite_pragmas)
         return self._sync
 
     def _make(self) -> AsyncEngine:
         url = self.url.set(drivername=f"{self.dialect}+{ASYNC_DRIVERS[self.dialect]}")
         engine = create_async_engine(url, **self._pool_options())
         if self.dialect == "sqlite":
-            sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+            sa.event.listen(engine.sync_engine, "connect", self._sqlite_pragmas)
         return engine
 
     def _pool_options(self) -> dict[str, Any]:
         if self.dialect != "sqlite":
             return {"pool_pre_ping": True}  # a restarted database costs no failed call
-        return {"poolclass": NullPool}
+        return {}  # SQLAlchemy's default pool: connections to the file are reused
+
+    def _sqlite_pragmas(self, connection: Any, _record: Any) -> None:
+        cursor = connection.cursor()
+        cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        if self._throwaway:
+            cursor.execute("PRAGMA journal_mode = WAL")
+            cursor.execute("PRAGMA synchronous = OFF")
+        cursor.close()
 
     async def close(self) -> None:
         """Dispose of this loop's engine (its connections); a later call reconnects."""
@@ -116,7 +127,3 @@ def _database_url(url: URL) -> URL:
     return url
 
 
-def _sqlite_pragmas(connection: Any, _record: Any) -> None:
-    cursor = connection.cursor()
-    cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
-    cursor.close()
