@@ -149,6 +149,9 @@ class Lane:
     # transaction)
     handler: Callable[[Message], Any]
     receive_call: asyncio.Task[list[Delivery]] | None = None
+    # deliveries were given back at max_lease_duration for want of a worker thread: receive
+    # again only once one is free, so peers get them rather than this Subscriber again
+    starved: bool = False
     # ordering key -> deliveries waiting for the running one of that key
     keys: dict[str, deque[InFlight]] = field(default_factory=dict)
 
@@ -284,6 +287,20 @@ class Runtime:
             free = await flow.free_slots()
             if not self.receiving or free <= 0:
                 return
+            if lane.starved:
+                lane.starved = False
+                if self.workers.saturated:
+                    call = loop.create_task(self._until_a_worker_is_free())
+                    lane.receive_call = call
+                    try:
+                        await call
+                    except asyncio.CancelledError:
+                        if call.cancelled() and not self._still_receiving():
+                            return  # the stop cancelled the wait
+                        raise
+                    finally:
+                        lane.receive_call = None
+                    continue
             call = loop.create_task(self._receive(lane, min(free, config.receive_batch)))
             lane.receive_call = call
             try:
@@ -298,6 +315,10 @@ class Runtime:
                 await self._admit(lane, deliveries)
             # yield between batches: handlers that never wait must not starve the loop
             await asyncio.sleep(0)
+
+    async def _until_a_worker_is_free(self) -> list[Delivery]:
+        await self.workers.wait_for_a_free_slot()
+        return []
 
     async def _receive(self, lane: Lane, max_messages: int) -> list[Delivery]:
         """One receive call, retried with jittered exponential backoff while the broker fails."""
@@ -681,6 +702,8 @@ class Runtime:
         for item in items:
             if item.stage is Stage.WAITING:
                 if item.task is not None:
+                    if not item.route.route.is_async and self.workers.saturated:
+                        item.route.starved = True
                     self._cancel(item, CancelReason.EXPIRED)
                 else:  # queued behind its ordering key
                     self._requeue_waiting(item, Outcome.REQUEUED)

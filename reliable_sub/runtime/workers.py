@@ -48,6 +48,16 @@ class WorkerThreads:
     def release(self) -> None:
         self._slots.release()
 
+    @property
+    def saturated(self) -> bool:
+        """True while every slot is taken."""
+        return self._slots.locked()
+
+    async def wait_for_a_free_slot(self) -> None:
+        """Wait until a slot is free with nobody queued before us (taking none)."""
+        await self._slots.acquire()
+        self._slots.release()
+
     def run(self, function: Callable[..., Any], *args: Any) -> asyncio.Future[Outcome]:
         """Call ``function(*args)`` on a thread in a copy of the current context (hold a slot).
 
