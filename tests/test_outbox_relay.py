@@ -1,0 +1,254 @@
+"""OutboxRelay: what committed is published, oldest first per key, at least once, never skipped.
+
+Runs on PostgreSQL (and SQLite where one relay at a time is the rule), publishing into a
+recording publisher in front of the in-memory broker, so what was published, and in which
+order, is counted outside the relay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import pytest
+import sqlalchemy as sa
+
+from reliable_sub import (
+    ManualClock,
+    MemoryDedupStore,
+    Message,
+    Outcome,
+    Subscriber,
+    SystemClock,
+)
+from reliable_sub.adapters.memory import MemoryAdapter
+from reliable_sub.outbox import Outbox, OutboxRelay
+from reliable_sub.testing.services import postgres_url
+from reliable_sub.testing.timing import drive_until
+
+WITHIN = 10.0
+
+
+@dataclass
+class Recorder:
+    """A publisher that records every publish (and can refuse some) before the memory broker."""
+
+    broker: MemoryAdapter = field(default_factory=MemoryAdapter)
+    published: list[tuple[str, bytes, dict[str, str], str | None]] = field(default_factory=list)
+    refuse: set[str] = field(default_factory=set)  # ordering keys whose publishes fail
+    fail_after_publish: int = 0  # this many publishes raise after reaching the broker
+    rng: random.Random = field(default_factory=lambda: random.Random(7))
+
+    def __post_init__(self) -> None:
+        self.broker.ensure_topic_sync("orders")
+
+    async def publish(self, topic: str, data: bytes, attributes: dict[str, str] | None = None,
+                      ordering_key: str | None = None) -> str:
+        for _ in range(self.rng.randrange(4)):  # concurrent publishes finish in any order
+            await asyncio.sleep(0)
+        if ordering_key in self.refuse:
+            raise ConnectionError(f"broker refused key {ordering_key}")
+        message_id = await self.broker.publish(topic, data, attributes, ordering_key)
+        self.published.append((topic, data, dict(attributes or {}), ordering_key))
+        if self.fail_after_publish > 0:
+            self.fail_after_publish -= 1
+            raise TimeoutError("the publish reached the broker but its reply was lost")
+        return message_id
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+async def outbox(request: pytest.FixtureRequest) -> AsyncIterator[Outbox]:
+    url = postgres_url() if request.param == "postgresql" else "sqlite://"
+    box = Outbox(url, table=f"test_relay_{uuid.uuid4().hex[:10]}")
+    await box.create_schema()
+    try:
+        yield box
+    finally:
+        async with box.engine.begin() as connection:
+            await connection.run_sync(box.metadata.drop_all)
+        await box.close()
+
+
+@pytest.fixture
+async def pg_outbox() -> AsyncIterator[Outbox]:
+    box = Outbox(postgres_url(), table=f"test_relay_{uuid.uuid4().hex[:10]}")
+    await box.create_schema()
+    try:
+        yield box
+    finally:
+        async with box.engine.begin() as connection:
+            await connection.run_sync(box.metadata.drop_all)
+        await box.close()
+
+
+async def add(box: Outbox, data: bytes, ordering_key: str | None = None) -> str:
+    async with box.engine.begin() as connection:
+        return await box.add(connection, "orders", data, ordering_key=ordering_key)
+
+
+async def drain(relay: OutboxRelay) -> None:
+    while await relay.relay_once():
+        pass
+
+
+async def test_committed_rows_are_published_with_their_key_and_marked(outbox: Outbox) -> None:
+    recorder = Recorder()
+    relay = OutboxRelay(outbox, recorder)
+    first = await add(outbox, b"one", ordering_key="order-1")
+    with pytest.raises(RuntimeError):
+        async with outbox.engine.begin() as connection:
+            await outbox.add(connection, "orders", b"rolled back")
+            raise RuntimeError("rollback")
+    second = await add(outbox, b"two")
+
+    assert await relay.relay_once() == 2
+    assert await relay.relay_once() == 0, "published rows are not taken again"
+    # (rows of different keys are published concurrently: in any order)
+    assert sorted((data, attrs["idempotency-key"], key)
+                  for _, data, attrs, key in recorder.published) \
+        == [(b"one", first, "order-1"), (b"two", second, None)]
+    assert (await relay.backlog()).pending == 0
+    assert relay.published == 2
+
+
+async def test_a_late_commit_with_a_lower_id_is_still_published(pg_outbox: Outbox) -> None:
+    recorder = Recorder()
+    relay = OutboxRelay(pg_outbox, recorder)
+    async with pg_outbox.engine.connect() as slow:
+        transaction = await slow.begin()
+        await pg_outbox.add(slow, "orders", b"late")  # takes the lower id, commits last
+        await add(pg_outbox, b"early")
+        await drain(relay)
+        assert [data for _, data, _, _ in recorder.published] == [b"early"]
+        await transaction.commit()
+    await drain(relay)
+    assert [data for _, data, _, _ in recorder.published] == [b"early", b"late"]
+
+
+async def test_three_relays_keep_each_keys_order(pg_outbox: Outbox) -> None:
+    recorder = Recorder()
+    keys = [f"key-{k}" for k in range(10)]
+    async with pg_outbox.engine.begin() as connection:
+        for n in range(300):
+            await pg_outbox.add(connection, "orders", str(n).encode(),
+                                ordering_key=keys[n % len(keys)])
+    relays = [OutboxRelay(pg_outbox, recorder, batch_size=7) for _ in range(3)]
+
+    async def until_empty(relay: OutboxRelay) -> None:
+        # a round may find everything locked by the others (SKIP LOCKED): go on while rows wait
+        while await relay.relay_once() or (await relay.backlog()).pending:
+            pass
+
+    await asyncio.gather(*(until_empty(relay) for relay in relays))
+
+    assert len(recorder.published) == 300, "each row published exactly once"
+    for key in keys:
+        numbers = [int(data) for _, data, _, k in recorder.published if k == key]
+        assert numbers == sorted(numbers), f"{key} published out of order: {numbers}"
+    assert sum(1 for relay in relays if relay.published) >= 2, "the relays shared the work"
+
+
+async def test_a_failing_key_is_parked_and_blocks_only_itself(outbox: Outbox) -> None:
+    recorder = Recorder(refuse={"bad"})
+    clock = ManualClock(wall_offset=time.time())
+    relay = OutboxRelay(outbox, recorder, max_attempts=3, min_backoff=1, max_backoff=2,
+                        clock=clock)
+    await add(outbox, b"bad-1", ordering_key="bad")
+    await add(outbox, b"bad-2", ordering_key="bad")
+    await add(outbox, b"good", ordering_key="good")
+
+    for _ in range(3):
+        await relay.relay_once()
+        assert await relay.relay_once() == 0, "a failed row waits out its backoff"
+        clock.advance(2)
+    assert [data for _, data, _, _ in recorder.published] == [b"good"]
+    backlog = await relay.backlog()
+    assert (backlog.pending, backlog.parked) == (1, 1), "bad-2 waits behind the parked bad-1"
+    t = outbox.table
+    async with outbox.engine.connect() as connection:
+        row = (await connection.execute(
+            sa.select(t.c.attempts, t.c.last_error).where(t.c.data == b"bad-1"))).one()
+    assert row.attempts == 3 and "broker refused key bad" in row.last_error
+
+    recorder.refuse.clear()
+    assert await relay.requeue_parked() == 1
+    await drain(relay)
+    assert [data for _, data, _, _ in recorder.published] == [b"good", b"bad-1", b"bad-2"]
+
+
+async def test_a_publish_whose_reply_was_lost_is_republished_and_deduplicated(
+    outbox: Outbox,
+) -> None:
+    recorder = Recorder(fail_after_publish=1)
+    recorder.broker.ensure_subscription_sync("orders", "billing")
+    clock = ManualClock(wall_offset=time.time())
+    relay = OutboxRelay(outbox, recorder, min_backoff=1, max_backoff=1, clock=clock)
+    await add(outbox, b"charge")
+    effects: list[bytes] = []
+    outcomes: list[Outcome] = []
+    sub = Subscriber(recorder.broker, dedup=MemoryDedupStore(),
+                     on_outcome=lambda m, o: outcomes.append(o))
+
+    @sub.handler("billing")
+    async def charge(message: Message) -> None:
+        effects.append(message.data)
+
+    serving = asyncio.ensure_future(sub.serve())
+    try:
+        await relay.relay_once()  # reaches the broker, but the relay sees a failure
+        await drive_until(SystemClock(), lambda: outcomes == [Outcome.ACKED], WITHIN)
+        clock.advance(1)  # the row's backoff
+        await relay.relay_once()  # at least once: published again
+        await drive_until(SystemClock(), lambda: len(outcomes) == 2, WITHIN)
+    finally:
+        await sub.shutdown(timeout=5)
+        await serving
+    assert len(recorder.published) == 2, "the broker had it twice"
+    assert outcomes == [Outcome.ACKED, Outcome.DUPLICATE]
+    assert effects == [b"charge"], "the consumer's dedup store dropped the relay's duplicate"
+    assert (await relay.backlog()).pending == 0
+
+
+async def test_serve_wakes_on_notify_long_before_its_poll(pg_outbox: Outbox) -> None:
+    recorder = Recorder()
+    relay = OutboxRelay(pg_outbox, recorder, poll_interval=60.0)
+    serving = asyncio.ensure_future(relay.serve())
+    try:
+        # LISTEN in place, its first wake-up spent, and serve() waiting on a 60 s poll
+        await drive_until(SystemClock(), lambda: (relay.listening and relay.rounds >= 1
+                          and relay.waiting) or serving.done(), WITHIN)
+        await add(pg_outbox, b"now")
+        await drive_until(SystemClock(), lambda: relay.published == 1 or serving.done(),
+                          WITHIN, what="the NOTIFY to wake the relay")
+    finally:
+        await relay.shutdown()
+        await asyncio.wait_for(serving, WITHIN)
+    assert relay.published == 1
+
+
+async def test_serve_polls_without_notify(outbox: Outbox) -> None:
+    recorder = Recorder()
+    relay = OutboxRelay(outbox, recorder, poll_interval=0.05)
+    serving = asyncio.ensure_future(relay.serve())
+    try:
+        for n in range(3):
+            await add(outbox, str(n).encode())
+            await drive_until(SystemClock(), lambda n=n: relay.published == n + 1, WITHIN)
+    finally:
+        await relay.shutdown()
+        await asyncio.wait_for(serving, WITHIN)
+    assert [data for _, data, _, _ in recorder.published] == [b"0", b"1", b"2"]
+
+
+def test_bad_configuration_names_the_value() -> None:
+    from reliable_sub import ConfigurationError
+
+    box = Outbox("sqlite://")
+    with pytest.raises(ConfigurationError, match="poll_interval"):
+        OutboxRelay(box, Recorder(), poll_interval=0)
+    with pytest.raises(ConfigurationError, match="max_backoff"):
+        OutboxRelay(box, Recorder(), min_backoff=5, max_backoff=1)
