@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -242,6 +243,27 @@ async def test_serve_polls_without_notify(outbox: Outbox) -> None:
         await relay.shutdown()
         await asyncio.wait_for(serving, WITHIN)
     assert [data for _, data, _, _ in recorder.published] == [b"0", b"1", b"2"]
+
+
+async def test_purge_published_deletes_old_published_rows_only(outbox: Outbox) -> None:
+    recorder = Recorder(refuse={"bad"})
+    clock = ManualClock(wall_offset=time.time())
+    relay = OutboxRelay(outbox, recorder, max_attempts=1, clock=clock)
+    for n in range(5):
+        await add(outbox, str(n).encode())
+    await add(outbox, b"parked", ordering_key="bad")
+    await drain(relay)
+    await add(outbox, b"pending")
+    clock.advance(3600)
+    assert await relay.purge_published(older_than=60, batch_size=2) == 5
+    left = {bytes(r.data) for r in await _all_rows(outbox)}
+    assert left == {b"parked", b"pending"}
+    assert await relay.purge_published(older_than=60) == 0
+
+
+async def _all_rows(outbox: Outbox) -> list[Any]:
+    async with outbox.engine.connect() as connection:
+        return list(await connection.execute(sa.select(outbox.table)))
 
 
 def test_bad_configuration_names_the_value() -> None:

@@ -243,6 +243,28 @@ class OutboxRelay:
             )
         return int(result.rowcount)
 
+    async def purge_published(self, older_than: float, batch_size: int = 1000) -> int:
+        """Delete rows published more than ``older_than`` seconds ago, ``batch_size`` at a
+        time; returns how many. (Parked and pending rows are never deleted.)"""
+        check_count("OutboxRelay.purge_published", "batch_size", batch_size)
+        if not isinstance(older_than, int | float) or not older_than >= 0:
+            raise ConfigurationError(
+                f"OutboxRelay.purge_published: older_than must be >= 0, got {older_than!r}")
+        t = self.outbox.table
+        cutoff = self._clock.wall() - older_than
+        deleted = 0
+        while True:
+            doomed = (sa.select(t.c.id).where(t.c.published_at.is_not(None),
+                                              t.c.published_at <= cutoff)
+                      .order_by(t.c.id).limit(batch_size))
+            async with self.outbox.engine.begin() as connection:
+                ids = list((await connection.execute(doomed)).scalars())
+                if ids:
+                    await connection.execute(sa.delete(t).where(t.c.id.in_(ids)))
+            deleted += len(ids)
+            if len(ids) < batch_size:
+                return deleted
+
     async def backlog(self) -> Backlog:
         """Pending rows, the age in seconds of the oldest (None when there is none), and parked
         rows."""
