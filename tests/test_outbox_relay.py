@@ -274,3 +274,18 @@ def test_bad_configuration_names_the_value() -> None:
         OutboxRelay(box, Recorder(), poll_interval=0)
     with pytest.raises(ConfigurationError, match="max_backoff"):
         OutboxRelay(box, Recorder(), min_backoff=5, max_backoff=1)
+
+
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_the_outbox_example_ships_each_committed_order_once(database: str) -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    url = postgres_url() if database == "postgresql" else "sqlite://"
+    done = subprocess.run(
+        [sys.executable, "examples/outbox.py", url], capture_output=True, text=True,
+        timeout=60, cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "shipped: [1, 2]" in done.stdout, done.stdout
