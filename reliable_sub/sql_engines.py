@@ -114,6 +114,48 @@ class SqlEngines:
             self._sync.dispose()
 
 
+class OnSqlEngines:
+    """The engines, schema and connection handling of a class with ``_engines`` (its
+    :class:`SqlEngines`) and ``metadata`` (its tables): the SQL dedup store and the outbox."""
+
+    _engines: SqlEngines
+    metadata: sa.MetaData
+
+    @property
+    def url(self) -> URL:
+        """The database URL (``sqlite://`` resolved to its temporary file, so another store or
+        outbox given this URL shares the database)."""
+        return self._engines.url
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The asyncio engine of the running event loop."""
+        return self._engines.engine
+
+    @property
+    def sync_engine(self) -> Engine:
+        """A sync engine on the same database (for sync handlers and scripts)."""
+        return self._engines.sync_engine
+
+    async def create_schema(self) -> None:
+        """Create the tables and indexes of ``metadata`` that are missing (or put ``metadata``
+        in your migrations)."""
+        async with self.engine.begin() as connection:
+            await connection.run_sync(self.metadata.create_all)
+
+    def create_schema_sync(self) -> None:
+        """Blocking twin of :meth:`create_schema`."""
+        self.metadata.create_all(self.sync_engine)
+
+    async def close(self) -> None:
+        """Dispose of this loop's engine (its connections); the next call reconnects."""
+        await self._engines.close()
+
+    def close_sync(self) -> None:
+        """Dispose of the sync engine's connections; the next call reconnects."""
+        self._engines.close_sync()
+
+
 def _database_url(url: URL) -> URL:
     """``sqlite://`` as a throwaway database file, removed at exit; any other URL as it is.
 

@@ -20,21 +20,14 @@ from sqlalchemy.orm import Session
 
 from reliable_sub.outbox import Outbox
 from reliable_sub.testing.services import postgres_url
+from tests.outbox_support import fresh_outbox
 from tests.redis_processes import poll_until_sync
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
 async def outbox(request: pytest.FixtureRequest) -> AsyncIterator[Outbox]:
-    url = postgres_url() if request.param == "postgresql" else "sqlite://"
-    box = Outbox(url, table=f"test_outbox_{uuid.uuid4().hex[:10]}")
-    await box.create_schema()
-    try:
+    async with fresh_outbox(request.param) as box:
         yield box
-    finally:
-        async with box.engine.begin() as connection:
-            await connection.run_sync(box.metadata.drop_all)
-        await box.close()
-        box.close_sync()
 
 
 async def rows(outbox: Outbox) -> list[dict[str, Any]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.outbox import Outbox, OutboxRelay
 from reliable_sub.testing.services import postgres_url
 from reliable_sub.testing.timing import drive_until
+from tests.outbox_support import fresh_outbox
 
 WITHIN = 10.0
 
@@ -63,27 +63,14 @@ class Recorder:
 
 @pytest.fixture(params=["postgresql", "sqlite"])
 async def outbox(request: pytest.FixtureRequest) -> AsyncIterator[Outbox]:
-    url = postgres_url() if request.param == "postgresql" else "sqlite://"
-    box = Outbox(url, table=f"test_relay_{uuid.uuid4().hex[:10]}")
-    await box.create_schema()
-    try:
+    async with fresh_outbox(request.param) as box:
         yield box
-    finally:
-        async with box.engine.begin() as connection:
-            await connection.run_sync(box.metadata.drop_all)
-        await box.close()
 
 
 @pytest.fixture
 async def pg_outbox() -> AsyncIterator[Outbox]:
-    box = Outbox(postgres_url(), table=f"test_relay_{uuid.uuid4().hex[:10]}")
-    await box.create_schema()
-    try:
+    async with fresh_outbox("postgresql") as box:
         yield box
-    finally:
-        async with box.engine.begin() as connection:
-            await connection.run_sync(box.metadata.drop_all)
-        await box.close()
 
 
 async def add(box: Outbox, data: bytes, ordering_key: str | None = None) -> str:

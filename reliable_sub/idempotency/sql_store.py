@@ -43,7 +43,7 @@ try:
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("SqlDedupStore", "sql", "SQLAlchemy") from error
 
-from ..sql_engines import SqlEngines
+from ..sql_engines import OnSqlEngines, SqlEngines
 
 DEFAULT_TABLE = "reliable_sub_processed"
 # Namespaces and keys up to this many characters are stored as they are; longer ones hashed.
@@ -70,7 +70,7 @@ def processed_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Tabl
     )
 
 
-class SqlDedupStore(SingleKeyMethods):
+class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
     """A dedup store on PostgreSQL or SQLite, usable inside a handler's own transaction.
 
     Args:
@@ -106,42 +106,7 @@ class SqlDedupStore(SingleKeyMethods):
     def __repr__(self) -> str:
         return f"SqlDedupStore({self.dialect}, table={self.table.name!r}, owner={self.owner!r})"
 
-    # -- engines -------------------------------------------------------------------------------
-
-    @property
-    def url(self) -> URL:
-        """The database URL (``sqlite://`` resolved to its temporary file, so a second store
-        given this URL shares the database)."""
-        return self._engines.url
-
-    @property
-    def engine(self) -> AsyncEngine:
-        """The asyncio engine of the running event loop."""
-        return self._engines.engine
-
-    @property
-    def sync_engine(self) -> Engine:
-        """A sync engine on the same database (for sync transactional handlers and scripts)."""
-        return self._engines.sync_engine
-
-    async def close(self) -> None:
-        """Dispose of this loop's engine (its connections); the store reconnects on next use."""
-        await self._engines.close()
-
-    def close_sync(self) -> None:
-        """Dispose of the sync engine's connections; the store reconnects on next use."""
-        self._engines.close_sync()
-
-    # -- schema and maintenance -----------------------------------------------------------------
-
-    async def create_schema(self) -> None:
-        """Create the table and its index if missing (or put ``metadata`` in your migrations)."""
-        async with self.engine.begin() as connection:
-            await connection.run_sync(self.metadata.create_all)
-
-    def create_schema_sync(self) -> None:
-        """Blocking twin of :meth:`create_schema`."""
-        self.metadata.create_all(self.sync_engine)
+    # -- maintenance ---------------------------------------------------------------------------
 
     async def purge_expired(self, batch_size: int = 1000) -> int:
         """Delete rows whose retention (or lease) has passed, ``batch_size`` at a time;

@@ -34,7 +34,7 @@ try:
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("Outbox", "sql", "SQLAlchemy") from error
 
-from ..sql_engines import SqlEngines
+from ..sql_engines import OnSqlEngines, SqlEngines
 
 # The attribute that names the payload's format; JSON payloads get this value.
 CONTENT_TYPE = "content-type"
@@ -44,7 +44,7 @@ _SYNC_CONNECTIONS = (Connection, Session)
 _ASYNC_CONNECTIONS = (AsyncConnection, AsyncSession)
 
 
-class Outbox:
+class Outbox(OnSqlEngines):
     """The outbox table of one database, and :meth:`add` to write events into it.
 
     Args:
@@ -77,38 +77,6 @@ class Outbox:
 
     def __repr__(self) -> str:
         return f"Outbox({self.dialect}, table={self.table.name!r})"
-
-    @property
-    def url(self) -> URL:
-        """The database URL (``sqlite://`` resolved to its temporary file)."""
-        return self._engines.url
-
-    @property
-    def engine(self) -> AsyncEngine:
-        """The asyncio engine of the running event loop."""
-        return self._engines.engine
-
-    @property
-    def sync_engine(self) -> Engine:
-        """A sync engine on the same database."""
-        return self._engines.sync_engine
-
-    async def create_schema(self) -> None:
-        """Create the table and its indexes if missing (or put ``metadata`` in migrations)."""
-        async with self.engine.begin() as connection:
-            await connection.run_sync(self.metadata.create_all)
-
-    def create_schema_sync(self) -> None:
-        """Blocking twin of :meth:`create_schema`."""
-        self.metadata.create_all(self.sync_engine)
-
-    async def close(self) -> None:
-        """Dispose of this loop's engine; a later call reconnects."""
-        await self._engines.close()
-
-    def close_sync(self) -> None:
-        """Dispose of the sync engine's connections; a later call reconnects."""
-        self._engines.close_sync()
 
     # -- writing -----------------------------------------------------------------------------
 
