@@ -458,10 +458,14 @@ async def test_a_crashed_callers_claim_lapses_and_the_key_runs_again(
     impatient = Subject(kind, stores.store, namespace=namespace)
     patient = Subject(kind, stores.store, namespace=namespace, on_in_progress="wait",
                       wait_timeout=WITHIN)
-    crashed = await stores.peer.claim(DedupKey(namespace, "o-1"), SHORT_LEASE)  # never renewed
+    key = DedupKey(namespace, "o-1")
+    crashed = await stores.peer.claim(key, WITHIN)  # held long enough for a slow first call
     assert isinstance(crashed, Claimed)
     with pytest.raises(IdempotencyInProgressError):
         await impatient.call("o-1")
+    # the crashed caller's last renewal: a short lease, never renewed again
+    [shortened] = await stores.peer.claim_many([key], SHORT_LEASE, [crashed.token])
+    assert isinstance(shortened, Claimed)
     result = await patient.call("o-1")  # waits until the claim lapses, then runs itself
     assert result.replayed is False and patient.calls == 1
     assert (await impatient.call("o-1")).replayed is True
