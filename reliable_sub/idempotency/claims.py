@@ -118,9 +118,9 @@ class Claims:
         """What to record for ``item`` when its handler succeeded (None without a claim)."""
         return Completion(item.claim, result_json) if item.claim is not None else None
 
-    def committed(self, item: InFlight) -> None:
-        """``item``'s completion committed with its handler's transaction: the claim is over,
-        with nothing left to write."""
+    def drop(self, item: InFlight) -> None:
+        """End ``item``'s claim with nothing to write: its completion committed with its
+        handler's transaction, or a peer took the key over."""
         item.claim, item.claim_active = None, False
 
     def release(self, item: InFlight) -> Claimed | None:

@@ -282,7 +282,6 @@ class Runtime:
 
     async def _receive_loop(self, lane: Lane) -> None:
         config, flow = self.config, self.flow
-        loop = asyncio.get_running_loop()
         while self.receiving:
             free = await flow.free_slots()
             if not self.receiving or free <= 0:
@@ -290,31 +289,34 @@ class Runtime:
             if lane.starved:
                 lane.starved = False
                 if self.workers.saturated:
-                    call = loop.create_task(self._until_a_worker_is_free())
-                    lane.receive_call = call
-                    try:
-                        await call
-                    except asyncio.CancelledError:
-                        if call.cancelled() and not self._still_receiving():
-                            return  # the stop cancelled the wait
-                        raise
-                    finally:
-                        lane.receive_call = None
+                    if await self._as_receive_call(lane, self._until_a_worker_is_free()) is None:
+                        return
                     continue
-            call = loop.create_task(self._receive(lane, min(free, config.receive_batch)))
-            lane.receive_call = call
-            try:
-                deliveries = await call
-            except asyncio.CancelledError:
-                if call.cancelled() and not self._still_receiving():
-                    return  # the stop cancelled the receive call
-                raise
-            finally:
-                lane.receive_call = None
+            deliveries = await self._as_receive_call(
+                lane, self._receive(lane, min(free, config.receive_batch))
+            )
+            if deliveries is None:
+                return
             if deliveries:
                 await self._admit(lane, deliveries)
             # yield between batches: handlers that never wait must not starve the loop
             await asyncio.sleep(0)
+
+    async def _as_receive_call(
+        self, lane: Lane, coroutine: Coroutine[Any, Any, list[Delivery]]
+    ) -> list[Delivery] | None:
+        """Await ``coroutine`` as ``lane``'s receive call, which a stop may cancel; None when
+        the stop did."""
+        call = asyncio.get_running_loop().create_task(coroutine)
+        lane.receive_call = call
+        try:
+            return await call
+        except asyncio.CancelledError:
+            if call.cancelled() and not self._still_receiving():
+                return None
+            raise
+        finally:
+            lane.receive_call = None
 
     async def _until_a_worker_is_free(self) -> list[Delivery]:
         await self.workers.wait_for_a_free_slot()
@@ -528,8 +530,7 @@ class Runtime:
                     if _ours(item, error):
                         raise
                     if isinstance(error, ClaimLostError):
-                        item.duration = lane.lease.finished(item)
-                        self._claim_lost(item, error)
+                        self._claim_lost(lane, item, error)
                         return
                     # Anything a handler raises is its failure: Exception, SystemExit,
                     # KeyboardInterrupt, a CancelledError it raised itself, a BaseException.
@@ -549,8 +550,7 @@ class Runtime:
                 if _ours(item, error):
                     raise
                 if isinstance(error, ClaimLostError):
-                    item.duration = lane.lease.finished(item)
-                    self._claim_lost(item, error)
+                    self._claim_lost(lane, item, error)
                     return
                 decision = await self.failure.after_failure(message, item.failures, error)
             finally:
@@ -588,7 +588,7 @@ class Runtime:
 
     def _succeeded(self, lane: Lane, item: InFlight, result: Any) -> None:
         if isinstance(result, Committed):  # recorded in the handler's transaction: only ack
-            self.claims.committed(item)
+            self.claims.drop(item)
             self._settle(item, Outcome.ACKED, ack=True)
             return
         result_json = "null"
@@ -620,10 +620,11 @@ class Runtime:
             self._settle(item, Outcome.RETRY, ack=False, delay=decision.delay,
                          release=self.claims.release(item))
 
-    def _claim_lost(self, item: InFlight, error: ClaimLostError) -> None:
+    def _claim_lost(self, lane: Lane, item: InFlight, error: ClaimLostError) -> None:
         """A transactional handler's claim was taken over: rolled back; the peer has it."""
+        item.duration = lane.lease.finished(item)
         self.stats.lost_claims += 1
-        item.claim, item.claim_active = None, False  # the peer's now: nothing to release
+        self.claims.drop(item)  # the peer's now: nothing to release
         logger.warning("%s; deferring it", error, extra={"message_id": item.message_id})
         self._settle(item, Outcome.DEFERRED, ack=False,
                      delay=self._defer_delay(self.config.lease.max_lease_duration))
