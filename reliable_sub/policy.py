@@ -35,6 +35,16 @@ def _check_range(
         )
 
 
+def check_seconds(owner: str, name: str, value: object) -> float:
+    """``value`` as float seconds; refuse anything but a number in (0, inf) (a bool too),
+    naming ``owner.name``."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+        raise ConfigurationError(
+            f"{owner}.{name} must be a number of seconds in (0, inf), got {value!r}"
+        )
+    return float(value)
+
+
 def check_count(owner: str, name: str, value: object) -> None:
     """Refuse ``value`` unless it is an int of at least 1, naming ``owner.name``."""
     if not isinstance(value, int) or value < 1:

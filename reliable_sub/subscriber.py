@@ -31,7 +31,14 @@ from .idempotency.transactional import TransactionalStore
 from .message import Message
 from .middleware import Middleware
 from .outcome import DeliveryEvent, Outcome, SubscriberStats
-from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, check_count
+from .policy import (
+    DeadLetterPolicy,
+    FlowControl,
+    LeasePolicy,
+    RetryPolicy,
+    check_count,
+    check_seconds,
+)
 from .ports import Adapter
 from .runtime.lease import LeaseManager
 from .runtime.pipeline import Config, Route, Runtime
@@ -116,12 +123,12 @@ class Subscriber:
         loop_lag_warning: float | None = DEFAULT_LOOP_LAG_WARNING,
         dedup_purge_interval: float | None = DEFAULT_DEDUP_PURGE_INTERVAL,
     ) -> None:
-        _check_positive("dedup_ttl", dedup_ttl)
-        _check_positive("receive_timeout", receive_timeout)
+        check_seconds("Subscriber", "dedup_ttl", dedup_ttl)
+        check_seconds("Subscriber", "receive_timeout", receive_timeout)
         if loop_lag_warning is not None:
-            _check_positive("loop_lag_warning", loop_lag_warning)
+            check_seconds("Subscriber", "loop_lag_warning", loop_lag_warning)
         if dedup_purge_interval is not None:
-            _check_positive("dedup_purge_interval", dedup_purge_interval)
+            check_seconds("Subscriber", "dedup_purge_interval", dedup_purge_interval)
         if not isinstance(stop_timeout, int | float) or not stop_timeout >= 0:
             raise ConfigurationError(
                 f"Subscriber.stop_timeout must be in [0, inf), got {stop_timeout!r}"
@@ -494,11 +501,6 @@ def _checked_middleware(middleware: object, what: str) -> tuple[Middleware, ...]
                 f"{what}: {item!r} is not a middleware (async (context, call_next) -> Decision)"
             )
     return tuple(middleware)
-
-
-def _check_positive(name: str, value: float) -> None:
-    if not isinstance(value, int | float) or not value > 0:
-        raise ConfigurationError(f"Subscriber.{name} must be in (0, inf), got {value!r}")
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

@@ -84,6 +84,7 @@ from ..errors import (
     ResultNotSerializableError,
     StoredResultError,
 )
+from ..policy import check_seconds
 from ..ports import (
     Claimed,
     ClaimResult,
@@ -175,9 +176,9 @@ def idempotent(
             "idempotent: key must be a parameter name (a non-empty str) or a callable that "
             f"returns the key from the call's arguments, got {key!r}"
         )
-    _check_seconds("ttl", ttl)
-    _check_seconds("lease_ttl", lease_ttl)
-    _check_seconds("wait_timeout", wait_timeout)
+    check_seconds("idempotent", "ttl", ttl)
+    check_seconds("idempotent", "lease_ttl", lease_ttl)
+    check_seconds("idempotent", "wait_timeout", wait_timeout)
     if on_in_progress not in _IN_PROGRESS_MODES:
         raise ConfigurationError(
             f"idempotent: on_in_progress must be 'raise' or 'wait', got {on_in_progress!r}"
@@ -198,17 +199,6 @@ def idempotent(
         _Settings(store, key, float(ttl), float(lease_ttl), on_in_progress,
                   float(wait_timeout), validate_payload, namespace, clock or SystemClock())
     )
-
-
-def _check_seconds(name: str, seconds: object) -> None:
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, int | float)
-        or not 0 < seconds < math.inf
-    ):
-        raise ConfigurationError(
-            f"idempotent: {name} must be a number of seconds in (0, inf), got {seconds!r}"
-        )
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from .._results import checked_result_json, encode_result
 from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError
+from ..policy import check_seconds
 from ..ports import (
     Claimed,
     ClaimResult,
@@ -148,7 +149,7 @@ class MemoryDedupStore(SingleKeyMethods):
         tokens: Sequence[str] | None = None,
     ) -> list[ClaimResult]:
         """Blocking twin of :meth:`claim_many`."""
-        _check_duration("lease_ttl", lease_ttl)
+        check_seconds("MemoryDedupStore", "lease_ttl", lease_ttl)
         with self._lock:
             now = self._clock.now()
             self._operations += len(keys)
@@ -177,7 +178,7 @@ class MemoryDedupStore(SingleKeyMethods):
 
     def renew_sync(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
         """Blocking twin of :meth:`renew`."""
-        _check_duration("lease_ttl", lease_ttl)
+        check_seconds("MemoryDedupStore", "lease_ttl", lease_ttl)
         lost: list[Claimed] = []
         with self._lock:
             now = self._clock.now()
@@ -192,7 +193,7 @@ class MemoryDedupStore(SingleKeyMethods):
 
     def complete_many_sync(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
         """Blocking twin of :meth:`complete_many`."""
-        _check_duration("ttl", ttl)
+        check_seconds("MemoryDedupStore", "ttl", ttl)
         checked = [checked_result_json(c.result_json) for c in completions]
         refused: list[Claimed] = []
         with self._lock:
@@ -248,6 +249,3 @@ class MemoryDedupStore(SingleKeyMethods):
             del self._records[key]
 
 
-def _check_duration(name: str, seconds: float) -> None:
-    if not isinstance(seconds, int | float) or not 0 < seconds < float("inf"):
-        raise ConfigurationError(f"dedup store: {name} must be in (0, inf), got {seconds!r}")

@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 
 from .._results import checked_result_json
 from ..errors import ConfigurationError, MissingExtraError
+from ..policy import check_seconds
 from ..ports import Claimed, ClaimResult, Completed, Completion, DedupKey, InProgress
 from .memory_store import SingleKeyMethods, TokenSource, check_owner
 
@@ -316,9 +317,7 @@ class RedisDedupStore(SingleKeyMethods):
 
 def _milliseconds(name: str, seconds: float) -> int:
     """``seconds`` as whole milliseconds for PX (at least 1)."""
-    if not isinstance(seconds, int | float) or not 0 < seconds < math.inf:
-        raise ConfigurationError(f"RedisDedupStore: {name} must be in (0, inf), got {seconds!r}")
-    return max(1, round(seconds * 1000))
+    return max(1, round(check_seconds("RedisDedupStore", name, seconds) * 1000))
 
 
 def _retention_milliseconds(retention: float) -> int:

@@ -32,6 +32,7 @@ from typing import Any
 from .._results import checked_result_json
 from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, MissingExtraError
+from ..policy import check_seconds
 from ..ports import Claimed, ClaimResult, Completed, Completion, DedupKey, InProgress
 from .memory_store import SingleKeyMethods, TokenSource, check_owner
 
@@ -143,7 +144,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
     ) -> list[ClaimResult]:
         if not keys:
             return []
-        lease = _seconds("lease_ttl", lease_ttl)
+        lease = check_seconds("SqlDedupStore", "lease_ttl", lease_ttl)
         chosen = list(tokens) if tokens else [self._tokens.next() for _ in keys]
         stored = [_stored(key) for key in keys]
         first: dict[tuple[str, str], int] = {}
@@ -270,7 +271,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
     async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
         if not claims:
             return []
-        lease = _seconds("lease_ttl", lease_ttl)
+        lease = check_seconds("SqlDedupStore", "lease_ttl", lease_ttl)
         now = self._clock.wall()
         async with self.engine.begin() as connection:
             renewed = await self._update_held(
@@ -309,7 +310,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
     async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
         if not completions:
             return []
-        retention = _seconds("ttl", ttl)
+        retention = check_seconds("SqlDedupStore", "ttl", ttl)
         checked = [checked_result_json(c.result_json) for c in completions]
         now = self._clock.wall()
         t = self.table
@@ -427,7 +428,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         ns, k = _stored(claim.key)
         now = self._clock.wall()
         return {"c_namespace": ns, "c_key": k, "c_owner": claim.token, "c_now": now,
-                "c_expires_at": now + _seconds("ttl", ttl),
+                "c_expires_at": now + check_seconds("SqlDedupStore", "ttl", ttl),
                 "c_result": checked_result_json(result_json)}
 
     def _completion_update(self) -> Any:
@@ -480,12 +481,6 @@ def _storable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def _seconds(name: str, seconds: float) -> float:
-    if not isinstance(seconds, int | float) or not 0 < seconds < float("inf"):
-        raise ConfigurationError(f"SqlDedupStore: {name} must be in (0, inf), got {seconds!r}")
-    return float(seconds)
 
 
 __all__ = ["DEFAULT_TABLE", "SqlDedupStore", "processed_table"]

@@ -42,7 +42,7 @@ from typing import Any
 
 from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, MissingExtraError
-from ..policy import check_count
+from ..policy import check_count, check_seconds
 from ..ports import Publisher
 from .outbox import Outbox
 
@@ -110,8 +110,7 @@ class OutboxRelay:
         check_count("OutboxRelay", "max_attempts", max_attempts)
         for name, value in (("poll_interval", poll_interval), ("min_backoff", min_backoff),
                             ("max_backoff", max_backoff)):
-            if not isinstance(value, int | float) or not 0 < value < float("inf"):
-                raise ConfigurationError(f"OutboxRelay.{name} must be in (0, inf), got {value!r}")
+            check_seconds("OutboxRelay", name, value)
         if max_backoff < min_backoff:
             raise ConfigurationError(
                 f"OutboxRelay.max_backoff ({max_backoff}) must be >= min_backoff ({min_backoff})"
