@@ -13,14 +13,10 @@ opens new connections.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import random
-import signal
-import threading
 from collections.abc import Callable, Sequence
-from types import TracebackType
 from typing import Any, TypeVar
 
 from ._callables import is_async_callable
@@ -28,6 +24,7 @@ from .clock import Clock, SystemClock
 from .dedup import DedupStore
 from .errors import ConfigurationError
 from .idempotency.transactional import TransactionalStore
+from .lifecycle import Service
 from .message import Message
 from .middleware import Middleware
 from .outcome import DeliveryEvent, Outcome, SubscriberStats
@@ -66,7 +63,7 @@ DEFAULT_DEDUP_PURGE_INTERVAL = 300.0
 HandlerT = TypeVar("HandlerT", bound=Callable[..., Any])
 
 
-class Subscriber:
+class Subscriber(Service):
     """Runs handlers for one or more subscriptions of one broker, with the full guarantees.
 
     Args:
@@ -129,10 +126,7 @@ class Subscriber:
             check_seconds("Subscriber", "loop_lag_warning", loop_lag_warning)
         if dedup_purge_interval is not None:
             check_seconds("Subscriber", "dedup_purge_interval", dedup_purge_interval)
-        if not isinstance(stop_timeout, int | float) or not stop_timeout >= 0:
-            raise ConfigurationError(
-                f"Subscriber.stop_timeout must be in [0, inf), got {stop_timeout!r}"
-            )
+        super().__init__(stop_timeout=stop_timeout, logger=logger)
         check_count("Subscriber", "sync_workers", sync_workers)
         check_count("Subscriber", "receive_batch", receive_batch)
         self._config = Config(
@@ -155,18 +149,9 @@ class Subscriber:
             middleware=_checked_middleware(middleware, "Subscriber.middleware"),
         )
         self._check_dedup_window()
-        self._stop_timeout = float(stop_timeout)
         self.stats = SubscriberStats()
         self._routes: dict[str, Route] = {}
         self._runtime: Runtime | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stop_requested: asyncio.Event | None = None
-        self._force: asyncio.Event | None = None
-        self._closed: asyncio.Event | None = None
-        self._timeout = self._stop_timeout
-        self._done = threading.Event()
-        self._serving: asyncio.Task[None] | None = None
 
     def _check_dedup_window(self) -> None:
         """Every dedup mechanism has a window, and the window is the bug: refuse a short one."""
@@ -264,18 +249,12 @@ class Subscriber:
             raise RuntimeError(f"subscription {subscription!r} is not running")
         return runtime.lanes[subscription].lease
 
-    # -- lifecycle -------------------------------------------------------------------------
+    # -- lifecycle (start/stop, run, serve/shutdown, with: see reliable_sub.lifecycle) ----------
 
-    @property
-    def running(self) -> bool:
-        """True between a successful start and the end of a stop."""
-        return self._runtime is not None
-
-    @property
-    def stopping(self) -> bool:
-        """True from a stop request until the stop has finished."""
-        stop = self._stop_requested
-        return stop is not None and stop.is_set()
+    _usual_name = "sub"
+    _work_under_way = "running handlers"
+    _forced_stop_gives_up = ("running sync handlers are left to their threads, failing acks "
+                             "are given up")
 
     def healthy(self) -> bool:
         """True while running with every receive loop, lease manager and settler alive (for a
@@ -288,32 +267,6 @@ class Subscriber:
             logger.debug("not healthy: %s", "; ".join(problems))
         return not problems
 
-    def start(self) -> None:
-        """Run in a background thread; returns once receiving has begun (or raises why not)."""
-        if self._loop is not None or (self._thread is not None and self._thread.is_alive()):
-            raise RuntimeError("Subscriber is already running")
-        started = threading.Event()
-        failure: list[BaseException] = []
-
-        def main() -> None:
-            try:
-                asyncio.run(self._serve(started.set))
-            except BaseException as error:
-                failure.append(error)
-                if started.is_set():
-                    logger.exception("Subscriber background thread failed")
-            finally:
-                started.set()
-
-        self._done.clear()
-        self._thread = threading.Thread(target=main, name="reliable-sub", daemon=True)
-        self._thread.start()
-        started.wait()
-        if failure:
-            self._thread.join()
-            self._thread = None
-            raise failure[0]
-
     def stop(self, timeout: float | None = None) -> None:
         """Stop gracefully, from any thread but the Subscriber's own loop.
 
@@ -323,149 +276,29 @@ class Subscriber:
         handlers (threads cannot be interrupted) are waited for. A second ``stop()`` while one
         is under way forces it: nothing more is waited for.
         """
-        loop = self._loop
-        if loop is None:
-            self._join_thread()
-            return
-        if _running_loop() is loop:
-            raise RuntimeError(
-                "Subscriber.stop() blocks; inside its event loop use: await sub.shutdown(timeout)"
-            )
-        with contextlib.suppress(RuntimeError):  # a closed loop: the run is over already
-            loop.call_soon_threadsafe(self._request_stop, timeout)
-        self._done.wait()
-        self._join_thread()
+        super().stop(timeout)
 
-    async def shutdown(self, timeout: float | None = None) -> None:
-        """The same as :meth:`stop`, awaited from inside the Subscriber's event loop."""
-        closed = self._closed
-        if closed is None:
-            return
-        self._request_stop(timeout)
-        await closed.wait()
-
-    def run(self) -> None:
-        """Block until SIGINT or SIGTERM (or :meth:`stop` from another thread), then stop.
-
-        The first signal stops gracefully (see :meth:`stop`); a second one forces the stop.
-        """
-
-        async def main() -> None:
-            loop = asyncio.get_running_loop()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                try:
-                    loop.add_signal_handler(sig, self._on_signal, sig)
-                except (NotImplementedError, RuntimeError, ValueError):
-                    logger.debug("cannot install a handler for %s outside the main thread", sig)
-            try:
-                await self.serve()
-            finally:
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                        loop.remove_signal_handler(sig)
-
-        asyncio.run(main())
-
-    async def serve(self) -> None:
-        """Run inside the current event loop until stopped (or cancelled, which also stops)."""
-        await self._serve(None)
-
-    def __enter__(self) -> Subscriber:
-        self.start()
-        return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.stop()
-
-    async def __aenter__(self) -> Subscriber:
-        loop = asyncio.get_running_loop()
-        started: asyncio.Future[None] = loop.create_future()
-
-        def on_started() -> None:
-            if not started.done():
-                started.set_result(None)
-
-        task = loop.create_task(self._serve(on_started), name="reliable-sub serve")
-        await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
-        if not started.done():
-            task.result()  # raises why it could not start
-        self._serving = task
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, error: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        task, self._serving = self._serving, None
-        await self.shutdown()
-        if task is not None:
-            await task
-
-    def _on_signal(self, sig: signal.Signals) -> None:
-        logger.info("received %s", sig.name)
-        self._request_stop(None)
-
-    def _request_stop(self, timeout: float | None) -> None:
-        stop, force = self._stop_requested, self._force
-        if stop is None or force is None:
-            return
-        if stop.is_set():
-            if not force.is_set():
-                logger.warning("second stop request: forcing the stop (running sync handlers "
-                               "are left to their threads, failing acks are given up)")
-                force.set()
-            return
-        self._timeout = self._stop_timeout if timeout is None else timeout
-        logger.info("stop requested; waiting up to %gs for running handlers (stop again to "
-                    "force)", self._timeout)
-        stop.set()
-
-    async def _serve(self, on_started: Callable[[], None] | None) -> None:
-        if self._loop is not None:
-            raise RuntimeError("Subscriber is already running")
+    async def _open(self) -> None:
         if not self._routes:
             raise ConfigurationError(
                 "Subscriber has no handlers; register one with @sub.handler(subscription)"
             )
-        self._loop = asyncio.get_running_loop()
-        self._stop_requested = asyncio.Event()
-        self._force = asyncio.Event()
-        self._closed = asyncio.Event()
-        self._timeout = self._stop_timeout
-        self._done.clear()
         runtime = Runtime(self._config, list(self._routes.values()), self.stats)
         try:
-            try:
-                await runtime.open()
-            except BaseException:
-                await runtime.abort()
-                raise
-            self._runtime = runtime
-            self._log_started(runtime)
-            if on_started is not None:
-                on_started()
-            try:
-                await self._stop_requested.wait()
-            except asyncio.CancelledError:
-                # cancelling serve() stops gracefully
-                await runtime.close(self._stop_timeout, self._force)
-                raise
-            await runtime.close(self._timeout, self._force)
-            self._log_stopped()
+            await runtime.open()
+        except BaseException:
+            await runtime.abort()
+            raise
+        self._runtime = runtime
+        self._log_started(runtime)
+
+    async def _close(self, timeout: float, force: asyncio.Event) -> None:
+        runtime = self._runtime
+        try:
+            if runtime is not None:
+                await runtime.close(timeout, force)
         finally:
             self._runtime = None
-            self._closed.set()
-            self._loop = None
-            self._stop_requested = self._force = self._closed = None
-            self._done.set()
-
-    def _join_thread(self) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
 
     def _log_started(self, runtime: Runtime) -> None:
         config = self._config
@@ -501,13 +334,6 @@ def _checked_middleware(middleware: object, what: str) -> tuple[Middleware, ...]
                 f"{what}: {item!r} is not a middleware (async (context, call_next) -> Decision)"
             )
     return tuple(middleware)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
 
 
 __all__ = ["Subscriber"]
