@@ -4,8 +4,10 @@ from reliable_sub.ports import (
     AcksWithCompletions,
     Adapter,
     Admin,
+    BatchPublisher,
     Capabilities,
     Consumer,
+    Outgoing,
     Publisher,
     checked_message,
 )
@@ -14,8 +16,10 @@ __all__ = [
     "AcksWithCompletions",
     "Adapter",
     "Admin",
+    "BatchPublisher",
     "Capabilities",
     "Consumer",
+    "Outgoing",
     "Publisher",
     "checked_message",
 ]

@@ -49,7 +49,14 @@ from typing import Any
 
 from reliable_sub.errors import ConfigurationError, MissingExtraError, UnknownSubscriptionError
 from reliable_sub.message import Delivery, Message
-from reliable_sub.ports import Capabilities, Claimed, Completion, DedupStore, checked_message
+from reliable_sub.ports import (
+    Capabilities,
+    Claimed,
+    Completion,
+    DedupStore,
+    Outgoing,
+    checked_message,
+)
 
 try:
     import redis
@@ -348,6 +355,28 @@ class RedisStreamsAdapter:
             topic, fields, maxlen=self._max_len, approximate=True  # type: ignore[arg-type]
         )
         return _text(entry_id)
+
+    async def publish_many(self, messages: Sequence[Outgoing]) -> list[str | Exception]:
+        """Publish ``messages`` in one pipelined round trip (XADDs in the order given); returns
+        each one's entry id or the error that refused it."""
+        results: list[str | Exception] = []
+        pipe = self.client.pipeline(transaction=False)
+        queued = []
+        for message in messages:
+            try:
+                fields = self._fields(message.data, message.attributes, message.ordering_key)
+            except (TypeError, ValueError) as error:
+                results.append(error)
+                continue
+            results.append("")  # the entry id, once the pipeline has run
+            queued.append(len(results) - 1)
+            pipe.xadd(message.topic, fields,  # type: ignore[arg-type]
+                      maxlen=self._max_len, approximate=True)
+        if queued:
+            replies = await pipe.execute(raise_on_error=False)
+            for index, reply in zip(queued, replies, strict=True):
+                results[index] = reply if isinstance(reply, Exception) else _text(reply)
+        return results
 
     def publish_sync(
         self,

@@ -47,6 +47,9 @@ class FlakyReplies:
             raise TimeoutError("the broker has it, but its reply was lost")
         return message_id
 
+    async def close(self) -> None:
+        await self.broker.close()
+
 
 async def main(url: str) -> int:
     outbox = Outbox(url, table=f"example_outbox_{RUN}")

@@ -9,6 +9,8 @@ elsewhere (``adapters/``, a third party's package) implement them using public n
 * :class:`Adapter` -- all three: what every broker adapter of this package implements.
 * :class:`AcksWithCompletions` -- an optional, typed capability: record dedup completions in the
   same call as the acks.
+* :class:`BatchPublisher` -- an optional capability: publish many messages (:class:`Outgoing`)
+  in one broker call (the outbox relay's rounds).
 * :class:`Capabilities` -- what a broker offers, read by the core and the conformance suite.
 * :class:`DedupStore` and its records (:class:`DedupKey`, :class:`Claimed`, :class:`Completed`,
   :class:`InProgress`, :class:`Completion`) -- the idempotent-consumer store.
@@ -202,6 +204,31 @@ class Adapter(Consumer, Publisher, Admin, Protocol):
 
     def close_sync(self) -> None:
         """Release the blocking twins' connections (from any thread, outside a loop)."""
+        ...
+
+
+class Outgoing(NamedTuple):
+    """One message to publish: the arguments of :meth:`Publisher.publish`."""
+
+    topic: str
+    data: bytes
+    attributes: dict[str, str] | None = None
+    ordering_key: str | None = None
+
+
+@runtime_checkable
+class BatchPublisher(Protocol):
+    """An optional capability: publish a batch of messages in one broker call.
+
+    The outbox relay uses it when the adapter has it (the Redis Streams adapter pipelines the
+    batch); otherwise it calls :meth:`Publisher.publish` for each message concurrently (which the
+    Pub/Sub client batches by itself).
+    """
+
+    async def publish_many(self, messages: Sequence[Outgoing]) -> list[str | Exception]:
+        """Publish ``messages``; returns, in their order, each one's message id or the exception
+        that refused it (one refused message does not fail the others). Messages of one
+        ordering key reach the broker in the order given."""
         ...
 
 

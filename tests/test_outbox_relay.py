@@ -60,6 +60,9 @@ class Recorder:
             raise TimeoutError("the publish reached the broker but its reply was lost")
         return message_id
 
+    async def close(self) -> None:
+        await self.broker.close()
+
 
 @pytest.fixture(params=["postgresql", "sqlite"])
 async def outbox(request: pytest.FixtureRequest) -> AsyncIterator[Outbox]:

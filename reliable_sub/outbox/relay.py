@@ -25,14 +25,15 @@ One round (:meth:`OutboxRelay.relay_once`)::
 * **SQLite** has no row locks: run one relay at a time there. Its rows are read in one short
   transaction and marked in another, so the publish holds no lock that would stall your writers.
 
-:meth:`OutboxRelay.serve` repeats rounds while they come back full, and otherwise waits for a
-``NOTIFY`` from :meth:`Outbox.add` (PostgreSQL) or ``poll_interval`` seconds.
+:class:`OutboxRelay` runs like a Subscriber (``start``/``stop``, ``run`` with signals,
+``serve``/``shutdown``, ``with``): it repeats rounds while they come back full, otherwise waits
+for a ``NOTIFY`` from :meth:`Outbox.add` (PostgreSQL) or ``poll_interval`` seconds, and deletes
+published rows older than ``retention`` every ``purge_interval`` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
@@ -40,10 +41,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
+
 from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, MissingExtraError
+from ..lifecycle import Service
 from ..policy import check_count, check_seconds
-from ..ports import Publisher
+from ..ports import BatchPublisher, Outgoing, Publisher
+from ..runtime.supervisor import Supervisor
+from .listener import CommitListener
 from .outbox import Outbox
 
 try:
@@ -57,6 +63,15 @@ logger = logging.getLogger(__name__)
 IDEMPOTENCY_KEY_ATTRIBUTE = "idempotency-key"
 # The longest error text kept on a row.
 ERROR_LIMIT = 1000
+# Published rows are kept this long (seconds) for inspection before the relay deletes them.
+DEFAULT_RETENTION = 7 * 24 * 3600.0
+# Seconds between deletions of published rows past their retention.
+DEFAULT_PURGE_INTERVAL = 300.0
+# Seconds a round's publish may take before its rows count as failed: a hung broker call must
+# not hold the rows' locks (and their keys) for ever.
+DEFAULT_PUBLISH_TIMEOUT = 30.0
+# Real seconds a graceful stop waits for the round under way (publish, mark, commit).
+DEFAULT_STOP_TIMEOUT = 30.0
 
 
 @dataclass(frozen=True)
@@ -78,20 +93,40 @@ class _Row:
     ordering_key: str | None
     attempts: int
 
+    def outgoing(self) -> Outgoing:
+        attributes = {**self.attributes, IDEMPOTENCY_KEY_ATTRIBUTE: self.key}
+        return Outgoing(self.topic, self.data, attributes, self.ordering_key)
 
-class OutboxRelay:
+
+class OutboxRelay(Service):
     """Publishes an :class:`Outbox`'s committed rows through ``adapter``.
 
     Args:
         outbox: the outbox to read.
-        adapter: where to publish (any adapter: its ``publish``).
+        adapter: where to publish (any adapter; a :class:`~reliable_sub.ports.BatchPublisher`
+            gets each round's rows in one call).
         batch_size: most rows per round.
-        poll_interval: seconds between rounds when there is nothing to do and no ``NOTIFY``.
+        poll_interval: seconds between rounds when there is nothing to do and no ``NOTIFY``;
+            also the first wait after a failed round (the database or broker away), doubling
+            up to ``max_backoff``.
         max_attempts: failed publishes after which a row is parked (``failed_at`` set).
         min_backoff, max_backoff: seconds a row waits after a failed publish, doubling from
             ``min_backoff`` up to ``max_backoff``, jittered.
+        publish_timeout: seconds a round's publish may take before its rows count as failed.
+        retention: seconds published rows are kept before a running relay deletes them; None
+            keeps them (delete them yourself with :meth:`purge_published`).
+        purge_interval: seconds between those deletions.
+        stop_timeout: real seconds a stop that names no timeout waits for the round under way.
         clock: the time source (``wall()`` for the rows, ``sleep`` for waits).
+        rng: random source for backoff jitter.
+
+    The relay closes ``adapter`` and the outbox's engine of its loop when a run ends; both
+    reconnect if used again.
     """
+
+    _usual_name = "relay"
+    _work_under_way = "the round under way"
+    _forced_stop_gives_up = "the round under way is cancelled; its rows stay pending"
 
     def __init__(
         self,
@@ -103,18 +138,31 @@ class OutboxRelay:
         max_attempts: int = 10,
         min_backoff: float = 1.0,
         max_backoff: float = 60.0,
+        publish_timeout: float = DEFAULT_PUBLISH_TIMEOUT,
+        retention: float | None = DEFAULT_RETENTION,
+        purge_interval: float = DEFAULT_PURGE_INTERVAL,
+        stop_timeout: float = DEFAULT_STOP_TIMEOUT,
         clock: Clock | None = None,
         rng: random.Random | None = None,
     ) -> None:
+        super().__init__(stop_timeout=stop_timeout, logger=logger)
         check_count("OutboxRelay", "batch_size", batch_size)
         check_count("OutboxRelay", "max_attempts", max_attempts)
         for name, value in (("poll_interval", poll_interval), ("min_backoff", min_backoff),
-                            ("max_backoff", max_backoff)):
+                            ("max_backoff", max_backoff), ("publish_timeout", publish_timeout),
+                            ("purge_interval", purge_interval)):
             check_seconds("OutboxRelay", name, value)
+        if retention is not None:
+            check_seconds("OutboxRelay", "retention", retention)
         if max_backoff < min_backoff:
             raise ConfigurationError(
                 f"OutboxRelay.max_backoff ({max_backoff}) must be >= min_backoff ({min_backoff})"
             )
+        if not isinstance(outbox, Outbox):
+            raise ConfigurationError(f"OutboxRelay needs an Outbox, got {outbox!r}")
+        if not callable(getattr(adapter, "publish", None)):
+            raise ConfigurationError(f"OutboxRelay needs an adapter with publish(), got "
+                                     f"{adapter!r}")
         self.outbox = outbox
         self.adapter = adapter
         self.batch_size = batch_size
@@ -122,17 +170,28 @@ class OutboxRelay:
         self.max_attempts = max_attempts
         self.min_backoff = float(min_backoff)
         self.max_backoff = float(max_backoff)
+        self.publish_timeout = float(publish_timeout)
+        self.retention = None if retention is None else float(retention)
+        self.purge_interval = float(purge_interval)
         self._clock: Clock = clock or SystemClock()
         self._rng = rng or random.Random()
         self._claim = self._claim_statement()
-        # counters, and what serve() is doing (for health checks and tests)
+        # counters, and what a run is doing (for health checks and tests)
         self.published = 0
         self.publish_errors = 0
         self.parked = 0
         self.rounds = 0
-        self.listening = False  # LISTEN is in place (PostgreSQL)
-        self.waiting = False  # serve() waits for a NOTIFY or its poll
-        self._stop: asyncio.Event | None = None
+        self.round_failures = 0  # rounds that raised (the database or broker away)
+        self.purged = 0
+        self.waiting = False  # the run waits for a NOTIFY or its poll
+        self._failing = False  # the last round raised
+        self._wake = asyncio.Event()
+        self._listener: CommitListener | None = None
+        self._supervisor: Supervisor | None = None
+        self._leave = asyncio.Event()  # the relay loop ends after its round
+
+    def __repr__(self) -> str:
+        return f"OutboxRelay({self.outbox!r} -> {type(self.adapter).__name__})"
 
     # -- one round -----------------------------------------------------------------------------
 
@@ -176,17 +235,19 @@ class OutboxRelay:
         return len(rows)
 
     async def _publish(self, rows: Sequence[_Row]) -> list[BaseException | None]:
-        async def one(row: _Row) -> None:
-            attributes = {**row.attributes, IDEMPOTENCY_KEY_ATTRIBUTE: row.key}
-            await self.adapter.publish(row.topic, row.data, attributes, row.ordering_key)
-
-        results = await asyncio.gather(*(one(row) for row in rows), return_exceptions=True)
-        outcomes: list[BaseException | None] = []
-        for result in results:
-            if isinstance(result, asyncio.CancelledError):
-                raise result
-            outcomes.append(result if isinstance(result, BaseException) else None)
-        return outcomes
+        """Publish ``rows`` (at most one per ordering key) in one batch; per row None or the
+        error that refused it."""
+        messages = [row.outgoing() for row in rows]
+        try:
+            results = await asyncio.wait_for(_publish_all(self.adapter, messages),
+                                             self.publish_timeout)
+        except asyncio.TimeoutError:
+            timeout = TimeoutError(f"the publish took longer than publish_timeout "
+                                   f"({self.publish_timeout:g}s)")
+            return [timeout] * len(rows)
+        except Exception as error:  # the whole batch failed (e.g. the connection)
+            return [error] * len(rows)
+        return [result if isinstance(result, BaseException) else None for result in results]
 
     async def _mark(
         self, connection: Any, rows: Sequence[_Row], outcomes: Sequence[BaseException | None]
@@ -279,71 +340,143 @@ class OutboxRelay:
         age = None if oldest is None else max(0.0, self._clock.wall() - float(oldest))
         return Backlog(int(pending), age, int(parked))
 
-    # -- running ----------------------------------------------------------------------------
+    # -- running (see reliable_sub.lifecycle for start/stop, run, serve/shutdown) ---------------
 
-    async def serve(self) -> None:
-        """Relay until :meth:`shutdown`: rounds back to back while they come back full, else a
-        wait for ``NOTIFY`` (PostgreSQL) or ``poll_interval``. A failing round (the database or
-        broker away) is logged and retried after ``poll_interval``."""
-        self._stop = stop = asyncio.Event()
-        wake = asyncio.Event()
-        listener = asyncio.ensure_future(self._listen(wake, stop))
+    def healthy(self) -> bool:
+        """True while running with its loops alive and its last round through (for a
+        readiness probe): False while the database or the broker fails its rounds."""
+        supervisor = self._supervisor
+        return (self.running and supervisor is not None and not supervisor.problems()
+                and not self._failing)
+
+    @property
+    def listening(self) -> bool:
+        """True while ``LISTEN`` is in place (PostgreSQL): commits wake the relay at once."""
+        return self._listener is not None and self._listener.listening
+
+    async def _open(self) -> None:
+        await self._check_table()
+        self._leave = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._listener = CommitListener(self.outbox, self._wake, self._clock,
+                                        self.poll_interval)
+        supervisor = self._supervisor = Supervisor(self._clock.sleep, self._clock.now,
+                                                   owner="OutboxRelay", logger=logger)
+        supervisor.spawn("outbox relay", self._relay_loop, lambda: not self._leave.is_set())
+        if self.outbox.dialect == "postgresql":
+            supervisor.spawn("outbox listener", self._listener.run)
+        if self.retention is not None:
+            supervisor.spawn("outbox purge", self._purge_loop)
+        logger.info("outbox relay started: %r, batch_size %d, poll_interval %gs, %s",
+                    self, self.batch_size, self.poll_interval,
+                    "LISTEN/NOTIFY" if self.outbox.dialect == "postgresql" else "polling")
+
+    async def _check_table(self) -> None:
+        t = self.outbox.table
         try:
-            while not stop.is_set():
-                self.rounds += 1
-                try:
-                    taken = await self.relay_once()
-                except Exception:
-                    logger.warning("outbox relay round failed; retrying in %gs",
-                                   self.poll_interval, exc_info=True)
-                    taken = 0
-                if taken >= self.batch_size:
-                    continue
-                wake.clear()
-                waiters = [asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stop.wait()),
-                           asyncio.ensure_future(self._clock.sleep(self.poll_interval))]
-                self.waiting = True
-                try:
-                    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    self.waiting = False
-                    for waiter in waiters:
-                        waiter.cancel()
-        finally:
-            listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
+            async with self.outbox.engine.connect() as connection:
+                await connection.execute(sa.select(t.c.id).limit(0))
+        except Exception as error:
             await self.outbox.close()
+            cause = getattr(error, "orig", None) or error  # the driver's words, without the SQL
+            raise ConfigurationError(
+                f"OutboxRelay cannot read the outbox table {t.name!r} on {self.outbox.dialect} "
+                f"({type(cause).__name__}: {cause}); is the database reachable, and was the "
+                "table created (outbox.create_schema() or your migrations)?"
+            ) from error
 
-    async def shutdown(self) -> None:
-        """Ask :meth:`serve` to end after its current round."""
-        if self._stop is not None:
-            self._stop.set()
+    async def _close(self, timeout: float, force: asyncio.Event) -> None:
+        supervisor = self._supervisor
+        try:
+            if supervisor is not None:
+                self._leave.set()
+                self._wake.set()  # out of its wait, if it waits
+                forced = asyncio.ensure_future(force.wait())
+                try:
+                    await asyncio.wait(
+                        [forced, asyncio.ensure_future(
+                            supervisor.wait(["outbox relay"], timeout))],
+                        return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    forced.cancel()
+                await supervisor.stop()
+        finally:
+            self._supervisor = None
+            await asyncio.gather(self.outbox.close(), self.adapter.close(),
+                                 return_exceptions=True)
 
-    async def _listen(self, wake: asyncio.Event, stop: asyncio.Event) -> None:
-        """Set ``wake`` on each ``NOTIFY`` of the outbox's channel (PostgreSQL); reconnects."""
-        if self.outbox.dialect != "postgresql":
+    def _log_stopped(self) -> None:
+        logger.info("outbox relay stopped: %d published, %d publish errors, %d parked",
+                    self.published, self.publish_errors, self.parked)
+
+    async def _relay_loop(self) -> None:
+        """Rounds back to back while they come back full, else a wait for ``NOTIFY`` or the
+        poll; a round that raises is retried with a growing, jittered wait (tenacity)."""
+        retrying = AsyncRetrying(
+            wait=wait_random_exponential(multiplier=self.poll_interval, max=self.max_backoff),
+            retry=retry_if_exception_type(Exception),
+            stop=lambda _state: self._leave.is_set(),
+            retry_error_callback=lambda _state: 0,  # stopping while rounds fail
+            before_sleep=self._round_failed,
+            sleep=self._wait,
+        )
+        while not self._leave.is_set():
+            self.rounds += 1
+            taken: int = await retrying(self.relay_once)
+            self._failing = False
+            if taken < self.batch_size and not self._leave.is_set():
+                await self._wait(self.poll_interval)
+
+    def _round_failed(self, state: RetryCallState) -> None:
+        self.round_failures += 1
+        self._failing = True
+        error = state.outcome.exception() if state.outcome is not None else None
+        logger.warning("outbox relay round failed (%s: %s); retrying in %.2fs",
+                       type(error).__name__, error,
+                       state.next_action.sleep if state.next_action else 0.0,
+                       exc_info=error if state.attempt_number == 1 else None)
+
+    async def _wait(self, seconds: float) -> None:
+        """Wait ``seconds`` on the clock, or less: a ``NOTIFY`` or a stop ends the wait."""
+        if self._leave.is_set():
             return
-        import psycopg
+        self._wake.clear()
+        waiters = [asyncio.ensure_future(self._wake.wait()),
+                   asyncio.ensure_future(self._clock.sleep(seconds))]
+        self.waiting = True
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self.waiting = False
+            for waiter in waiters:
+                waiter.cancel()
 
-        conninfo = self.outbox.url.set(drivername="postgresql").render_as_string(
-            hide_password=False)
-        while not stop.is_set():
+    async def _purge_loop(self) -> None:
+        assert self.retention is not None
+        while True:
+            await self._clock.sleep(self.purge_interval)
             try:
-                async with await psycopg.AsyncConnection.connect(conninfo,
-                                                                 autocommit=True) as conn:
-                    await conn.execute(f'LISTEN "{self.outbox.channel}"')
-                    self.listening = True
-                    wake.set()  # anything committed before LISTEN: look now
-                    async for _ in conn.notifies():
-                        wake.set()
-            except asyncio.CancelledError:
-                raise
+                deleted = await self.purge_published(self.retention)
             except Exception:
-                self.listening = False
-                logger.warning("outbox relay: LISTEN failed; polling every %gs meanwhile",
-                               self.poll_interval, exc_info=True)
-                await self._clock.sleep(self.poll_interval)
+                logger.warning("deleting published outbox rows failed; trying again in %gs",
+                               self.purge_interval, exc_info=True)
+                continue
+            self.purged += deleted
+            if deleted:
+                logger.debug("deleted %d published outbox rows", deleted)
+
+
+async def _publish_all(publisher: Publisher, messages: Sequence[Outgoing]) -> list[Any]:
+    """Each message's id or error: one ``publish_many`` call where the adapter has it, else
+    concurrent ``publish`` calls."""
+    if isinstance(publisher, BatchPublisher):
+        return await publisher.publish_many(messages)
+    results = await asyncio.gather(*(publisher.publish(*message) for message in messages),
+                                   return_exceptions=True)
+    for result in results:
+        if isinstance(result, asyncio.CancelledError):
+            raise result
+    return results
 
 
 def _rows(result: Any) -> list[_Row]:

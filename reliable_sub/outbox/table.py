@@ -48,9 +48,12 @@ def outbox_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
         sa.Column("failed_at", sa.Float, nullable=True),
     )
     pending = sa.and_(table.c.published_at.is_(None), table.c.failed_at.is_(None))
-    # what a relay reads: the pending rows, oldest first, and each ordering key's oldest
+    unpublished = table.c.published_at.is_(None)
+    # what a relay reads: the pending rows, oldest first, and whether an ordering key has an
+    # older unpublished row (partial: published rows, most of the table, are not looked at)
     sa.Index(f"ix_{name}_pending", table.c.id, postgresql_where=pending, sqlite_where=pending)
-    sa.Index(f"ix_{name}_ordering_key", table.c.ordering_key, table.c.id)
+    sa.Index(f"ix_{name}_unpublished_key", table.c.ordering_key, table.c.id,
+             postgresql_where=unpublished, sqlite_where=unpublished)
     sa.Index(f"ix_{name}_published_at", table.c.published_at)  # for retention
     return table
 

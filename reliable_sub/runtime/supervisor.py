@@ -46,11 +46,18 @@ class Supervisor:
     Args:
         sleep: how to wait before a restart (the Subscriber's clock).
         now: the clock's reading, for ``healthy()``.
+        owner: what runs the loops, for messages.
+        logger: where failures are logged.
     """
 
-    def __init__(self, sleep: Callable[[float], Awaitable[None]], now: Callable[[], float]) -> None:
+    def __init__(
+        self, sleep: Callable[[float], Awaitable[None]], now: Callable[[], float], *,
+        owner: str = "Subscriber", logger: logging.Logger = logger,
+    ) -> None:
         self._sleep = sleep
         self._now = now
+        self._owner = owner
+        self._logger = logger
         self._children: dict[str, _Supervised] = {}
         self._stopping = False
         self._failures = 0
@@ -111,14 +118,14 @@ class Supervisor:
                 await child.factory()
                 if self._stopping or not child.keep_running():
                     return
-                raise RuntimeError(f"{child.name} returned while the Subscriber runs")
+                raise RuntimeError(f"{child.name} returned while the {self._owner} runs")
             except asyncio.CancelledError:
                 raise
             except BaseException as error:  # any escape is a bug: log it and restart
                 child.failures += 1
                 self._failures += 1
                 wait = min(RESTART_WAIT_MAX, RESTART_WAIT_MIN * 2 ** (child.failures - 1))
-                logger.error(
+                self._logger.error(
                     "%s failed (%s: %s); restarting it in %.1fs", child.name,
                     type(error).__name__, error, wait, exc_info=error,
                     extra={"loop": child.name, "failures": child.failures},
