@@ -94,9 +94,8 @@ def test_start_and_stop_on_a_thread_then_start_again(outbox: Outbox) -> None:
         finally:
             relay.stop()
         assert not relay.running and not relay.healthy()
-    with pytest.raises(RuntimeError, match="already running"):
-        with relay:
-            relay.start()
+    with pytest.raises(RuntimeError, match="already running"), relay:
+        relay.start()
     assert relay.published == 2
 
 
