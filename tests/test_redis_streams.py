@@ -54,6 +54,40 @@ async def test_entry_layout_is_documented_fields(names) -> None:
     await adapter.close()
 
 
+async def test_publish_many_is_one_round_trip_and_refuses_per_message(names) -> None:
+    from reliable_sub.ports import BatchPublisher, Outgoing
+
+    url, topic, prefix = names
+    adapter = await make(url, prefix, "c1", topic)
+    assert isinstance(adapter, BatchPublisher)
+    not_a_stream = f"{prefix}-a-string"
+    await adapter.client.set(not_a_stream, "x")
+    sent = []
+    connection = await adapter.client.connection_pool.get_connection()
+    original = connection.send_packed_command
+
+    async def counting(command, check_health=True):
+        sent.append(command)
+        return await original(command, check_health)
+
+    connection.send_packed_command = counting
+    await adapter.client.connection_pool.release(connection)
+    results = await adapter.publish_many([
+        Outgoing(topic, b"one", {"n": "1"}, "k"),
+        Outgoing(not_a_stream, b"refused"),
+        Outgoing(topic, b"two", None, "k"),
+        Outgoing(topic, b"bad attributes", {"n": 1}),  # type: ignore[dict-item]
+    ])
+    assert len(sent) == 1, "one pipelined write for the whole batch"
+    first, wrong_type, second, bad = results
+    assert isinstance(first, str) and isinstance(second, str) and first < second
+    assert "WRONGTYPE" in str(wrong_type)
+    assert isinstance(bad, TypeError | ValueError)
+    entries = await adapter.client.xrange(topic)
+    assert [fields[b"data"] for _, fields in entries] == [b"one", b"two"]
+    await adapter.close()
+
+
 async def test_extending_leaves_the_delivery_counter_alone(names) -> None:
     """XCLAIM ... JUSTID must not count as a delivery (fakeredis gets this wrong)."""
     url, topic, prefix = names
