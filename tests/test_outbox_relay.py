@@ -143,6 +143,17 @@ async def test_three_relays_keep_each_keys_order(pg_outbox: Outbox) -> None:
     assert sum(1 for relay in relays if relay.published) >= 2, "the relays shared the work"
 
 
+async def test_a_round_takes_a_hot_keys_rows_in_order(outbox: Outbox) -> None:
+    recorder = Recorder()
+    for n in range(30):
+        await add(outbox, str(n).encode(), ordering_key="hot" if n % 3 else "warm")
+    relay = OutboxRelay(outbox, recorder, batch_size=100)
+    assert await relay.relay_once() == 30, "one round: several rows of one key"
+    for key in ("hot", "warm"):
+        numbers = [int(data) for _, data, _, k in recorder.published if k == key]
+        assert numbers == sorted(numbers) and len(numbers) == (20 if key == "hot" else 10)
+
+
 async def test_a_failing_key_is_parked_and_blocks_only_itself(outbox: Outbox) -> None:
     recorder = Recorder(refuse={"bad"})
     clock = ManualClock(wall_offset=time.time())
@@ -163,7 +174,10 @@ async def test_a_failing_key_is_parked_and_blocks_only_itself(outbox: Outbox) ->
     async with outbox.engine.connect() as connection:
         row = (await connection.execute(
             sa.select(t.c.attempts, t.c.last_error).where(t.c.data == b"bad-1"))).one()
+        behind = (await connection.execute(
+            sa.select(t.c.attempts).where(t.c.data == b"bad-2"))).scalar_one()
     assert row.attempts == 3 and "broker refused key bad" in row.last_error
+    assert behind == 0, "bad-2 was never sent: it waits behind bad-1 with no attempt spent"
 
     recorder.refuse.clear()
     assert await relay.requeue_parked() == 1

@@ -37,6 +37,7 @@ import asyncio
 import json
 import logging
 import random
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,13 +48,15 @@ from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, MissingExtraError
 from ..lifecycle import Service
 from ..policy import check_count, check_seconds
-from ..ports import BatchPublisher, Outgoing, Publisher
+from ..ports import Outgoing, Publisher
 from ..runtime.supervisor import Supervisor
 from .listener import CommitListener
 from .outbox import Outbox
+from .publishing import Outcome, publish_in_key_order
 
 try:
     import sqlalchemy as sa
+    from sqlalchemy.dialects import postgresql
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("OutboxRelay", "sql", "SQLAlchemy") from error
 
@@ -176,6 +179,8 @@ class OutboxRelay(Service):
         self._clock: Clock = clock or SystemClock()
         self._rng = rng or random.Random()
         self._claim = self._claim_statement()
+        self._keys = self._keys_statement() if outbox.dialect == "postgresql" else None
+        self._mark_published = self._mark_statement()
         # counters, and what a run is doing (for health checks and tests)
         self.published = 0
         self.publish_errors = 0
@@ -196,19 +201,30 @@ class OutboxRelay(Service):
     # -- one round -----------------------------------------------------------------------------
 
     def _claim_statement(self) -> Any:
+        """The round's rows: pending and due, oldest first; a row with an ordering key only if
+        no older unpublished row of its key is held back (parked, or waiting out a backoff),
+        and on PostgreSQL only if this relay holds its key (see :meth:`_keys_statement`).
+
+        So a round takes a prefix of each of its keys' unpublished rows, which
+        :func:`publish_in_key_order` publishes in order.
+        """
         t = self.outbox.table
         older = t.alias("older")
-        oldest_of_its_key = sa.or_(
-            t.c.ordering_key.is_(None),
-            ~sa.exists().where(older.c.ordering_key == t.c.ordering_key, older.c.id < t.c.id,
-                               older.c.published_at.is_(None)),
+        now: Any = sa.bindparam("now")
+        held_back = sa.and_(
+            older.c.ordering_key == t.c.ordering_key, older.c.id < t.c.id,
+            older.c.published_at.is_(None),
+            sa.or_(older.c.failed_at.is_not(None), older.c.not_before > now),
         )
+        free_key = [~sa.exists().where(held_back)]
+        if self.outbox.dialect == "postgresql":
+            held = sa.bindparam("held", type_=postgresql.ARRAY(sa.Text))
+            free_key.insert(0, t.c.ordering_key == sa.any_(held))
         statement = (
             sa.select(t.c.id, t.c.key, t.c.topic, t.c.data, t.c.attributes, t.c.ordering_key,
                       t.c.attempts)
-            .where(t.c.published_at.is_(None), t.c.failed_at.is_(None),
-                   sa.or_(t.c.not_before.is_(None), t.c.not_before <= sa.bindparam("now")),
-                   oldest_of_its_key)
+            .where(_pending(t), _due(t, now),
+                   sa.or_(t.c.ordering_key.is_(None), sa.and_(*free_key)))
             .order_by(t.c.id)
             .limit(sa.bindparam("batch"))
         )
@@ -216,12 +232,46 @@ class OutboxRelay(Service):
             statement = statement.with_for_update(skip_locked=True, of=t)
         return statement
 
+    def _keys_statement(self) -> Any:
+        """PostgreSQL: take the transaction-scoped advisory lock of each ordering key among the
+        oldest ``batch`` pending rows; returns each key and whether it is now held.
+
+        A key held by another relay is skipped this round. Holding a key *before* choosing
+        rows matters: its previous holder has committed by the time the lock is free, so this
+        round's snapshot shows everything it published, and no other relay takes the key's
+        rows until this round commits.
+        """
+        t = self.outbox.table
+        oldest = (sa.select(t.c.ordering_key)
+                  .where(_pending(t), _due(t, sa.bindparam("now")),
+                         t.c.ordering_key.is_not(None))
+                  .order_by(t.c.id).limit(sa.bindparam("batch")).subquery("oldest"))
+        keys = sa.select(oldest.c.ordering_key).distinct().subquery("keys")
+        # in the select list: evaluated once per key, never for rows a filter would drop
+        locked = sa.func.pg_try_advisory_xact_lock(_lock_space(t.name),
+                                                   sa.func.hashtext(keys.c.ordering_key))
+        return sa.select(keys.c.ordering_key, locked.label("held"))
+
+    def _mark_statement(self) -> Any:
+        """UPDATE … SET published_at WHERE id in the batch: on PostgreSQL ``= ANY(array)``, one
+        parameter, so the statement's text is the same whatever the batch's size."""
+        t = self.outbox.table
+        if self.outbox.dialect == "postgresql":
+            ids = sa.bindparam("ids", type_=postgresql.ARRAY(sa.BigInteger))
+            batch = t.c.id == sa.any_(ids)
+        else:
+            batch = t.c.id.in_(sa.bindparam("ids", expanding=True))
+        return sa.update(t).where(batch).values(published_at=sa.bindparam("now"),
+                                                not_before=None)
+
     async def relay_once(self) -> int:
         """Publish one batch of pending rows; returns how many rows were taken (published or
         failed)."""
-        parameters = {"now": self._clock.wall(), "batch": self.batch_size}
-        if self.outbox.dialect == "postgresql":
-            async with self.outbox.engine.begin() as connection:  # holds the row locks
+        parameters: dict[str, Any] = {"now": self._clock.wall(), "batch": self.batch_size}
+        if self._keys is not None:  # PostgreSQL
+            async with self.outbox.engine.begin() as connection:  # holds the locks
+                keys = await connection.execute(self._keys, parameters)
+                parameters["held"] = [key for key, held in keys if held]
                 rows = _rows(await connection.execute(self._claim, parameters))
                 if rows:
                     await self._mark(connection, rows, await self._publish(rows))
@@ -234,34 +284,23 @@ class OutboxRelay(Service):
                 await self._mark(connection, rows, outcomes)
         return len(rows)
 
-    async def _publish(self, rows: Sequence[_Row]) -> list[BaseException | None]:
-        """Publish ``rows`` (at most one per ordering key) in one batch; per row None or the
-        error that refused it."""
-        messages = [row.outgoing() for row in rows]
-        try:
-            results = await asyncio.wait_for(_publish_all(self.adapter, messages),
-                                             self.publish_timeout)
-        except asyncio.TimeoutError:
-            timeout = TimeoutError(f"the publish took longer than publish_timeout "
-                                   f"({self.publish_timeout:g}s)")
-            return [timeout] * len(rows)
-        except Exception as error:  # the whole batch failed (e.g. the connection)
-            return [error] * len(rows)
-        return [result if isinstance(result, BaseException) else None for result in results]
+    async def _publish(self, rows: Sequence[_Row]) -> list[Outcome]:
+        """Publish ``rows``, each ordering key's in order; per row None (published), the error
+        that refused it, or NOT_SENT (an earlier row of its key failed)."""
+        return await publish_in_key_order(self.adapter, [row.outgoing() for row in rows],
+                                          self.publish_timeout)
 
     async def _mark(
-        self, connection: Any, rows: Sequence[_Row], outcomes: Sequence[BaseException | None]
+        self, connection: Any, rows: Sequence[_Row], outcomes: Sequence[Outcome]
     ) -> None:
         t = self.outbox.table
         now = self._clock.wall()
         done = [row.id for row, error in zip(rows, outcomes, strict=True) if error is None]
         if done:
-            await connection.execute(
-                sa.update(t).where(t.c.id.in_(done)).values(published_at=now, not_before=None)
-            )
+            await connection.execute(self._mark_published, {"ids": done, "now": now})
             self.published += len(done)
         for row, error in zip(rows, outcomes, strict=True):
-            if error is None:
+            if not isinstance(error, BaseException):
                 continue
             self.publish_errors += 1
             attempts = row.attempts + 1
@@ -466,17 +505,19 @@ class OutboxRelay(Service):
                 logger.debug("deleted %d published outbox rows", deleted)
 
 
-async def _publish_all(publisher: Publisher, messages: Sequence[Outgoing]) -> list[Any]:
-    """Each message's id or error: one ``publish_many`` call where the adapter has it, else
-    concurrent ``publish`` calls."""
-    if isinstance(publisher, BatchPublisher):
-        return await publisher.publish_many(messages)
-    results = await asyncio.gather(*(publisher.publish(*message) for message in messages),
-                                   return_exceptions=True)
-    for result in results:
-        if isinstance(result, asyncio.CancelledError):
-            raise result
-    return results
+def _pending(t: sa.Table) -> Any:
+    return sa.and_(t.c.published_at.is_(None), t.c.failed_at.is_(None))
+
+
+def _due(t: sa.Table, now: Any) -> Any:
+    return sa.or_(t.c.not_before.is_(None), t.c.not_before <= now)
+
+
+def _lock_space(table: str) -> int:
+    """The first key of the relays' advisory locks on ``table``'s ordering keys: a signed
+    32-bit number from the table's name, so two outboxes' keys do not share locks."""
+    value = zlib.crc32(table.encode())
+    return value - 2**32 if value >= 2**31 else value
 
 
 def _rows(result: Any) -> list[_Row]:
