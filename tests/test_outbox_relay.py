@@ -185,6 +185,28 @@ async def test_a_failing_key_is_parked_and_blocks_only_itself(outbox: Outbox) ->
     assert [data for _, data, _, _ in recorder.published] == [b"good", b"bad-1", b"bad-2"]
 
 
+async def test_a_late_commit_ahead_of_a_parked_row_does_not_unblock_its_key(
+    pg_outbox: Outbox,
+) -> None:
+    recorder = Recorder(refuse={"k"})
+    relay = OutboxRelay(pg_outbox, recorder, max_attempts=1)
+    async with pg_outbox.engine.connect() as slow:
+        transaction = await slow.begin()
+        await pg_outbox.add(slow, "orders", b"late", ordering_key="k")  # the lowest id
+        await add(pg_outbox, b"parked", ordering_key="k")
+        await add(pg_outbox, b"behind", ordering_key="k")
+        await drain(relay)  # "parked" fails once and is parked; "behind" waits
+        assert (await relay.backlog()).parked == 1
+        recorder.refuse.clear()
+        await transaction.commit()
+    await drain(relay)
+    assert [data for _, data, _, _ in recorder.published] == [b"late"], (
+        "the late row is published; the row behind the parked one still waits")
+    assert await relay.requeue_parked() == 1
+    await drain(relay)
+    assert [data for _, data, _, _ in recorder.published] == [b"late", b"parked", b"behind"]
+
+
 async def test_a_publish_whose_reply_was_lost_is_republished_and_deduplicated(
     outbox: Outbox,
 ) -> None:

@@ -3,22 +3,24 @@
 One round (:meth:`OutboxRelay.relay_once`)::
 
     BEGIN
-      SELECT the oldest pending rows              -- published_at, failed_at NULL; not held back
-        WHERE no older unpublished row has the same ordering_key
-        ORDER BY id LIMIT batch_size
-        FOR UPDATE SKIP LOCKED                    -- PostgreSQL: relays share the work
-      publish them through the adapter, concurrently (one row per ordering key at most)
-      UPDATE the published rows SET published_at  -- one statement
+      pick the oldest pending rows, at most batch_size   -- reliable_sub.outbox.picking: each
+                                                          ordering key's rows in order, its key
+                                                          locked (PostgreSQL), unkeyed rows
+                                                          FOR UPDATE SKIP LOCKED
+      publish them, each key's in order                  -- reliable_sub.outbox.publishing: one
+                                                          batch call per wave
+      UPDATE the published rows SET published_at         -- one statement
       UPDATE each failed row: attempts + 1, last_error, not_before = now + backoff,
                               failed_at once attempts reach max_attempts (parked)
     COMMIT
 
 * **Never skips a row.** Pending rows are found by state, not by an offset, so a transaction
   that commits late with a lower id is published when it commits.
-* **Per-key order.** Only the oldest unpublished row of an ordering key is eligible, and it stays
-  unpublished (locked) until its relay commits; a parked row blocks its own key only. Order is
-  the order in which rows *became visible*: of two transactions writing one key concurrently,
-  the one that committed first (with the lower id, if both are visible) is published first.
+* **Per-key order.** A key's rows are published oldest first, a row only after the one before
+  it was confirmed, by one relay at a time; a failed row holds back the rest of its key (a
+  parked one until it is re-queued) and no other key. Order is the order in which rows *became
+  visible*: of two transactions writing one key concurrently, the one that committed first
+  (with the lower id, if both are visible) is published first.
 * **At least once.** A relay that dies after publishing and before its commit leaves the rows
   pending (its locks go with its connection); they are published again, with the same
   ``idempotency-key`` attribute, which a consumer's dedup store turns into duplicates.
@@ -34,10 +36,8 @@ published rows older than ``retention`` every ``purge_interval`` seconds.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,10 +48,11 @@ from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, MissingExtraError
 from ..lifecycle import Service
 from ..policy import check_count, check_seconds
-from ..ports import Outgoing, Publisher
+from ..ports import Publisher
 from ..runtime.supervisor import Supervisor
 from .listener import CommitListener
 from .outbox import Outbox
+from .picking import IDEMPOTENCY_KEY_ATTRIBUTE, Row, RowPicker
 from .publishing import Outcome, publish_in_key_order
 
 try:
@@ -62,8 +63,6 @@ except ImportError as error:  # the sql extra is not installed
 
 logger = logging.getLogger(__name__)
 
-# The attribute that carries each row's key to the consumer's dedup store.
-IDEMPOTENCY_KEY_ATTRIBUTE = "idempotency-key"
 # The longest error text kept on a row.
 ERROR_LIMIT = 1000
 # Published rows are kept this long (seconds) for inspection before the relay deletes them.
@@ -84,21 +83,6 @@ class Backlog:
     pending: int
     oldest_age: float | None
     parked: int
-
-
-@dataclass(frozen=True)
-class _Row:
-    id: int
-    key: str
-    topic: str
-    data: bytes
-    attributes: dict[str, str]
-    ordering_key: str | None
-    attempts: int
-
-    def outgoing(self) -> Outgoing:
-        attributes = {**self.attributes, IDEMPOTENCY_KEY_ATTRIBUTE: self.key}
-        return Outgoing(self.topic, self.data, attributes, self.ordering_key)
 
 
 class OutboxRelay(Service):
@@ -178,8 +162,7 @@ class OutboxRelay(Service):
         self.purge_interval = float(purge_interval)
         self._clock: Clock = clock or SystemClock()
         self._rng = rng or random.Random()
-        self._claim = self._claim_statement()
-        self._keys = self._keys_statement() if outbox.dialect == "postgresql" else None
+        self._picker = RowPicker(outbox.table, outbox.dialect)
         self._mark_published = self._mark_statement()
         # counters, and what a run is doing (for health checks and tests)
         self.published = 0
@@ -200,58 +183,6 @@ class OutboxRelay(Service):
 
     # -- one round -----------------------------------------------------------------------------
 
-    def _claim_statement(self) -> Any:
-        """The round's rows: pending and due, oldest first; a row with an ordering key only if
-        no older unpublished row of its key is held back (parked, or waiting out a backoff),
-        and on PostgreSQL only if this relay holds its key (see :meth:`_keys_statement`).
-
-        So a round takes a prefix of each of its keys' unpublished rows, which
-        :func:`publish_in_key_order` publishes in order.
-        """
-        t = self.outbox.table
-        older = t.alias("older")
-        now: Any = sa.bindparam("now")
-        held_back = sa.and_(
-            older.c.ordering_key == t.c.ordering_key, older.c.id < t.c.id,
-            older.c.published_at.is_(None),
-            sa.or_(older.c.failed_at.is_not(None), older.c.not_before > now),
-        )
-        free_key = [~sa.exists().where(held_back)]
-        if self.outbox.dialect == "postgresql":
-            held = sa.bindparam("held", type_=postgresql.ARRAY(sa.Text))
-            free_key.insert(0, t.c.ordering_key == sa.any_(held))
-        statement = (
-            sa.select(t.c.id, t.c.key, t.c.topic, t.c.data, t.c.attributes, t.c.ordering_key,
-                      t.c.attempts)
-            .where(_pending(t), _due(t, now),
-                   sa.or_(t.c.ordering_key.is_(None), sa.and_(*free_key)))
-            .order_by(t.c.id)
-            .limit(sa.bindparam("batch"))
-        )
-        if self.outbox.dialect == "postgresql":
-            statement = statement.with_for_update(skip_locked=True, of=t)
-        return statement
-
-    def _keys_statement(self) -> Any:
-        """PostgreSQL: take the transaction-scoped advisory lock of each ordering key among the
-        oldest ``batch`` pending rows; returns each key and whether it is now held.
-
-        A key held by another relay is skipped this round. Holding a key *before* choosing
-        rows matters: its previous holder has committed by the time the lock is free, so this
-        round's snapshot shows everything it published, and no other relay takes the key's
-        rows until this round commits.
-        """
-        t = self.outbox.table
-        oldest = (sa.select(t.c.ordering_key)
-                  .where(_pending(t), _due(t, sa.bindparam("now")),
-                         t.c.ordering_key.is_not(None))
-                  .order_by(t.c.id).limit(sa.bindparam("batch")).subquery("oldest"))
-        keys = sa.select(oldest.c.ordering_key).distinct().subquery("keys")
-        # in the select list: evaluated once per key, never for rows a filter would drop
-        locked = sa.func.pg_try_advisory_xact_lock(_lock_space(t.name),
-                                                   sa.func.hashtext(keys.c.ordering_key))
-        return sa.select(keys.c.ordering_key, locked.label("held"))
-
     def _mark_statement(self) -> Any:
         """UPDATE … SET published_at WHERE id in the batch: on PostgreSQL ``= ANY(array)``, one
         parameter, so the statement's text is the same whatever the batch's size."""
@@ -267,31 +198,29 @@ class OutboxRelay(Service):
     async def relay_once(self) -> int:
         """Publish one batch of pending rows; returns how many rows were taken (published or
         failed)."""
-        parameters: dict[str, Any] = {"now": self._clock.wall(), "batch": self.batch_size}
-        if self._keys is not None:  # PostgreSQL
+        now = self._clock.wall()
+        if self.outbox.dialect == "postgresql":
             async with self.outbox.engine.begin() as connection:  # holds the locks
-                keys = await connection.execute(self._keys, parameters)
-                parameters["held"] = [key for key, held in keys if held]
-                rows = _rows(await connection.execute(self._claim, parameters))
+                rows = await self._picker.pick(connection, now, self.batch_size)
                 if rows:
                     await self._mark(connection, rows, await self._publish(rows))
             return len(rows)
         async with self.outbox.engine.begin() as connection:
-            rows = _rows(await connection.execute(self._claim, parameters))
+            rows = await self._picker.pick(connection, now, self.batch_size)
         if rows:
             outcomes = await self._publish(rows)
             async with self.outbox.engine.begin() as connection:
                 await self._mark(connection, rows, outcomes)
         return len(rows)
 
-    async def _publish(self, rows: Sequence[_Row]) -> list[Outcome]:
+    async def _publish(self, rows: Sequence[Row]) -> list[Outcome]:
         """Publish ``rows``, each ordering key's in order; per row None (published), the error
         that refused it, or NOT_SENT (an earlier row of its key failed)."""
         return await publish_in_key_order(self.adapter, [row.outgoing() for row in rows],
                                           self.publish_timeout)
 
     async def _mark(
-        self, connection: Any, rows: Sequence[_Row], outcomes: Sequence[Outcome]
+        self, connection: Any, rows: Sequence[Row], outcomes: Sequence[Outcome]
     ) -> None:
         t = self.outbox.table
         now = self._clock.wall()
@@ -503,30 +432,6 @@ class OutboxRelay(Service):
             self.purged += deleted
             if deleted:
                 logger.debug("deleted %d published outbox rows", deleted)
-
-
-def _pending(t: sa.Table) -> Any:
-    return sa.and_(t.c.published_at.is_(None), t.c.failed_at.is_(None))
-
-
-def _due(t: sa.Table, now: Any) -> Any:
-    return sa.or_(t.c.not_before.is_(None), t.c.not_before <= now)
-
-
-def _lock_space(table: str) -> int:
-    """The first key of the relays' advisory locks on ``table``'s ordering keys: a signed
-    32-bit number from the table's name, so two outboxes' keys do not share locks."""
-    value = zlib.crc32(table.encode())
-    return value - 2**32 if value >= 2**31 else value
-
-
-def _rows(result: Any) -> list[_Row]:
-    return [
-        _Row(id=int(r.id), key=r.key, topic=r.topic, data=bytes(r.data),
-             attributes=json.loads(r.attributes), ordering_key=r.ordering_key,
-             attempts=int(r.attempts))
-        for r in result
-    ]
 
 
 __all__ = ["IDEMPOTENCY_KEY_ATTRIBUTE", "Backlog", "OutboxRelay"]

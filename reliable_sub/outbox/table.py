@@ -48,12 +48,20 @@ def outbox_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
         sa.Column("failed_at", sa.Float, nullable=True),
     )
     pending = sa.and_(table.c.published_at.is_(None), table.c.failed_at.is_(None))
+    unkeyed = sa.and_(pending, table.c.ordering_key.is_(None))
+    keyed = sa.and_(pending, table.c.ordering_key.is_not(None))
     unpublished = table.c.published_at.is_(None)
-    # what a relay reads: the pending rows, oldest first, and whether an ordering key has an
-    # older unpublished row (partial: published rows, most of the table, are not looked at)
-    sa.Index(f"ix_{name}_pending", table.c.id, postgresql_where=pending, sqlite_where=pending)
+    # What a relay reads (reliable_sub.outbox.picking), each through its own partial index, so
+    # no round scans published rows or other keys' backlogs: pending rows without a key, and
+    # with one, oldest first; and one key's unpublished rows, oldest first.
+    sa.Index(f"ix_{name}_pending_unkeyed", table.c.id, postgresql_where=unkeyed,
+             sqlite_where=unkeyed)
+    sa.Index(f"ix_{name}_pending_keyed", table.c.id, postgresql_where=keyed,
+             sqlite_where=keyed)
     sa.Index(f"ix_{name}_unpublished_key", table.c.ordering_key, table.c.id,
              postgresql_where=unpublished, sqlite_where=unpublished)
+    # SQLite's single relay reads all pending rows in one statement, oldest first
+    sa.Index(f"ix_{name}_pending", table.c.id, sqlite_where=pending).ddl_if(dialect="sqlite")
     sa.Index(f"ix_{name}_published_at", table.c.published_at)  # for retention
     return table
 

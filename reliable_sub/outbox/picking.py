@@ -1,0 +1,190 @@
+"""Which outbox rows a relay round takes: pending rows, oldest first, each ordering key's in order.
+
+A row is *pending* while neither published nor parked, and *due* once its backoff (after a
+failed publish) has passed. A row with an ordering key is taken only with every older
+unpublished row of its key, so a round holds a *prefix* of each of its keys' rows; a key stops
+at its first row that is parked or waiting out a backoff (which blocks that key only).
+
+PostgreSQL, where several relays share the work (each statement bounded by an index, never a
+scan of the whole backlog)::
+
+    1. keys:  the ordering keys of the oldest `batch` pending, due rows whose key is not
+              blocked; take each key's transaction-scoped advisory lock (try: a key another
+              relay holds is skipped this round)
+    2. rows:  the oldest `batch` pending, due rows without a key, FOR UPDATE SKIP LOCKED
+    3. rows:  for each key now held, its oldest `batch` unpublished rows (LATERAL), cut in
+              Python at the first one that is parked or not due
+
+Locking a key *before* reading its rows matters: its previous holder has committed by the time
+the lock is free, so the round's snapshot shows everything that relay published, and no other
+relay reads the key's rows until this round commits. (A single statement that tried each key's
+lock as it scanned could skip a key's early rows while another relay held it and take its later
+rows once that relay let go.)
+
+SQLite runs one relay at a time, so one statement does: pending, due rows without a key or
+whose key is not blocked, oldest first.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import MissingExtraError
+from ..ports import Outgoing
+
+try:
+    import sqlalchemy as sa
+    from sqlalchemy.dialects import postgresql
+except ImportError as error:  # the sql extra is not installed
+    raise MissingExtraError("OutboxRelay", "sql", "SQLAlchemy") from error
+
+# The attribute that carries each row's key to the consumer's dedup store.
+IDEMPOTENCY_KEY_ATTRIBUTE = "idempotency-key"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One outbox row a round took."""
+
+    id: int
+    key: str
+    topic: str
+    data: bytes
+    attributes: dict[str, str]
+    ordering_key: str | None
+    attempts: int
+
+    def outgoing(self) -> Outgoing:
+        """The message to publish: the row's attributes plus its idempotency key."""
+        attributes = {**self.attributes, IDEMPOTENCY_KEY_ATTRIBUTE: self.key}
+        return Outgoing(self.topic, self.data, attributes, self.ordering_key)
+
+
+class RowPicker:
+    """Picks a round's rows from ``table`` (see the module's docstring)."""
+
+    def __init__(self, table: sa.Table, dialect: str) -> None:
+        self.table = table
+        self.dialect = dialect
+        t = table
+        self._columns = [t.c.id, t.c.key, t.c.topic, t.c.data, t.c.attributes,
+                         t.c.ordering_key, t.c.attempts]
+        if dialect == "postgresql":
+            self._keys = self._keys_statement()
+            self._unkeyed = self._unkeyed_statement()
+            self._keyed = self._keyed_statement()
+        else:
+            self._single = self._single_statement()
+
+    async def pick(self, connection: Any, now: float, batch: int) -> list[Row]:
+        """The round's rows, oldest first, at most ``batch``; on PostgreSQL ``connection``'s
+        transaction holds their keys' advisory locks (and the unkeyed rows' row locks) until
+        it ends."""
+        parameters: dict[str, Any] = {"now": now, "batch": batch}
+        if self.dialect != "postgresql":
+            return _rows(await connection.execute(self._single, parameters))
+        held = [key for key, locked in await connection.execute(self._keys, parameters)
+                if locked]
+        rows = _rows(await connection.execute(self._unkeyed, parameters))
+        if held:
+            parameters["held"] = held
+            keyed = list(await connection.execute(self._keyed, parameters))
+            rows += _rows(_prefixes(keyed, now))
+            rows.sort(key=lambda row: row.id)
+        return rows[:batch]
+
+    # -- statements ---------------------------------------------------------------------------
+
+    def _blocked(self, now: Any) -> Any:
+        """An older unpublished row of the same key is parked or waiting out a backoff."""
+        t = self.table
+        older = t.alias("older")
+        return sa.exists().where(
+            older.c.ordering_key == t.c.ordering_key, older.c.id < t.c.id,
+            older.c.published_at.is_(None),
+            sa.or_(older.c.failed_at.is_not(None), older.c.not_before > now),
+        )
+
+    def _single_statement(self) -> Any:
+        t = self.table
+        now: Any = sa.bindparam("now")
+        return (sa.select(*self._columns)
+                .where(pending(t), _due(t, now),
+                       sa.or_(t.c.ordering_key.is_(None), ~self._blocked(now)))
+                .order_by(t.c.id).limit(sa.bindparam("batch")))
+
+    def _keys_statement(self) -> Any:
+        t = self.table
+        now: Any = sa.bindparam("now")
+        oldest = (sa.select(t.c.ordering_key)
+                  .where(pending(t), t.c.ordering_key.is_not(None), _due(t, now),
+                         ~self._blocked(now))
+                  .order_by(t.c.id).limit(sa.bindparam("batch")).subquery("oldest"))
+        keys = sa.select(oldest.c.ordering_key).distinct().subquery("keys")
+        # in the select list: evaluated once per key, never for rows a filter would drop
+        locked = sa.func.pg_try_advisory_xact_lock(lock_space(t.name),
+                                                   sa.func.hashtext(keys.c.ordering_key))
+        return sa.select(keys.c.ordering_key, locked.label("locked"))
+
+    def _unkeyed_statement(self) -> Any:
+        t = self.table
+        return (sa.select(*self._columns)
+                .where(pending(t), t.c.ordering_key.is_(None), _due(t, sa.bindparam("now")))
+                .order_by(t.c.id).limit(sa.bindparam("batch"))
+                .with_for_update(skip_locked=True, of=t))
+
+    def _keyed_statement(self) -> Any:
+        """Each held key's oldest unpublished rows (parked and not-due ones too, so that
+        :func:`_prefixes` can stop the key there)."""
+        t = self.table
+        held = sa.func.unnest(sa.bindparam("held", type_=postgresql.ARRAY(sa.Text)))
+        keys = held.table_valued("ordering_key").render_derived(name="held")
+        oldest = (sa.select(*self._columns, t.c.failed_at, t.c.not_before)
+                  .where(t.c.ordering_key == keys.c.ordering_key, t.c.published_at.is_(None))
+                  .order_by(t.c.id).limit(sa.bindparam("batch")).lateral("oldest"))
+        return sa.select(oldest).select_from(keys).join(oldest, sa.true())
+
+
+def _prefixes(rows: list[Any], now: float) -> list[Any]:
+    """Each key's rows (oldest first) up to its first parked or not-yet-due row."""
+    rows = sorted(rows, key=lambda row: (row.ordering_key, row.id))
+    taken, stopped = [], set()
+    for row in rows:
+        if row.ordering_key in stopped:
+            continue
+        if row.failed_at is not None or (row.not_before is not None and row.not_before > now):
+            stopped.add(row.ordering_key)
+            continue
+        taken.append(row)
+    return taken
+
+
+def pending(t: sa.Table) -> Any:
+    """Neither published nor parked."""
+    return sa.and_(t.c.published_at.is_(None), t.c.failed_at.is_(None))
+
+
+def _due(t: sa.Table, now: Any) -> Any:
+    return sa.or_(t.c.not_before.is_(None), t.c.not_before <= now)
+
+
+def lock_space(table: str) -> int:
+    """The first key of the relays' advisory locks on ``table``'s ordering keys: a signed
+    32-bit number from the table's name, so two outboxes' keys do not share locks."""
+    value = zlib.crc32(table.encode())
+    return value - 2**32 if value >= 2**31 else value
+
+
+def _rows(result: Any) -> list[Row]:
+    return [
+        Row(id=int(r.id), key=r.key, topic=r.topic, data=bytes(r.data),
+            attributes=json.loads(r.attributes), ordering_key=r.ordering_key,
+            attempts=int(r.attempts))
+        for r in result
+    ]
+
+
+__all__ = ["IDEMPOTENCY_KEY_ATTRIBUTE", "Row", "RowPicker", "lock_space", "pending"]
