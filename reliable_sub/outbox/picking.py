@@ -12,8 +12,8 @@ scan of the whole backlog)::
               blocked; take each key's transaction-scoped advisory lock (try: a key another
               relay holds is skipped this round)
     2. rows:  the oldest `batch` pending, due rows without a key, FOR UPDATE SKIP LOCKED
-    3. rows:  for each key now held, its oldest `batch` unpublished rows (LATERAL), cut in
-              Python at the first one that is parked or not due
+    3. rows:  for each key now held, its oldest `batch / keys held` unpublished rows
+              (LATERAL), cut in Python at the first one that is parked or not due
 
 Locking a key *before* reading its rows matters: its previous holder has committed by the time
 the lock is free, so the round's snapshot shows everything that relay published, and no other
@@ -90,7 +90,8 @@ class RowPicker:
                 if locked]
         rows = _rows(await connection.execute(self._unkeyed, parameters))
         if held:
-            parameters["held"] = held
+            # order across keys does not matter, only within one: each key gets an equal share
+            parameters.update(held=held, per_key=max(1, batch // len(held)))
             keyed = list(await connection.execute(self._keyed, parameters))
             rows += _rows(_prefixes(keyed, now))
             rows.sort(key=lambda row: row.id)
@@ -137,14 +138,14 @@ class RowPicker:
                 .with_for_update(skip_locked=True, of=t))
 
     def _keyed_statement(self) -> Any:
-        """Each held key's oldest unpublished rows (parked and not-due ones too, so that
-        :func:`_prefixes` can stop the key there)."""
+        """Each held key's ``per_key`` oldest unpublished rows (parked and not-due ones too, so
+        that :func:`_prefixes` can stop the key there)."""
         t = self.table
         held = sa.func.unnest(sa.bindparam("held", type_=postgresql.ARRAY(sa.Text)))
         keys = held.table_valued("ordering_key").render_derived(name="held")
         oldest = (sa.select(*self._columns, t.c.failed_at, t.c.not_before)
                   .where(t.c.ordering_key == keys.c.ordering_key, t.c.published_at.is_(None))
-                  .order_by(t.c.id).limit(sa.bindparam("batch")).lateral("oldest"))
+                  .order_by(t.c.id).limit(sa.bindparam("per_key")).lateral("oldest"))
         return sa.select(oldest).select_from(keys).join(oldest, sa.true())
 
 
