@@ -101,16 +101,10 @@ async def main(url: str) -> int:
             settled.clear()
             await settled.wait()
 
-    relaying = asyncio.ensure_future(relay.serve())
-    consuming = asyncio.ensure_future(sub.serve())
-    try:
+    async with relay, sub:  # both run in this loop until the block ends
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(until_done(), WAIT_LIMIT)
         backlog = await relay.backlog()
-    finally:
-        await relay.shutdown()
-        await sub.shutdown(timeout=5)
-        await asyncio.gather(relaying, consuming)
 
     async with outbox.engine.begin() as connection:
         order_ids = (await connection.execute(sa.select(orders.c.id))).scalars().all()
