@@ -12,7 +12,8 @@
   prints; :func:`unknown_rule_names` finds rules that name functions their file no longer has
   (a rename would otherwise move time to the wrong stage without a word).
 * :class:`Throughput` holds one variant's timed repetitions and their medians; a benchmark whose
-  runs record more (CPU, emulator time) subclasses it.
+  runs record more (CPU, emulator time) subclasses it. :class:`Rates` is the simpler form: a
+  variant's rates per repetition. :func:`verdict` is a goal's line in a report.
 """
 
 from __future__ import annotations
@@ -76,6 +77,27 @@ class Throughput(Generic[RunT]):
     @property
     def gc_micros_per_message(self) -> float:
         return self.median_micros(run.gc_seconds for run in self.runs)
+
+
+@dataclass
+class Rates:
+    """One variant's repetitions, as operations (messages, calls, rows) per second."""
+
+    variant: str
+    rates: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.rates)
+
+
+def verdict(name: str, value: float, goal: float, *, unit: str = "×",
+            at_most: bool = False) -> str:
+    """``* name: value (goal ≥ goal) — met/not met``, for a report's list of goals."""
+    met = value <= goal if at_most else value >= goal
+    sign = "≤" if at_most else "≥"
+    return (f"* {name}: {value:.2f}{unit} (goal {sign} {goal:g}{unit}) — "
+            f"**{'met' if met else 'not met'}**")
 
 
 # -- stage attribution -------------------------------------------------------------------------

@@ -28,14 +28,13 @@ import asyncio
 import datetime
 import os
 import platform
-import statistics
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks._common import positive_int, write_section
+from benchmarks._common import Rates, positive_int, verdict, write_section
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
@@ -48,18 +47,6 @@ TTL = 3600.0
 LEASE = 30.0
 SECTION_NAME = "dedup"
 COMMAND = "python -m benchmarks.dedup --write"
-
-
-@dataclass
-class Row:
-    """One variant's repetitions, as operations per second."""
-
-    variant: str
-    rates: list[float] = field(default_factory=list)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.rates)
 
 
 async def timed(operations: int, work: Callable[[], Awaitable[None]]) -> float:
@@ -144,12 +131,12 @@ class IdempotentVariant:
     make: Callable[[str], Callable[..., Any]]  # run id -> a fresh decorated function
     is_async: bool = False
     keyword: bool = False
-    first: Row = field(init=False)
-    replay: Row = field(init=False)
+    first: Rates = field(init=False)
+    replay: Rates = field(init=False)
 
     def __post_init__(self) -> None:
-        self.first = Row(f"{self.name}: first calls")
-        self.replay = Row(f"{self.name}: replays")
+        self.first = Rates(f"{self.name}: first calls")
+        self.replay = Rates(f"{self.name}: replays")
 
 
 async def bench_idempotent(args: argparse.Namespace) -> list[IdempotentVariant]:
@@ -203,7 +190,7 @@ async def bench_idempotent(args: argparse.Namespace) -> list[IdempotentVariant]:
 # -- 2. batched claims ---------------------------------------------------------------------------
 
 
-async def bench_claims(args: argparse.Namespace) -> list[Row]:
+async def bench_claims(args: argparse.Namespace) -> list[Rates]:
     import redis.asyncio as aioredis
 
     from reliable_sub.dedup import DedupKey, RedisDedupStore, SqlDedupStore
@@ -235,12 +222,12 @@ async def bench_claims(args: argparse.Namespace) -> list[Row]:
                 await store.claim_many(batch, LEASE)
         return work
 
-    variants: list[tuple[Row, Callable[[str], Awaitable[None]]]] = [
-        (Row("raw SET NX PX, one pipeline per 100 keys (the limit)"), set_nx),
-        (Row("RedisDedupStore.claim_many, one call per 100 keys"), claim_many(redis_store)),
-        (Row("SqlDedupStore.claim_many on PostgreSQL, one statement per 100 keys"),
+    variants: list[tuple[Rates, Callable[[str], Awaitable[None]]]] = [
+        (Rates("raw SET NX PX, one pipeline per 100 keys (the limit)"), set_nx),
+        (Rates("RedisDedupStore.claim_many, one call per 100 keys"), claim_many(redis_store)),
+        (Rates("SqlDedupStore.claim_many on PostgreSQL, one statement per 100 keys"),
          claim_many(sql_pg)),
-        (Row("SqlDedupStore.claim_many on SQLite, one transaction per 100 keys"),
+        (Rates("SqlDedupStore.claim_many on SQLite, one transaction per 100 keys"),
          claim_many(sql_lite)),
     ]
     try:
@@ -262,7 +249,7 @@ async def bench_claims(args: argparse.Namespace) -> list[Row]:
 # -- 3. transactional handler --------------------------------------------------------------------
 
 
-async def bench_transactional(args: argparse.Namespace) -> list[Row]:
+async def bench_transactional(args: argparse.Namespace) -> list[Rates]:
     import sqlalchemy as sa
 
     from reliable_sub import Message, Subscriber
@@ -310,8 +297,8 @@ async def bench_transactional(args: argparse.Namespace) -> list[Row]:
         await serving
         return args.messages / seconds
 
-    plain = Row("plain handler: engine.begin(), INSERT, COMMIT (no dedup)")
-    tx = Row("transactional=True: batched claim; INSERT + completion UPDATE, one COMMIT")
+    plain = Rates("plain handler: engine.begin(), INSERT, COMMIT (no dedup)")
+    tx = Rates("transactional=True: batched claim; INSERT + completion UPDATE, one COMMIT")
     try:
         for _ in range(args.repetitions):
             plain.rates.append(await one_run(False))
@@ -339,7 +326,7 @@ async def _delete_redis_keys(url: str, patterns: list[str]) -> None:
         await client.aclose()
 
 
-def _table(rows: list[Row], baseline: Row, unit: str, micros: bool = True) -> list[str]:
+def _table(rows: list[Rates], baseline: Rates, unit: str, micros: bool = True) -> list[str]:
     lines = [f"| Variant | median {unit}/s | min – max | µs each | ratio to baseline |",
              "|---|---:|---:|---:|---:|"]
     for row in rows:
@@ -351,14 +338,8 @@ def _table(rows: list[Row], baseline: Row, unit: str, micros: bool = True) -> li
     return lines
 
 
-def _verdict(name: str, ratio: float, goal: float, at_most: bool = False) -> str:
-    met = ratio <= goal if at_most else ratio >= goal
-    sign = "≤" if at_most else "≥"
-    return f"* {name}: {ratio:.2f}× (goal {sign} {goal}×) — **{'met' if met else 'not met'}**"
-
-
-def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list[Row],
-           tx: list[Row]) -> str:
+def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list[Rates],
+           tx: list[Rates]) -> str:
     powertools = idem[0]
     ours_sync, ours_async = idem[1], idem[2]
     lines = [
@@ -386,9 +367,9 @@ def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list
     best_replay = max(ours_sync.replay.median, ours_async.replay.median)
     lines += [
         "",
-        _verdict("replays, @idempotent sync on Redis vs Powertools",
+        verdict("replays, @idempotent sync on Redis vs Powertools",
                  ours_sync.replay.median / powertools.replay.median, 3.0),
-        _verdict("first calls, @idempotent sync on Redis vs Powertools",
+        verdict("first calls, @idempotent sync on Redis vs Powertools",
                  ours_sync.first.median / powertools.first.median, 1.3),
         f"* best of sync/async on Redis: first calls "
         f"{best_first / powertools.first.median:.2f}×, replays "
@@ -399,7 +380,7 @@ def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list
         "",
         *_table(claims, claims[0], "claims"),
         "",
-        _verdict("RedisDedupStore.claim_many vs pipelined SET NX",
+        verdict("RedisDedupStore.claim_many vs pipelined SET NX",
                  claims[1].median / claims[0].median, 0.5),
         "",
         f"**3. Transactional handler on PostgreSQL** ({args.messages:,} messages per run through "
@@ -407,7 +388,7 @@ def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list
         "",
         *_table(tx, tx[0], "msgs"),
         "",
-        _verdict("time per message, transactional vs plain insert",
+        verdict("time per message, transactional vs plain insert",
                  tx[0].median / tx[1].median, 1.5, at_most=True),
         "",
         "Reading the figures:",

@@ -25,16 +25,14 @@ import json
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import positive_int, write_section
+from benchmarks._common import Rates, positive_int, verdict, write_section
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
@@ -51,18 +49,6 @@ COMMAND = "python -m benchmarks.outbox --write"
 REPO = Path(__file__).resolve().parent.parent
 # Bound on how long one variant may take before the benchmark gives up.
 VARIANT_TIMEOUT = 600.0
-
-
-@dataclass
-class Row:
-    """One variant's repetitions, as rows per second."""
-
-    variant: str
-    rates: list[float] = field(default_factory=list)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.rates)
 
 
 # -- workers (child processes) -------------------------------------------------------------------
@@ -292,7 +278,7 @@ class Bench:
                 (f"1 OutboxRelay, rows on {ORDERING_KEYS} ordering keys", "relay", 1,
                  ORDERING_KEYS),
             ]
-            rows = [Row(name) for name, *_ in variants]
+            rows = [Rates(name) for name, *_ in variants]
             for _ in range(self.args.repetitions):
                 for row, (_, kind, workers, keys) in zip(rows, variants, strict=True):
                     row.rates.append(await self.drain(kind, workers, keys))
@@ -309,14 +295,7 @@ def _quantile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def _verdict(name: str, value: float, goal: float, unit: str = "×", at_most: bool = False) -> str:
-    met = value <= goal if at_most else value >= goal
-    sign = "<" if at_most else "≥"
-    return (f"* {name}: {value:.2f}{unit} (goal {sign} {goal:g}{unit}) — "
-            f"**{'met' if met else 'not met'}**")
-
-
-def report(args: argparse.Namespace, rows: list[Row], latencies: dict[bool, list[float]]) -> str:
+def report(args: argparse.Namespace, rows: list[Rates], latencies: dict[bool, list[float]]) -> str:
     raw, one, three = rows[:3]
     lines = [
         "## Outbox relay: PostgreSQL → Redis Streams",
@@ -352,9 +331,9 @@ def report(args: argparse.Namespace, rows: list[Row], latencies: dict[bool, list
                      f"{_quantile(values, 0.99) * 1000:.1f} | {values[-1] * 1000:.1f} |")
     lines += [
         "",
-        _verdict("1 relay vs the raw loop", one.median / raw.median, 0.5),
-        _verdict("3 relays vs 1", three.median / one.median, 1.5),
-        _verdict("p50 commit-to-publish with NOTIFY", _quantile(notify, 0.5) * 1000, 20,
+        verdict("1 relay vs the raw loop", one.median / raw.median, 0.5),
+        verdict("3 relays vs 1", three.median / one.median, 1.5),
+        verdict("p50 commit-to-publish with NOTIFY", _quantile(notify, 0.5) * 1000, 20,
                  unit=" ms", at_most=True),
         "",
         "Reading the figures:",

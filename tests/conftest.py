@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, settings
 
+# fixtures shared by the outbox tests: outbox (PostgreSQL and SQLite), pg_outbox
+pytest_plugins = ["tests.outbox_support"]
+
 _SLOW_IS_FINE = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 # CI: a bounded search that runs in seconds.

@@ -1,10 +1,13 @@
-"""A fresh outbox table on PostgreSQL or SQLite for one test, dropped afterwards."""
+"""A fresh outbox table on PostgreSQL or SQLite for one test, dropped afterwards; the fixtures
+``outbox`` (both databases) and ``pg_outbox`` (PostgreSQL) over it, and ``add``."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+
+import pytest
 
 from reliable_sub.outbox import Outbox
 from reliable_sub.testing.services import postgres_url
@@ -24,3 +27,21 @@ async def fresh_outbox(database: str) -> AsyncIterator[Outbox]:
             await connection.run_sync(box.metadata.drop_all)
         await box.close()
         box.close_sync()
+
+
+@pytest.fixture(params=["postgresql", "sqlite"])
+async def outbox(request: pytest.FixtureRequest) -> AsyncIterator[Outbox]:
+    async with fresh_outbox(request.param) as box:
+        yield box
+
+
+@pytest.fixture
+async def pg_outbox() -> AsyncIterator[Outbox]:
+    async with fresh_outbox("postgresql") as box:
+        yield box
+
+
+async def add(box: Outbox, data: bytes, ordering_key: str | None = None) -> str:
+    """Commit one row on topic ``orders``; returns its key."""
+    async with box.engine.begin() as connection:
+        return await box.add(connection, "orders", data, ordering_key=ordering_key)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import psycopg
@@ -20,14 +19,7 @@ from sqlalchemy.orm import Session
 
 from reliable_sub.outbox import Outbox
 from reliable_sub.testing.services import postgres_url
-from tests.outbox_support import fresh_outbox
 from tests.redis_processes import poll_until_sync
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-async def outbox(request: pytest.FixtureRequest) -> AsyncIterator[Outbox]:
-    async with fresh_outbox(request.param) as box:
-        yield box
 
 
 async def rows(outbox: Outbox) -> list[dict[str, Any]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +28,7 @@ from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.outbox import Outbox, OutboxRelay
 from reliable_sub.testing.services import postgres_url
 from reliable_sub.testing.timing import drive_until
-from tests.outbox_support import fresh_outbox
+from tests.outbox_support import add
 
 WITHIN = 10.0
 
@@ -62,23 +61,6 @@ class Recorder:
 
     async def close(self) -> None:
         await self.broker.close()
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-async def outbox(request: pytest.FixtureRequest) -> AsyncIterator[Outbox]:
-    async with fresh_outbox(request.param) as box:
-        yield box
-
-
-@pytest.fixture
-async def pg_outbox() -> AsyncIterator[Outbox]:
-    async with fresh_outbox("postgresql") as box:
-        yield box
-
-
-async def add(box: Outbox, data: bytes, ordering_key: str | None = None) -> str:
-    async with box.engine.begin() as connection:
-        return await box.add(connection, "orders", data, ordering_key=ordering_key)
 
 
 async def drain(relay: OutboxRelay) -> None:

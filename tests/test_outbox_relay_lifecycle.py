@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -18,7 +17,7 @@ from reliable_sub import ConfigurationError, ManualClock, SystemClock
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.outbox import Outbox, OutboxRelay
 from reliable_sub.testing.timing import drive_until
-from tests.outbox_support import fresh_outbox
+from tests.outbox_support import add, fresh_outbox
 from tests.redis_processes import poll_until, poll_until_sync
 
 WITHIN = 10.0
@@ -47,23 +46,6 @@ class Gate:
 
     async def close(self) -> None:
         self.closed += 1
-
-
-@pytest.fixture(params=["postgresql", "sqlite"])
-async def outbox(request: pytest.FixtureRequest) -> AsyncIterator[Outbox]:
-    async with fresh_outbox(request.param) as box:
-        yield box
-
-
-@pytest.fixture
-async def pg_outbox() -> AsyncIterator[Outbox]:
-    async with fresh_outbox("postgresql") as box:
-        yield box
-
-
-async def add(box: Outbox, data: bytes, ordering_key: str | None = None) -> str:
-    async with box.engine.begin() as connection:
-        return await box.add(connection, "orders", data, ordering_key=ordering_key)
 
 
 def add_sync(box: Outbox, data: bytes) -> str:
