@@ -51,7 +51,7 @@ class Service:
         self._timeout = self._stop_timeout
         self._done = threading.Event()
         self._serving: asyncio.Task[None] | None = None
-        self._open_done = False
+        self._is_running = False
 
     @property
     def _name(self) -> str:
@@ -76,7 +76,7 @@ class Service:
     @property
     def running(self) -> bool:
         """True between a successful start and the end of a stop."""
-        return self._open_done
+        return self._is_running
 
     @property
     def stopping(self) -> bool:
@@ -237,7 +237,7 @@ class Service:
         self._done.clear()
         try:
             await self._open()
-            self._open_done = True
+            self._is_running = True
             if on_started is not None:
                 on_started()
             try:
@@ -249,7 +249,7 @@ class Service:
             await self._close(self._timeout, self._force)
             self._log_stopped()
         finally:
-            self._open_done = False
+            self._is_running = False
             self._closed.set()
             self._loop = None
             self._stop_requested = self._force = self._closed = None

@@ -297,3 +297,11 @@ def test_the_outbox_example_ships_each_committed_order_once(database: str) -> No
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "shipped: [1, 2]" in done.stdout, done.stdout
+
+
+def test_a_rows_backoff_stays_within_its_bounds_at_any_attempt() -> None:
+    relay = OutboxRelay(Outbox("sqlite://"), Recorder(), min_backoff=0.5, max_backoff=30,
+                        max_attempts=5000)
+    for attempts in (1, 2, 7, 65, 1100, 5000):
+        assert 0.5 <= relay._backoff(attempts) <= 30
+    assert relay._backoff(1) == 0.5, "the first retry waits min_backoff"

@@ -113,7 +113,7 @@ class RowPicker:
         t = self.table
         now: Any = sa.bindparam("now")
         return (sa.select(*self._columns)
-                .where(pending(t), _due(t, now),
+                .where(_pending(t), _due(t, now),
                        sa.or_(t.c.ordering_key.is_(None), ~self._blocked(now)))
                 .order_by(t.c.id).limit(sa.bindparam("batch")))
 
@@ -121,7 +121,7 @@ class RowPicker:
         t = self.table
         now: Any = sa.bindparam("now")
         oldest = (sa.select(t.c.ordering_key)
-                  .where(pending(t), t.c.ordering_key.is_not(None), _due(t, now),
+                  .where(_pending(t), t.c.ordering_key.is_not(None), _due(t, now),
                          ~self._blocked(now))
                   .order_by(t.c.id).limit(sa.bindparam("batch")).subquery("oldest"))
         keys = sa.select(oldest.c.ordering_key).distinct().subquery("keys")
@@ -133,7 +133,7 @@ class RowPicker:
     def _unkeyed_statement(self) -> Any:
         t = self.table
         return (sa.select(*self._columns)
-                .where(pending(t), t.c.ordering_key.is_(None), _due(t, sa.bindparam("now")))
+                .where(_pending(t), t.c.ordering_key.is_(None), _due(t, sa.bindparam("now")))
                 .order_by(t.c.id).limit(sa.bindparam("batch"))
                 .with_for_update(skip_locked=True, of=t))
 
@@ -163,7 +163,7 @@ def _prefixes(rows: list[Any], now: float) -> list[Any]:
     return taken
 
 
-def pending(t: sa.Table) -> Any:
+def _pending(t: sa.Table) -> Any:
     """Neither published nor parked."""
     return sa.and_(t.c.published_at.is_(None), t.c.failed_at.is_(None))
 
@@ -188,4 +188,4 @@ def _rows(result: Any) -> list[Row]:
     ]
 
 
-__all__ = ["IDEMPOTENCY_KEY_ATTRIBUTE", "Row", "RowPicker", "lock_space", "pending"]
+__all__ = ["IDEMPOTENCY_KEY_ATTRIBUTE", "Row", "RowPicker", "lock_space"]

@@ -196,8 +196,8 @@ class OutboxRelay(Service):
                                                 not_before=None)
 
     async def relay_once(self) -> int:
-        """Publish one batch of pending rows; returns how many rows were taken (published or
-        failed)."""
+        """Publish one batch of pending rows; returns how many rows the round took (published,
+        failed, or not sent because an earlier row of their key failed)."""
         now = self._clock.wall()
         if self.outbox.dialect == "postgresql":
             async with self.outbox.engine.begin() as connection:  # holds the locks
@@ -253,7 +253,8 @@ class OutboxRelay(Service):
                                self.max_attempts, text)
 
     def _backoff(self, attempts: int) -> float:
-        ceiling = min(self.max_backoff, self.min_backoff * 2 ** (attempts - 1))
+        exponent = min(attempts - 1, 64)  # 2**64 x any backoff is past any max_backoff
+        ceiling = min(self.max_backoff, self.min_backoff * 2.0**exponent)
         return self._rng.uniform(self.min_backoff, max(self.min_backoff, ceiling))
 
     # -- operations -----------------------------------------------------------------------------
