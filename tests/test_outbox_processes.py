@@ -7,6 +7,8 @@
 2. Three relay processes at once over 1,000 rows with 20 ordering keys, written while they run:
    every row published exactly once, each key's rows in the order they were written, the work
    shared, and every relay exits 0 on SIGTERM.
+3. A relay whose round hangs: the first SIGTERM waits for the round, the second forces the stop
+   (exit 0), and the round's row stays pending.
 """
 
 from __future__ import annotations
@@ -219,3 +221,22 @@ async def test_three_relay_processes_keep_each_keys_order(scene: Scene) -> None:
 def _published_by(child: Child) -> int:
     return sum(int(m.group(1)) for line in child.lines
                if (m := re.match(r"PUBLISHED \d+ (\d+)$", line)))
+
+
+async def test_a_second_sigterm_forces_a_relay_whose_round_hangs(scene: Scene) -> None:
+    await scene.write([(b"stuck", None)], per_transaction=1)
+    relay = scene.relay(batch_size=10, pause_after=1)  # its first batch never returns
+    try:
+        await relay.line("PAUSED")
+        relay.process.send_signal(signal.SIGTERM)
+        await relay.line("stop requested")  # graceful: waits for the round
+        assert relay.process.poll() is None, "the first SIGTERM waits for the round"
+        relay.process.send_signal(signal.SIGTERM)
+        await relay.line("second stop request: forcing the stop")
+        status = await asyncio.to_thread(relay.process.wait, EXIT_TIMEOUT)
+        assert status == 0, relay.output
+    finally:
+        relay.kill()
+    backlog = await OutboxRelay(scene.outbox, RedisStreamsAdapter(redis_url())).backlog()
+    assert backlog.pending == 1, "the cancelled round rolled back: the row waits for a relay"
+    assert len(await scene.entries()) == 1, "its publish had reached the stream"
