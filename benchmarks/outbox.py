@@ -37,7 +37,7 @@ from benchmarks._common import Rates, positive_int, verdict, write_section
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
 DEFAULT_ROWS = 20_000
-DEFAULT_REPETITIONS = 3
+DEFAULT_REPETITIONS = 5
 DEFAULT_LATENCY_ROWS = 200
 DEFAULT_SPACING = 0.02
 BATCH = 100  # rows per round: OutboxRelay's default batch_size, and the raw loop's SELECT
