@@ -28,6 +28,7 @@ from reliable_sub.clock import Clock, SystemClock, sleep_or_event
 from reliable_sub.errors import ConfigurationError, UnknownSubscriptionError, UnknownTopicError
 from reliable_sub.message import Delivery, Message
 from reliable_sub.ports import Capabilities, checked_message
+from reliable_sub.telemetry import send_span
 
 DEFAULT_ACK_DEADLINE = 10.0
 # How long acked messages are kept when a subscription asks for it (retain_acked_messages=True);
@@ -44,6 +45,7 @@ CAPABILITIES = Capabilities(
     ordering=True,
     delivery_attempt_exact=True,
     cancel_safe_receive=True,
+    messaging_system="memory",
 )
 
 
@@ -191,6 +193,10 @@ class MemoryAdapter:
         with self._lock:
             return self._subscription(subscription).ack_deadline
 
+    async def subscription_topic(self, subscription: str) -> str:
+        with self._lock:
+            return self._subscription(subscription).topic
+
     # -- publishing ------------------------------------------------------------------------
 
     def publish_sync(
@@ -199,6 +205,13 @@ class MemoryAdapter:
         data: bytes,
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
+    ) -> str:
+        with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
+            return self._publish(topic, data, attributes, ordering_key)
+
+    def _publish(
+        self, topic: str, data: bytes, attributes: dict[str, str] | None,
+        ordering_key: str | None,
     ) -> str:
         payload, attrs = checked_message(data, attributes)
         with self._lock:

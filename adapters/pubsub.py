@@ -38,6 +38,7 @@ from reliable_sub.loops import PerLoop
 from reliable_sub.message import Delivery, Message
 from reliable_sub.policy import DeadLetterPolicy, RetryPolicy
 from reliable_sub.ports import Capabilities, checked_message
+from reliable_sub.telemetry import send_span
 
 try:
     import grpc
@@ -81,6 +82,7 @@ CAPABILITIES = Capabilities(
     ordering=True,
     delivery_attempt_exact=False,
     refuses_stale_acks=False,
+    messaging_system="gcp_pubsub",
 )
 
 
@@ -121,6 +123,7 @@ class PubSubAdapter:
         self._given_admin = admin_client
         self._own_admin: pubsub_v1.SubscriberClient | None = None
         self._deadlines: dict[str, float] = {}
+        self._topics_of: dict[str, str] = {}  # subscription path -> topic (short name)
         self._native_attempts: dict[str, bool] = {}
         self._attempts: OrderedDict[tuple[str, str], int] = OrderedDict()
         self.stats = {"pull_calls": 0, "ack_calls": 0, "modack_calls": 0, "ack_ids_extended": 0}
@@ -267,8 +270,17 @@ class PubSubAdapter:
             self._remember(found)
         return self._deadlines[path]
 
+    async def subscription_topic(self, subscription: str) -> str:
+        path = self.subscription_path(subscription)
+        if path not in self._topics_of:
+            with _named_errors(subscription=subscription):
+                found = await asyncio.to_thread(self._admin.get_subscription, subscription=path)
+            self._remember(found)
+        return self._topics_of[path]
+
     def _remember(self, subscription: Subscription) -> None:
         self._deadlines[subscription.name] = float(subscription.ack_deadline_seconds)
+        self._topics_of[subscription.name] = subscription.topic.rsplit("/", 1)[-1]
         self._native_attempts[subscription.name] = bool(
             subscription.dead_letter_policy and subscription.dead_letter_policy.dead_letter_topic
         )
@@ -295,13 +307,14 @@ class PubSubAdapter:
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
-        future = self._publish_future(topic, data, attributes, ordering_key)
-        try:
-            with _named_errors(topic=topic):
-                return await asyncio.wrap_future(future)
-        except Exception:
-            self._resume(topic, ordering_key)
-            raise
+        with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
+            future = self._publish_future(topic, data, attributes, ordering_key)
+            try:
+                with _named_errors(topic=topic):
+                    return await asyncio.wrap_future(future)
+            except Exception:
+                self._resume(topic, ordering_key)
+                raise
 
     def publish_sync(
         self,
@@ -310,13 +323,14 @@ class PubSubAdapter:
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
-        future = self._publish_future(topic, data, attributes, ordering_key)
-        try:
-            with _named_errors(topic=topic):
-                return future.result()
-        except Exception:
-            self._resume(topic, ordering_key)
-            raise
+        with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
+            future = self._publish_future(topic, data, attributes, ordering_key)
+            try:
+                with _named_errors(topic=topic):
+                    return future.result()
+            except Exception:
+                self._resume(topic, ordering_key)
+                raise
 
     def _resume(self, topic: str, ordering_key: str | None) -> None:
         """After a failed ordered publish the key is paused; let the caller's retry through."""

@@ -57,6 +57,7 @@ from reliable_sub.ports import (
     Outgoing,
     checked_message,
 )
+from reliable_sub.telemetry import send_span
 
 try:
     import redis
@@ -95,6 +96,7 @@ CAPABILITIES = Capabilities(
     ordering=False,
     delivery_attempt_exact=True,
     extension_limited_to_ack_deadline=True,
+    messaging_system="redis",
 )
 
 # The scripts live in adapters/lua/ (package data of reliable_sub.adapters), each opening with
@@ -290,6 +292,9 @@ class RedisStreamsAdapter:
     async def subscription_ack_deadline(self, subscription: str) -> float:
         return (await self._subscription(subscription)).ack_deadline
 
+    async def subscription_topic(self, subscription: str) -> str:
+        return (await self._subscription(subscription)).stream
+
     async def _subscription(self, name: str) -> _Subscription:
         sub = self._subscriptions.get(name)
         if sub is not None:
@@ -350,15 +355,17 @@ class RedisStreamsAdapter:
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
-        fields = self._fields(data, attributes, ordering_key)
-        entry_id = await self.client.xadd(
-            topic, fields, maxlen=self._max_len, approximate=True  # type: ignore[arg-type]
-        )
+        with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
+            fields = self._fields(data, attributes, ordering_key)
+            entry_id = await self.client.xadd(
+                topic, fields, maxlen=self._max_len, approximate=True  # type: ignore[arg-type]
+            )
         return _text(entry_id)
 
     async def publish_many(self, messages: Sequence[Outgoing]) -> list[str | Exception]:
         """Publish ``messages`` in one pipelined round trip (XADDs in the order given); returns
-        each one's entry id or the error that refused it."""
+        each one's entry id or the error that refused it. (No spans of its own: the caller,
+        such as the outbox relay, makes them.)"""
         results: list[str | Exception] = []
         pipe = self.client.pipeline(transaction=False)
         queued = []
@@ -385,10 +392,11 @@ class RedisStreamsAdapter:
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
-        fields = self._fields(data, attributes, ordering_key)
-        entry_id = self._sync.xadd(
-            topic, fields, maxlen=self._max_len, approximate=True  # type: ignore[arg-type]
-        )
+        with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
+            fields = self._fields(data, attributes, ordering_key)
+            entry_id = self._sync.xadd(
+                topic, fields, maxlen=self._max_len, approximate=True  # type: ignore[arg-type]
+            )
         return _text(entry_id)
 
     # -- consuming -------------------------------------------------------------------------

@@ -5,6 +5,7 @@ before its handler finished, duplicates turned into no-ops by a dedup store, ack
 ahead of running handlers from a rolling p99, retries with backoff and dead-lettering.
 """
 
+from ._version import __version__
 from .clock import Clock, ManualClock, SystemClock
 from .dedup import (
     Claimed,
@@ -33,12 +34,10 @@ from .errors import (
 )
 from .message import Delivery, Message
 from .outcome import Outcome, SubscriberStats
-from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
+from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, TelemetryPolicy
 from .runtime.lease import LeaseManager
 from .runtime.pipeline import current_claim
 from .subscriber import Subscriber
-
-__version__ = "0.1.0"
 
 __all__ = [
     "AccessDeniedError",
@@ -73,6 +72,7 @@ __all__ = [
     "Subscriber",
     "SubscriberStats",
     "SystemClock",
+    "TelemetryPolicy",
     "UnknownSubscriptionError",
     "UnknownTopicError",
     "__version__",

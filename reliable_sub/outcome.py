@@ -18,7 +18,7 @@ class Outcome(str, enum.Enum):
     """The dedup store had it as completed; acked without calling the handler."""
     DEFERRED = "deferred"
     """A live peer holds its dedup claim; nacked to come back after the peer is done."""
-    RETRY = "retry"
+    RETRY = "retried"
     """The handler (or the dedup claim) failed; nacked for redelivery after a backoff."""
     DEAD_LETTERED = "dead_lettered"
     """Failed ``max_delivery_attempts`` times (or could not be read); published to the

@@ -170,3 +170,35 @@ class FlowControl:
     def __post_init__(self) -> None:
         check_count("FlowControl", "max_messages", self.max_messages)
         check_count("FlowControl", "max_bytes", self.max_bytes)
+
+
+IDEMPOTENCY_KEY_MODES = ("hashed", "raw", "off")
+
+
+@dataclass(frozen=True)
+class TelemetryPolicy:
+    """What the spans of delivery attempts carry (see :mod:`reliable_sub.telemetry`).
+
+    Attributes:
+        producer_as_parent: False (default): a delivery's span *links* to the producer's span
+            (the conventions' advice for messaging: a consumer's work is its own trace); True:
+            it is the producer span's *child*, so one trace runs from publish to processing.
+        idempotency_key: ``"hashed"`` (default): ``reliable_sub.idempotency_key`` holds the
+            first 16 hex digits of the key's SHA-256; ``"raw"``: the key itself (it may be an
+            order or payment id: only if your traces may hold those); ``"off"``: not set.
+    """
+
+    producer_as_parent: bool = False
+    idempotency_key: str = "hashed"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.producer_as_parent, bool):
+            raise ConfigurationError(
+                "TelemetryPolicy.producer_as_parent must be a bool, got "
+                f"{self.producer_as_parent!r}"
+            )
+        if self.idempotency_key not in IDEMPOTENCY_KEY_MODES:
+            raise ConfigurationError(
+                f"TelemetryPolicy.idempotency_key must be one of {IDEMPOTENCY_KEY_MODES}, got "
+                f"{self.idempotency_key!r}"
+            )

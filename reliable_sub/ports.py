@@ -53,6 +53,8 @@ class Capabilities:
         cancel_safe_receive: cancelling a ``receive`` call in flight never leaves a message
             taken at the broker (only the in-memory broker can promise it); otherwise a stop
             lets the calls in flight return, and gives back what they bring.
+        messaging_system: the broker's ``messaging.system`` in telemetry (the OpenTelemetry
+            conventions' value where they have one: ``gcp_pubsub``, ``kafka``...).
     """
 
     min_ack_deadline: float = 0.0
@@ -66,6 +68,7 @@ class Capabilities:
     refuses_stale_acks: bool = True
     extension_limited_to_ack_deadline: bool = False
     cancel_safe_receive: bool = False
+    messaging_system: str = "unknown"
 
     def clamp_deadline(self, seconds: float) -> float:
         """``seconds`` limited to the broker's accepted range."""
@@ -123,6 +126,10 @@ class Consumer(Protocol):
 
     async def subscription_ack_deadline(self, subscription: str) -> float:
         """The deadline (seconds) a fresh delivery of ``subscription`` gets from the broker."""
+        ...
+
+    async def subscription_topic(self, subscription: str) -> str:
+        """The topic ``subscription`` receives from (raises ``UnknownSubscriptionError``)."""
         ...
 
     def dedup_namespace(self, subscription: str) -> str:

@@ -19,6 +19,9 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.trace import TracerProvider
+
 from ._callables import is_async_callable
 from .clock import Clock, SystemClock
 from .dedup import DedupStore
@@ -33,12 +36,14 @@ from .policy import (
     FlowControl,
     LeasePolicy,
     RetryPolicy,
+    TelemetryPolicy,
     check_count,
     check_seconds,
 )
 from .ports import Adapter
 from .runtime.lease import LeaseManager
 from .runtime.pipeline import Config, Route, Runtime
+from .telemetry.consumer import SubscriberTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +98,12 @@ class Subscriber(Service):
             handler blocking the loop; None turns the watchdog off.
         dedup_purge_interval: seconds between ``dedup.purge_expired()`` calls, for a store
             that has one (``SqlDedupStore``); None never purges (run it yourself, e.g. cron).
+        tracer_provider, meter_provider: where the span of each delivery attempt and the
+            consumer metrics go (default: OpenTelemetry's global providers, read when a run
+            starts; without an SDK nothing is recorded, at no cost). See
+            :mod:`reliable_sub.telemetry`.
+        telemetry: what the spans carry (:class:`~reliable_sub.policy.TelemetryPolicy`: link
+            to or child of the producer's span; the idempotency key hashed, raw or not at all).
 
     The Subscriber closes ``adapter`` and ``dedup`` when a run ends; both reconnect if used
     again (by you, or by the next run).
@@ -119,6 +130,9 @@ class Subscriber(Service):
         stop_timeout: float = DEFAULT_STOP_TIMEOUT,
         loop_lag_warning: float | None = DEFAULT_LOOP_LAG_WARNING,
         dedup_purge_interval: float | None = DEFAULT_DEDUP_PURGE_INTERVAL,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+        telemetry: TelemetryPolicy | None = None,
     ) -> None:
         check_seconds("Subscriber", "dedup_ttl", dedup_ttl)
         check_seconds("Subscriber", "receive_timeout", receive_timeout)
@@ -147,6 +161,7 @@ class Subscriber(Service):
             on_outcome=on_outcome,
             on_event=on_event,
             middleware=_checked_middleware(middleware, "Subscriber.middleware"),
+            telemetry=SubscriberTelemetry(tracer_provider, meter_provider, telemetry),
         )
         self._check_dedup_window()
         self.stats = SubscriberStats()

@@ -52,7 +52,7 @@ async def test_failures_and_the_lifecycle_are_logged_by_default(
     assert failures[0].exc_info is not None, "the first failure carries its traceback"
     assert failures[1].exc_info is None, "later attempts do not repeat it"
     assert failures[0].message_id == "1" and failures[0].subscription == "billing"  # type: ignore[attr-defined]
-    assert failures[0].outcome == "retry" and failures[0].failures == 1  # type: ignore[attr-defined]
+    assert failures[0].outcome == "retried" and failures[0].failures == 1  # type: ignore[attr-defined]
     [dead] = [r for r in records if "dead-lettered" in r.getMessage()]
     assert dead.levelno == logging.ERROR
     assert "order C-3 has no amount" in dead.getMessage()

@@ -70,7 +70,7 @@ class DeadLetterOrBackoff:
             "message %s of %r failed (attempt %d: %s: %s); redelivering in %.1fs",
             message.id, message.subscription, failures, type(error).__name__, error, delay,
             exc_info=error if failures == 1 else None,
-            extra=log_fields(message, failures, "retry"),
+            extra=log_fields(message, failures, "retried"),
         )
         return Decision(Verdict.REDELIVER, error=error, delay=delay, failures=failures)
 
@@ -88,7 +88,7 @@ class DeadLetterOrBackoff:
             logger.error(
                 "publishing message %s to dead-letter topic %r failed; it stays on %r and is "
                 "retried", message.id, policy.topic, message.subscription, exc_info=True,
-                extra=log_fields(message, failures, "retry"),
+                extra=log_fields(message, failures, "retried"),
             )
             delay = self._retry.backoff(failures, self._rng)
             return Decision(Verdict.REDELIVER, error=error, delay=delay, failures=failures)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from tenacity import (
@@ -21,11 +22,18 @@ class InProcessRetry:
     """Calls the rest of the chain again while it fails with an exception in
     ``RetryPolicy.retry_on``, up to ``in_process_attempts`` calls, waiting ``in_process_wait``
     seconds (doubled each time) on ``clock``; then passes the last decision on.
+
+    ``on_retry`` is called before each retry with the number of the attempt that failed and its
+    error (telemetry's span event).
     """
 
-    def __init__(self, policy: RetryPolicy, clock: Clock) -> None:
+    def __init__(
+        self, policy: RetryPolicy, clock: Clock,
+        on_retry: Callable[[int, BaseException | None], None] | None = None,
+    ) -> None:
         self._policy = policy
         self._clock = clock
+        self._on_retry = on_retry
 
     def _transient(self, decision: Decision) -> bool:
         return decision.verdict is Verdict.FAILED and isinstance(
@@ -40,9 +48,16 @@ class InProcessRetry:
             retry=retry_if_result(self._transient),
             retry_error_callback=_last_decision,
             sleep=self._clock.sleep,
+            before_sleep=self._before_retry if self._on_retry is not None else None,
         )
         decision: Decision = await retrying(call_next, context)
         return decision
+
+
+    def _before_retry(self, state: RetryCallState) -> None:
+        assert self._on_retry is not None and state.outcome is not None
+        decision: Decision = state.outcome.result()
+        self._on_retry(state.attempt_number, decision.error)
 
 
 def _last_decision(state: RetryCallState) -> Any:

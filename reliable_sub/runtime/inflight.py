@@ -60,6 +60,7 @@ class InFlight:
         "length",
         "not_before",
         "route",
+        "span",
         "stage",
         "started_at",
         "task",
@@ -77,6 +78,7 @@ class InFlight:
         self.task: asyncio.Task[None] | None = None
         self.cancel_reason: CancelReason | None = None
         self.thread_running = False
+        self.span: Any = None  # its telemetry span, while telemetry is on
         # the broker lease
         self.leased = False
         self.held = True

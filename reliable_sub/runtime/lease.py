@@ -84,6 +84,8 @@ class LeaseManager:
             Subscriber passes its claim-lifecycle owner, which calls the store).
         on_max_lease: awaited with the deliveries that reached ``max_lease_duration`` (their
             broker lease is no longer extended).
+        on_extended: called with the deliveries an extension call moved, its seconds, and the
+            observed percentile it came from (None before anything was observed): telemetry.
         histogram: processing-time histogram (default: a fresh sliding one).
     """
 
@@ -96,6 +98,7 @@ class LeaseManager:
         initial_deadline: float,
         dedup: ClaimRenewer | None = None,
         on_max_lease: Callable[[list[InFlight]], Awaitable[None]] | None = None,
+        on_extended: Callable[[list[InFlight], float, float | None], None] | None = None,
         histogram: SlidingHistogram | None = None,
     ) -> None:
         self._adapter = adapter
@@ -104,6 +107,8 @@ class LeaseManager:
         self._initial_deadline = initial_deadline
         self._dedup = dedup
         self._on_max_lease = on_max_lease
+        self._on_extended = on_extended
+        self.observed: float | None = None  # the percentile the last extension came from
         self.histogram = histogram or SlidingHistogram(clock)
         self.stats = LeaseStats()
         self._leases: set[InFlight] = set()
@@ -179,7 +184,7 @@ class LeaseManager:
 
     def extension(self) -> float:
         """The current extension length: the policy's percentile, clamped to its range."""
-        observed = self.histogram.percentile(self._policy.percentile)
+        observed = self.observed = self.histogram.percentile(self._policy.percentile)
         seconds = self._initial_deadline if observed is None else observed
         seconds = min(self._policy.max_extension, max(self._policy.min_extension, seconds))
         capabilities = self._adapter.capabilities
@@ -299,12 +304,16 @@ class LeaseManager:
             self.stats.extend_calls += 1
             self.stats.extended_ack_ids += len(deliveries)
             refused_ids = {d.ack_id for d in refused}
+            moved = []
             for item in group:
                 if item.delivery.ack_id in refused_ids:
                     self._refused(item)
                 else:
                     item.deadline = now + seconds
                     item.length = seconds
+                    moved.append(item)
+            if self._on_extended is not None and moved:
+                self._on_extended(moved, seconds, self.observed)
 
     def _refused(self, item: InFlight) -> None:
         self.stats.refused += 1

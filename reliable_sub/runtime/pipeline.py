@@ -12,7 +12,7 @@ The path of one delivery reads top to bottom here::
                                   ─► handler          (or the handler alone: the fast path)
                             │
                Decision ── ack ─► record result + ack                         "acked"
-                        ── redeliver ─► release claim (failures kept) + nack  "retry"
+                        ── redeliver ─► release claim (failures kept) + nack  "retried"
                         ── dead-lettered ─► release claim + ack               "dead_lettered"
 
 Every ack and nack goes through the settler, which confirms it with the broker (and the result
@@ -34,6 +34,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+from opentelemetry import context as otel_context
 from tenacity import AsyncRetrying, retry_if_exception, wait_random_exponential
 
 from ..clock import Clock
@@ -54,6 +55,7 @@ from ..middleware.retry import InProcessRetry
 from ..outcome import DeliveryEvent, Outcome, SubscriberStats
 from ..policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
 from ..ports import Adapter
+from ..telemetry.consumer import DeliveryTelemetry, RouteTelemetry, SubscriberTelemetry
 from .flow import FlowGate
 from .inflight import CancelReason, InFlight, Stage
 from .lease import LeaseManager
@@ -118,6 +120,7 @@ class Config:
     on_outcome: Callable[[Message, Outcome], None] | None
     on_event: Callable[[DeliveryEvent], None] | None
     middleware: tuple[Middleware, ...]
+    telemetry: SubscriberTelemetry
 
 
 @dataclass(eq=False)
@@ -154,6 +157,8 @@ class Lane:
     starved: bool = False
     # ordering key -> deliveries waiting for the running one of that key
     keys: dict[str, deque[InFlight]] = field(default_factory=dict)
+    # its span name and attributes, while telemetry is on
+    telemetry: RouteTelemetry | None = None
 
 
 class Runtime:
@@ -176,6 +181,7 @@ class Runtime:
         self.failure = DeadLetterOrBackoff(config.retry, config.dead_letter, config.adapter,
                                            config.rng)
         self.watchdog: LoopWatchdog | None = None
+        self.telemetry: DeliveryTelemetry | None = None  # this run's, if an SDK records
         self.receiving = False
         self.accepting = False  # False once a stop began: no handler starts after that
         self._side_tasks: set[asyncio.Task[None]] = set()
@@ -191,12 +197,19 @@ class Runtime:
                 f"dead-letter topic {policy.topic!r} does not exist; create it before "
                 f"starting (adapter.ensure_topic_sync({policy.topic!r}))"
             )
+        telemetry = self.telemetry = config.telemetry.for_run(
+            adapter.capabilities.messaging_system)
         for route in self.routes:
             deadline = await adapter.subscription_ack_deadline(route.subscription)
+            route_telemetry = on_extended = None
+            if telemetry is not None:
+                topic = await adapter.subscription_topic(route.subscription)
+                route_telemetry = telemetry.route(route.subscription, topic, deadline)
+                on_extended = functools.partial(telemetry.extended, route_telemetry)
             lease = LeaseManager(
                 adapter, config.lease, clock=config.clock, initial_deadline=deadline,
                 dedup=self.claims if config.dedup is not None else None,
-                on_max_lease=self._max_lease_reached,
+                on_max_lease=self._max_lease_reached, on_extended=on_extended,
             )
             self.lanes[route.subscription] = Lane(
                 route=route,
@@ -205,6 +218,7 @@ class Runtime:
                 ordered=adapter.capabilities.ordering,
                 call=self._chain_of(route),
                 handler=self._handler_of(route),
+                telemetry=route_telemetry,
             )
         self.receiving = self.accepting = True
         self.supervisor.spawn("settler", self.settler.run)
@@ -260,12 +274,17 @@ class Runtime:
             return None
         layers.append(self.failure)
         if retries:
-            layers.append(InProcessRetry(config.retry, config.clock))
+            on_retry = self._retried if self.telemetry is not None else None
+            layers.append(InProcessRetry(config.retry, config.clock, on_retry))
 
         async def call_handler(context: Context) -> Decision:
             return await self._call_handler(route)
 
         return chain(layers, call_handler)
+
+    def _retried(self, attempt: int, error: BaseException | None) -> None:
+        assert self.telemetry is not None
+        self.telemetry.retried(_current_item.get(), attempt, error)
 
     # (methods, not attribute reads: a stop may flip these while a coroutine awaits)
     def _still_receiving(self) -> bool:
@@ -357,6 +376,10 @@ class Runtime:
         for delivery in deliveries:
             delivery.received_at = now  # the lease clock starts when receive returns
             items.append(InFlight(delivery, lane))
+        telemetry = self.telemetry
+        if telemetry is not None:
+            assert lane.telemetry is not None
+            telemetry.received(lane.telemetry, items, lane.route.name)
         self.flow.taken(len(items))
         self.items.update(items)
         ttl = lane.lease.claim_ttl()
@@ -392,6 +415,8 @@ class Runtime:
             return
         blocked: set[str] = set()  # ordering keys with a message that must not be overtaken
         for item, verdict in zip(good, verdicts, strict=True):
+            if telemetry is not None:
+                telemetry.dedup_verdict(item, verdict)
             key = item.delivery.message.ordering_key if lane.ordered else None
             if key is not None and key in blocked:
                 self._settle(item, Outcome.REQUEUED, ack=False, delay=DEFER_MIN_DELAY,
@@ -444,10 +469,19 @@ class Runtime:
         self._start(item)
 
     def _start(self, item: InFlight, eager: bool = True) -> None:
-        if eager:
-            item.task = _new_task(self._run(item))
-        else:
-            item.task = asyncio.get_running_loop().create_task(self._run(item))
+        # the task (and a sync handler's thread) runs with the delivery's span as current
+        token = None
+        if item.span is not None:
+            assert self.telemetry is not None
+            token = otel_context.attach(self.telemetry.context_of(item))
+        try:
+            if eager:
+                item.task = _new_task(self._run(item))
+            else:
+                item.task = asyncio.get_running_loop().create_task(self._run(item))
+        finally:
+            if token is not None:
+                otel_context.detach(token)
 
     def _track(self, coroutine: Coroutine[Any, Any, None]) -> None:
         task = _new_task(coroutine)
@@ -507,6 +541,8 @@ class Runtime:
             self._settle(item, Outcome.RETRY, ack=False, delay=self._defer_delay(0.0),
                          release=self.claims.release(item))
             return False
+        if self.telemetry is not None:
+            self.telemetry.dedup_verdict(item, verdict)
         if isinstance(verdict, Claimed):
             lane.lease.claim_taken(item, ttl)
             return True
@@ -613,6 +649,7 @@ class Runtime:
         item.error = decision.error
         self.claims.set_failures(lane.namespace, item, decision.failures)
         if verdict is Verdict.DEAD_LETTERED:
+            self._dead_lettered(item)
             self.claims.forget(lane.namespace, item)
             self._settle(item, Outcome.DEAD_LETTERED, ack=True,
                          release=self.claims.release(item))
@@ -642,10 +679,15 @@ class Runtime:
         item.error = error
         self.claims.forget(item.route.namespace, item)
         if decision.verdict is Verdict.DEAD_LETTERED:
+            self._dead_lettered(item)
             self._settle(item, Outcome.DEAD_LETTERED, ack=True, release=self.claims.release(item))
         else:
             self._settle(item, Outcome.RETRY, ack=False, delay=decision.delay,
                          release=self.claims.release(item))
+
+    def _dead_lettered(self, item: InFlight) -> None:
+        if self.telemetry is not None and self.config.dead_letter is not None:
+            self.telemetry.dead_lettered(item, self.config.dead_letter.topic)
 
     def _encode(self, result: Any, message: Message) -> str:
         try:
@@ -669,7 +711,7 @@ class Runtime:
             return
         logger.error("%s; no dead-letter policy, so it is redelivered in %gs", error,
                      self.config.retry.max_backoff,
-                     extra=log_fields(item.delivery.message, item.failures, "retry"))
+                     extra=log_fields(item.delivery.message, item.failures, "retried"))
         self._settle(item, Outcome.RETRY, ack=False, delay=self.config.retry.max_backoff)
 
     # -- giving back ---------------------------------------------------------------------------
@@ -797,6 +839,9 @@ class Runtime:
         self.flow.settled()
         outcome = Outcome.ACK_REFUSED if refused else settle.outcome
         self.stats.outcomes[outcome] += 1
+        if self.telemetry is not None:
+            assert item.route.telemetry is not None
+            self.telemetry.settled(item.route.telemetry, item, outcome, settle.delay)
         config = self.config
         if config.on_outcome is not None:
             try:

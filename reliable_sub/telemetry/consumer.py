@@ -1,0 +1,289 @@
+"""The telemetry stage of the delivery path: a span per delivery attempt, and its metrics.
+
+The runtime calls this stage at each step of a delivery (never more than a method call when it
+is off: the runtime then holds None):
+
+=====================  ====================================================================
+``received``           the span ``process {subscription}`` starts (kind CONSUMER), linked to
+                       (or the child of) the producer's context in the message's attributes
+``dedup_verdict``      event ``reliable_sub.dedup``: claimed, completed or in_progress
+``context_of``         the span as the current one of the handler's task (and thread)
+``extended``           event ``reliable_sub.lease.extended`` per extension; lease metrics
+``retried``            event ``reliable_sub.retry`` per in-process retry
+``dead_lettered``      event ``reliable_sub.dead_letter.published``
+``settled``            the outcome once the broker confirmed it; status, exception; the
+                       span ends; the delivery's metrics are recorded
+=====================  ====================================================================
+
+Metric attributes are a handful of low-cardinality values (system, destination, subscription,
+outcome, error type), built once per subscription and outcome: never a message id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.metrics import Meter, MeterProvider
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer, TracerProvider
+
+from ..outcome import Outcome
+from ..policy import TelemetryPolicy
+from ..ports import Claimed, ClaimResult, Completed
+from . import semconv as sc
+from .propagation import extract, producer_span_context
+from .providers import meter_of, tracer_of
+
+if TYPE_CHECKING:
+    from ..runtime.inflight import InFlight
+
+# Outcomes that end a span with status ERROR: the handler failed.
+_FAILED = frozenset({Outcome.RETRY, Outcome.DEAD_LETTERED})
+# Outcomes that give the message back to the broker, with a redelivery delay.
+_NACKED = frozenset({Outcome.RETRY, Outcome.DEFERRED, Outcome.REQUEUED, Outcome.STOPPED})
+
+
+def error_type(error: BaseException) -> str:
+    """``error.type``: the exception's qualified class name (low cardinality)."""
+    kind = type(error)
+    module = kind.__module__
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+
+
+class SubscriberTelemetry:
+    """A Subscriber's telemetry settings, and its instruments (made once, kept across runs).
+
+    Args:
+        tracer_provider, meter_provider: where spans and metrics go (default: the global
+            providers, read when each run starts).
+        policy: what spans carry.
+    """
+
+    def __init__(
+        self,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+        policy: TelemetryPolicy | None = None,
+    ) -> None:
+        self.tracer_provider = tracer_provider
+        self.meter_provider = meter_provider
+        self.policy = policy or TelemetryPolicy()
+        self._instruments: dict[int, _Instruments] = {}  # per meter, made on first use
+
+    def for_run(self, system: str) -> DeliveryTelemetry | None:
+        """This run's stage for a broker of ``system``, or None when nothing would be
+        recorded (no SDK configured)."""
+        tracer = tracer_of(self.tracer_provider)
+        meter = meter_of(self.meter_provider)
+        if tracer is None and meter is None:
+            return None
+        instruments = None
+        if meter is not None:
+            instruments = self._instruments.get(id(meter))
+            if instruments is None:
+                instruments = self._instruments[id(meter)] = _Instruments(meter)
+        return DeliveryTelemetry(tracer, instruments, self.policy, system)
+
+
+class _Instruments:
+    """The consumer metrics, on one meter."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.duration = meter.create_histogram(
+            sc.PROCESS_DURATION, unit="s", description="Duration of processing operation.",
+            explicit_bucket_boundaries_advisory=sc.DURATION_BUCKETS)
+        self.consumed = meter.create_counter(
+            sc.CONSUMED_MESSAGES, unit="{message}",
+            description="Number of messages that were delivered to the application, by how "
+                        "their delivery ended (reliable_sub.outcome).")
+        self.extensions = meter.create_counter(
+            sc.LEASE_EXTENSIONS, unit="{extension}",
+            description="Ack-deadline extensions of deliveries whose handlers still run.")
+        self.deadline = meter.create_gauge(
+            sc.LEASE_DEADLINE_METRIC, unit="s",
+            description="The current extension: the p99 (LeasePolicy.percentile) of "
+                        "processing time, within the policy's bounds.")
+        self.inflight = meter.create_up_down_counter(
+            sc.INFLIGHT, unit="{message}",
+            description="Deliveries received and not yet settled at the broker.")
+        self.duplicates = meter.create_counter(
+            sc.DUPLICATES, unit="{message}",
+            description="Deliveries the dedup store had as completed: acked without running "
+                        "the handler.")
+        self.dead_lettered = meter.create_counter(
+            sc.DEAD_LETTERED, unit="{message}",
+            description="Messages published to the dead-letter topic, then acked.")
+        self.attempts = meter.create_histogram(
+            sc.ATTEMPTS, unit="{attempt}",
+            description="The delivery attempt on which messages succeeded.",
+            explicit_bucket_boundaries_advisory=sc.ATTEMPT_BUCKETS)
+
+
+@dataclass
+class RouteTelemetry:
+    """One subscription's span name and attribute sets, built once per run."""
+
+    name: str
+    span_attributes: dict[str, Any]
+    metric_attributes: dict[str, Any]
+    by_outcome: dict[Outcome, dict[str, Any]] = field(default_factory=dict)
+
+    def outcome_attributes(self, outcome: Outcome) -> dict[str, Any]:
+        attributes = self.by_outcome.get(outcome)
+        if attributes is None:
+            attributes = self.by_outcome[outcome] = {
+                **self.metric_attributes, sc.OUTCOME: outcome.value}
+        return attributes
+
+
+class DeliveryTelemetry:
+    """Spans and metrics of one run's deliveries (see the module's docstring)."""
+
+    def __init__(self, tracer: Tracer | None, instruments: _Instruments | None,
+                 policy: TelemetryPolicy, system: str) -> None:
+        self.tracer = tracer
+        self.instruments = instruments
+        self.policy = policy
+        self.system = system
+        self._gcp = system == sc.GCP_PUBSUB
+
+    def route(self, subscription: str, topic: str, ack_deadline: float) -> RouteTelemetry:
+        base = {
+            sc.MESSAGING_SYSTEM: self.system,
+            sc.OPERATION_NAME: sc.PROCESS,
+            sc.DESTINATION_NAME: topic,
+            sc.subscription_attribute(self.system): subscription,
+        }
+        span_attributes: dict[str, Any] = {**base, sc.OPERATION_TYPE: sc.PROCESS}
+        if self._gcp:
+            span_attributes[sc.GCP_ACK_DEADLINE] = int(ack_deadline)
+        return RouteTelemetry(f"{sc.PROCESS} {subscription}", span_attributes, base)
+
+    # -- the steps of a delivery ---------------------------------------------------------------
+
+    def received(self, route: RouteTelemetry, items: Sequence[InFlight],
+                 handler: str) -> None:
+        if self.instruments is not None:
+            self.instruments.inflight.add(len(items), route.metric_attributes)
+        if self.tracer is None:
+            return
+        for item in items:
+            item.span = self._start_span(route, item, handler)
+
+    def _start_span(self, route: RouteTelemetry, item: InFlight, handler: str) -> Any:
+        message = item.delivery.message
+        producer = extract(message.attributes) if message.attributes else None
+        producer_span = producer_span_context(producer)
+        parent: Context | None = None
+        links: list[Link] = []
+        if producer_span is not None:
+            if self.policy.producer_as_parent:
+                parent = producer
+            else:
+                links.append(Link(producer_span))
+        attributes = {
+            **route.span_attributes,
+            sc.MESSAGE_ID: message.id,
+            sc.BODY_SIZE: len(message.data),
+            sc.DELIVERY_ATTEMPT: message.delivery_attempt,
+            sc.HANDLER: handler,
+        }
+        if self._gcp:
+            attributes[sc.GCP_DELIVERY_ATTEMPT] = message.delivery_attempt
+            if message.ordering_key:
+                attributes[sc.GCP_ORDERING_KEY] = message.ordering_key
+        mode = self.policy.idempotency_key
+        if mode != "off":
+            key = message.idempotency_key
+            attributes[sc.IDEMPOTENCY_KEY] = (
+                key if mode == "raw" else hashlib.sha256(key.encode()).hexdigest()[:16])
+        return self.tracer.start_span(  # type: ignore[union-attr]
+            route.name, context=parent or Context(), kind=SpanKind.CONSUMER,
+            attributes=attributes, links=links)
+
+    def dedup_verdict(self, item: InFlight, verdict: ClaimResult) -> None:
+        span = item.span
+        if span is not None and span.is_recording():
+            event: dict[str, Any]
+            if isinstance(verdict, Completed):
+                event = {sc.DEDUP_VERDICT: "completed"}
+            else:
+                name = "claimed" if isinstance(verdict, Claimed) else "in_progress"
+                event = {sc.DEDUP_VERDICT: name, sc.DEDUP_FAILURES: verdict.failures}
+            span.add_event(sc.EVENT_DEDUP, event)
+
+    def context_of(self, item: InFlight) -> Context:
+        """The context a handler runs in: its delivery's span (set) as the current span."""
+        return trace.set_span_in_context(item.span, Context())
+
+    def extended(self, route: RouteTelemetry, items: Sequence[InFlight], seconds: float,
+                 observed: float | None) -> None:
+        if self.instruments is not None:
+            self.instruments.extensions.add(len(items), route.metric_attributes)
+            self.instruments.deadline.set(seconds, route.metric_attributes)
+        if self.tracer is None:
+            return
+        event = {sc.LEASE_EXTENSION: seconds}
+        if observed is not None:
+            event[sc.LEASE_OBSERVED] = observed
+        for item in items:
+            span = item.span
+            if span is not None and span.is_recording():
+                span.add_event(sc.EVENT_LEASE_EXTENDED, event)
+
+    def retried(self, item: InFlight, attempt: int, error: BaseException | None) -> None:
+        span = item.span
+        if span is not None and span.is_recording():
+            event: dict[str, Any] = {sc.RETRY_ATTEMPT: attempt}
+            if error is not None:
+                event["exception.type"] = error_type(error)
+                event["exception.message"] = str(error)[:1000]
+            span.add_event(sc.EVENT_RETRY, event)
+
+    def dead_lettered(self, item: InFlight, topic: str) -> None:
+        span = item.span
+        if span is not None and span.is_recording():
+            span.add_event(sc.EVENT_DEAD_LETTER, {sc.DEAD_LETTER_TOPIC: topic})
+
+    def settled(self, route: RouteTelemetry, item: InFlight, outcome: Outcome,
+                delay: float) -> None:
+        failed = outcome in _FAILED and item.error is not None
+        instruments = self.instruments
+        if instruments is not None:
+            attributes = route.outcome_attributes(outcome)
+            instruments.inflight.add(-1, route.metric_attributes)
+            instruments.consumed.add(1, attributes)
+            if item.duration is not None:
+                if failed:
+                    assert item.error is not None
+                    attributes = {**attributes, sc.ERROR_TYPE: error_type(item.error)}
+                instruments.duration.record(item.duration, attributes)
+            if outcome is Outcome.ACKED:
+                instruments.attempts.record(item.delivery.message.delivery_attempt,
+                                            route.metric_attributes)
+            elif outcome is Outcome.DUPLICATE:
+                instruments.duplicates.add(1, route.metric_attributes)
+            elif outcome is Outcome.DEAD_LETTERED:
+                instruments.dead_lettered.add(1, route.metric_attributes)
+        span = item.span
+        if span is None:
+            return
+        item.span = None
+        if span.is_recording():
+            span.set_attribute(sc.OUTCOME, outcome.value)
+            if outcome in _NACKED:
+                span.set_attribute(sc.REDELIVERY_DELAY, delay)
+            if failed:
+                assert item.error is not None
+                span.set_attribute(sc.ERROR_TYPE, error_type(item.error))
+                span.record_exception(item.error)
+                span.set_status(Status(StatusCode.ERROR, f"{outcome.value}: "
+                                                         f"{error_type(item.error)}"))
+        span.end()
+
+
+__all__ = ["DeliveryTelemetry", "RouteTelemetry", "SubscriberTelemetry", "error_type"]

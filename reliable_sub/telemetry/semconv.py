@@ -1,0 +1,88 @@
+"""The names reliable-sub's spans, events and metrics use.
+
+``messaging.*`` and ``error.type`` follow the OpenTelemetry semantic conventions for messaging,
+**v1.27.0** (the first version with ``messaging.operation.type``,
+``messaging.destination.subscription.name`` and ``messaging.consumer.group.name``); names of
+our own live under ``reliable_sub.*``. The conventions name no ``messaging.system`` for Redis or
+an in-process broker: ours are ``redis`` (Redis Streams) and ``memory``.
+"""
+
+from __future__ import annotations
+
+SEMCONV_VERSION = "1.27.0"
+SCHEMA_URL = f"https://opentelemetry.io/schemas/{SEMCONV_VERSION}"
+# The instrumentation scope of our tracer and meter.
+SCOPE = "reliable_sub"
+
+# -- messaging.* (semantic conventions) -----------------------------------------------------------
+MESSAGING_SYSTEM = "messaging.system"
+OPERATION_TYPE = "messaging.operation.type"
+OPERATION_NAME = "messaging.operation.name"
+DESTINATION_NAME = "messaging.destination.name"
+SUBSCRIPTION_NAME = "messaging.destination.subscription.name"
+CONSUMER_GROUP_NAME = "messaging.consumer.group.name"
+MESSAGE_ID = "messaging.message.id"
+BODY_SIZE = "messaging.message.body.size"
+BATCH_COUNT = "messaging.batch.message_count"
+GCP_DELIVERY_ATTEMPT = "messaging.gcp_pubsub.message.delivery_attempt"
+GCP_ACK_DEADLINE = "messaging.gcp_pubsub.message.ack_deadline"
+GCP_ORDERING_KEY = "messaging.gcp_pubsub.message.ordering_key"
+ERROR_TYPE = "error.type"
+
+# values of messaging.system
+GCP_PUBSUB = "gcp_pubsub"
+REDIS = "redis"
+MEMORY = "memory"
+# Systems whose subscription is a consumer group (messaging.consumer.group.name); the others
+# name it messaging.destination.subscription.name.
+GROUP_SYSTEMS = frozenset({REDIS, "kafka", "nats"})
+
+# values of messaging.operation.type / .name
+PROCESS = "process"
+SEND = "send"
+
+# -- reliable_sub.* (ours) ------------------------------------------------------------------------
+DELIVERY_ATTEMPT = "reliable_sub.delivery_attempt"
+OUTCOME = "reliable_sub.outcome"
+IDEMPOTENCY_KEY = "reliable_sub.idempotency_key"
+HANDLER = "reliable_sub.handler"
+DEDUP_VERDICT = "reliable_sub.dedup.verdict"
+DEDUP_FAILURES = "reliable_sub.dedup.failures"
+LEASE_EXTENSION = "reliable_sub.lease.extension"
+LEASE_DEADLINE = "reliable_sub.lease.deadline"
+LEASE_OBSERVED = "reliable_sub.lease.observed_percentile"
+RETRY_ATTEMPT = "reliable_sub.retry.attempt"
+DEAD_LETTER_TOPIC = "reliable_sub.dead_letter.topic"
+REDELIVERY_DELAY = "reliable_sub.redelivery.delay"
+OUTBOX_ROW = "reliable_sub.outbox.row_id"
+
+# span events
+EVENT_DEDUP = "reliable_sub.dedup"
+EVENT_LEASE_EXTENDED = "reliable_sub.lease.extended"
+EVENT_RETRY = "reliable_sub.retry"
+EVENT_DEAD_LETTER = "reliable_sub.dead_letter.published"
+
+# metrics
+PROCESS_DURATION = "messaging.process.duration"
+CONSUMED_MESSAGES = "messaging.client.consumed.messages"
+LEASE_EXTENSIONS = "reliable_sub.lease.extensions"
+LEASE_DEADLINE_METRIC = "reliable_sub.lease.deadline"
+INFLIGHT = "reliable_sub.inflight.messages"
+DUPLICATES = "reliable_sub.dedup.duplicates"
+DEAD_LETTERED = "reliable_sub.dead_lettered"
+ATTEMPTS = "reliable_sub.delivery.attempts"
+OUTBOX_BACKLOG = "reliable_sub.outbox.backlog"
+OUTBOX_OLDEST_AGE = "reliable_sub.outbox.oldest_age"
+OUTBOX_PARKED = "reliable_sub.outbox.parked"
+OUTBOX_PUBLISHED = "reliable_sub.outbox.published"
+
+# messaging.process.duration's buckets, as the conventions advise
+DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0)
+# reliable_sub.delivery.attempts' buckets: the attempt on which a message succeeded
+ATTEMPT_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 7.0, 10.0, 15.0, 20.0, 50.0, 100.0)
+
+
+def subscription_attribute(system: str) -> str:
+    """Which attribute names a subscription on ``system``."""
+    return CONSUMER_GROUP_NAME if system in GROUP_SYSTEMS else SUBSCRIPTION_NAME
