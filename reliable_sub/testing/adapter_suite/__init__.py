@@ -14,8 +14,9 @@ against it::
 
 The suite covers the adapter contract (ack, deadline expiry, nack delays, extend, fan-out,
 ordering), the Subscriber's guarantees on top of it (no loss, lease extension, dead letters,
-deduplication), stop, restart and close, hostile handlers, settling under failure and hung
-handlers. It needs pytest and pytest-asyncio (``pip install "reliable-sub[testing]"``).
+deduplication), stop, restart and close, hostile handlers, settling under failure, hung
+handlers, and telemetry (spans per attempt, linked to the producer; metrics). It needs pytest,
+pytest-asyncio and opentelemetry-sdk (``pip install "reliable-sub[testing]"``).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from reliable_sub.testing.adapter_suite import (
     hostile_handlers,
     lifecycle,
     settling,
+    telemetry,
 )
 from reliable_sub.testing.harness import Harness
 
 MODULES: tuple[ModuleType, ...] = (
-    delivery, guarantees, lifecycle, hostile_handlers, settling, failures,
+    delivery, guarantees, lifecycle, hostile_handlers, settling, failures, telemetry,
 )
 
 
