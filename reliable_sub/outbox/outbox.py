@@ -24,6 +24,7 @@ from ..clock import Clock, SystemClock
 from ..errors import MissingExtraError
 from ..idempotency.keys import new_idempotency_key
 from ..ports import checked_message
+from ..telemetry.propagation import inject
 from .table import DEFAULT_TABLE, KEY_LIMIT, NAME_LIMIT, outbox_table
 
 try:
@@ -109,7 +110,9 @@ class Outbox(OnSqlEngines):
         sent as UTF-8 JSON with ``content-type: application/json`` unless ``attributes`` name
         another. The relay publishes ``idempotency_key`` (default: a fresh UUIDv7, returned) as
         the ``idempotency-key`` attribute, so a consumer's dedup store drops the relay's
-        duplicates. Bad input raises ``TypeError`` or ``ValueError`` before anything is written.
+        duplicates. The current OpenTelemetry context is kept with the row: the relay's send
+        span is its child. Bad input raises ``TypeError`` or ``ValueError`` before anything is
+        written.
         """
         row = self._row(topic, data, attributes, ordering_key, idempotency_key)
         statement = sa.insert(self.table).values(row)
@@ -157,10 +160,13 @@ class Outbox(OnSqlEngines):
         else:
             payload, checked = checked_message(_json_bytes(data), dict(attributes or {}))
             checked.setdefault(CONTENT_TYPE, JSON_CONTENT_TYPE)
+        trace_context: dict[str, str] = {}
+        inject(trace_context)  # the caller's span (nothing without an SDK)
         return {
             "key": idempotency_key, "topic": topic, "data": payload,
             "attributes": json.dumps(checked, sort_keys=True), "ordering_key": ordering_key,
             "created_at": self._clock.wall(),
+            "trace_context": json.dumps(trace_context) if trace_context else None,
         }
 
 

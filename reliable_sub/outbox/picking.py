@@ -56,6 +56,7 @@ class Row:
     attributes: dict[str, str]
     ordering_key: str | None
     attempts: int
+    trace_context: str | None = None  # the writer's, as JSON
 
     def outgoing(self) -> Outgoing:
         """The message to publish: the row's attributes plus its idempotency key."""
@@ -71,7 +72,7 @@ class RowPicker:
         self.dialect = dialect
         t = table
         self._columns = [t.c.id, t.c.key, t.c.topic, t.c.data, t.c.attributes,
-                         t.c.ordering_key, t.c.attempts]
+                         t.c.ordering_key, t.c.attempts, t.c.trace_context]
         if dialect == "postgresql":
             self._keys = self._keys_statement()
             self._unkeyed = self._unkeyed_statement()
@@ -183,7 +184,7 @@ def _rows(result: Any) -> list[Row]:
     return [
         Row(id=int(r.id), key=r.key, topic=r.topic, data=bytes(r.data),
             attributes=json.loads(r.attributes), ordering_key=r.ordering_key,
-            attempts=int(r.attempts))
+            attempts=int(r.attempts), trace_context=r.trace_context)
         for r in result
     ]
 

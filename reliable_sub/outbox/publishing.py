@@ -14,6 +14,9 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from opentelemetry import context as otel_context
+from opentelemetry.context import Context
+
 from ..ports import BatchPublisher, Outgoing, Publisher
 
 
@@ -34,14 +37,18 @@ async def publish_in_key_order(
     publisher: Publisher,
     messages: Sequence[Outgoing],
     timeout: float,
+    contexts: Sequence[Context] | None = None,
 ) -> list[Outcome]:
     """Publish ``messages`` (oldest first), each key's in order; per message None (published),
     the exception that refused it, or :data:`NOT_SENT`. ``timeout`` seconds for all of it: the
-    wave under way then counts as failed, later waves as not sent."""
+    wave under way then counts as failed, later waves as not sent. ``contexts``: the trace
+    context to publish each message under (its send span), where the adapter publishes one
+    message per call."""
     outcomes: list[Outcome] = [NOT_SENT] * len(messages)
     in_flight: list[int] = []
     try:
-        await asyncio.wait_for(_waves(publisher, messages, outcomes, in_flight), timeout)
+        await asyncio.wait_for(_waves(publisher, messages, contexts, outcomes, in_flight),
+                               timeout)
     except asyncio.TimeoutError:
         error = TimeoutError(f"the publish took longer than publish_timeout ({timeout:g}s)")
         for index in in_flight:
@@ -52,6 +59,7 @@ async def publish_in_key_order(
 async def _waves(
     publisher: Publisher,
     messages: Sequence[Outgoing],
+    contexts: Sequence[Context] | None,
     outcomes: list[Outcome],
     in_flight: list[int],
 ) -> None:
@@ -65,7 +73,9 @@ async def _waves(
         wave = [chain.pop() for chain in active]
         in_flight[:] = wave
         try:
-            results = await _publish_all(publisher, [messages[i] for i in wave])
+            results = await _publish_all(
+                publisher, [messages[i] for i in wave],
+                None if contexts is None else [contexts[i] for i in wave])
         except Exception as error:  # the whole call failed (e.g. the connection)
             results = [error] * len(wave)
         in_flight.clear()
@@ -75,13 +85,22 @@ async def _waves(
                   if chain and outcomes[index] is None]
 
 
-async def _publish_all(publisher: Publisher, messages: Sequence[Outgoing]) -> list[Any]:
+async def _publish_all(
+    publisher: Publisher, messages: Sequence[Outgoing], contexts: Sequence[Context] | None,
+) -> list[Any]:
     """Each message's id or error: one ``publish_many`` call where the adapter has it, else
-    concurrent ``publish`` calls."""
+    concurrent ``publish`` calls (each in its own task, under its context if given)."""
     if isinstance(publisher, BatchPublisher):
         return await publisher.publish_many(messages)
-    results = await asyncio.gather(*(publisher.publish(*message) for message in messages),
-                                   return_exceptions=True)
+    calls = []
+    for index, message in enumerate(messages):
+        token = None if contexts is None else otel_context.attach(contexts[index])
+        try:  # the task copies the current context: its publish runs under the span
+            calls.append(asyncio.ensure_future(publisher.publish(*message)))
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+    results = await asyncio.gather(*calls, return_exceptions=True)
     for result in results:
         if isinstance(result, asyncio.CancelledError):
             raise result

@@ -36,12 +36,15 @@ published rows older than ``retention`` every ``purge_interval`` seconds.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from opentelemetry.metrics import MeterProvider
+from opentelemetry.trace import TracerProvider
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
 from ..clock import Clock, SystemClock
@@ -50,6 +53,10 @@ from ..lifecycle import Service
 from ..policy import check_count, check_seconds
 from ..ports import Publisher
 from ..runtime.supervisor import Supervisor
+from ..telemetry.outbox import OutboxTelemetry
+from ..telemetry.producer import SendSpans
+from ..telemetry.propagation import extract
+from ..telemetry.semconv import OUTBOX_ROW
 from .listener import CommitListener
 from .outbox import Outbox
 from .picking import IDEMPOTENCY_KEY_ATTRIBUTE, Row, RowPicker
@@ -74,6 +81,8 @@ DEFAULT_PURGE_INTERVAL = 300.0
 DEFAULT_PUBLISH_TIMEOUT = 30.0
 # Real seconds a graceful stop waits for the round under way (publish, mark, commit).
 DEFAULT_STOP_TIMEOUT = 30.0
+# Seconds between samples of the backlog for the outbox gauges (a dashboard's resolution).
+DEFAULT_METRICS_INTERVAL = 15.0
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,11 @@ class OutboxRelay(Service):
         stop_timeout: real seconds a stop that names no timeout waits for the round under way.
         clock: the time source (``wall()`` for the rows, ``sleep`` for waits).
         rng: random source for backoff jitter.
+        tracer_provider, meter_provider: where the send span of each row (the child of the
+            context :meth:`Outbox.add` captured) and the outbox metrics go (default:
+            OpenTelemetry's global providers; nothing is recorded without an SDK).
+        metrics_interval: seconds between samples of the backlog for the outbox gauges, while
+            a meter records.
 
     The relay closes ``adapter`` and the outbox's engine of its loop when a run ends; both
     reconnect if used again.
@@ -131,13 +145,17 @@ class OutboxRelay(Service):
         stop_timeout: float = DEFAULT_STOP_TIMEOUT,
         clock: Clock | None = None,
         rng: random.Random | None = None,
+        tracer_provider: TracerProvider | None = None,
+        meter_provider: MeterProvider | None = None,
+        metrics_interval: float = DEFAULT_METRICS_INTERVAL,
     ) -> None:
         super().__init__(stop_timeout=stop_timeout, logger=logger)
         check_count("OutboxRelay", "batch_size", batch_size)
         check_count("OutboxRelay", "max_attempts", max_attempts)
         for name, value in (("poll_interval", poll_interval), ("min_backoff", min_backoff),
                             ("max_backoff", max_backoff), ("publish_timeout", publish_timeout),
-                            ("purge_interval", purge_interval)):
+                            ("purge_interval", purge_interval),
+                            ("metrics_interval", metrics_interval)):
             check_seconds("OutboxRelay", name, value)
         if retention is not None:
             check_seconds("OutboxRelay", "retention", retention)
@@ -162,7 +180,12 @@ class OutboxRelay(Service):
         self.purge_interval = float(purge_interval)
         self._clock: Clock = clock or SystemClock()
         self._rng = rng or random.Random()
+        self.metrics_interval = float(metrics_interval)
         self._picker = RowPicker(outbox.table, outbox.dialect)
+        self._telemetry = OutboxTelemetry(outbox.table.name, tracer_provider, meter_provider)
+        # the broker's messaging.system for send spans (a Publisher need not say)
+        capabilities = getattr(adapter, "capabilities", None)
+        self._system = getattr(capabilities, "messaging_system", "unknown")
         self._mark_published = self._mark_statement()
         # counters, and what a run is doing (for health checks and tests)
         self.published = 0
@@ -215,9 +238,21 @@ class OutboxRelay(Service):
 
     async def _publish(self, rows: Sequence[Row]) -> list[Outcome]:
         """Publish ``rows``, each ordering key's in order; per row None (published), the error
-        that refused it, or NOT_SENT (an earlier row of its key failed)."""
-        return await publish_in_key_order(self.adapter, [row.outgoing() for row in rows],
-                                          self.publish_timeout)
+        that refused it, or NOT_SENT (an earlier row of its key failed). With a tracer, each
+        row's publish is a send span, the child of the context its writer captured."""
+        messages = [row.outgoing() for row in rows]
+        tracer = self._telemetry.tracer()
+        if tracer is None:
+            return await publish_in_key_order(self.adapter, messages, self.publish_timeout)
+        spans = SendSpans(
+            tracer, self._system, messages,
+            [None if row.trace_context is None else extract(json.loads(row.trace_context))
+             for row in rows],
+            [{OUTBOX_ROW: row.id} for row in rows])
+        outcomes = await publish_in_key_order(self.adapter, spans.messages, self.publish_timeout,
+                                              spans.contexts)
+        spans.end(outcomes)
+        return outcomes
 
     async def _mark(
         self, connection: Any, rows: Sequence[Row], outcomes: Sequence[Outcome]
@@ -228,6 +263,7 @@ class OutboxRelay(Service):
         if done:
             await connection.execute(self._mark_published, {"ids": done, "now": now})
             self.published += len(done)
+            self._telemetry.published(len(done))
         for row, error in zip(rows, outcomes, strict=True):
             if not isinstance(error, BaseException):
                 continue
@@ -336,6 +372,8 @@ class OutboxRelay(Service):
             supervisor.spawn("outbox listener", self._listener.run)
         if self.retention is not None:
             supervisor.spawn("outbox purge", self._purge_loop)
+        if self._telemetry.instruments() is not None:
+            supervisor.spawn("outbox metrics", self._metrics_loop)
         logger.info("outbox relay started: %r, batch_size %d, poll_interval %gs, %s",
                     self, self.batch_size, self.poll_interval,
                     "LISTEN/NOTIFY" if self.outbox.dialect == "postgresql" else "polling")
@@ -419,6 +457,16 @@ class OutboxRelay(Service):
             self.waiting = False
             for waiter in waiters:
                 waiter.cancel()
+
+    async def _metrics_loop(self) -> None:
+        """Sample the backlog for the outbox gauges every ``metrics_interval`` seconds."""
+        while True:
+            try:
+                self._telemetry.backlog(await self.backlog())
+            except Exception:
+                logger.warning("sampling the outbox backlog failed; trying again in %gs",
+                               self.metrics_interval, exc_info=True)
+            await self._clock.sleep(self.metrics_interval)
 
     async def _purge_loop(self) -> None:
         assert self.retention is not None

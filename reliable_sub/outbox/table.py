@@ -3,13 +3,14 @@
 ::
 
     id  key  topic  data  attributes  ordering_key  created_at  published_at  attempts
-    last_error  not_before  failed_at
+    last_error  not_before  failed_at  trace_context
 
 ``id`` orders rows (oldest first); ``key`` is the idempotency key the relay publishes (the
 caller's, or a fresh UUIDv7), unique. A row is *pending* while ``published_at`` and
 ``failed_at`` are both NULL; ``failed_at`` parks a row whose publishing failed too often (it
 blocks only its own ordering key); after a failed publish ``not_before`` holds the row back for
-its backoff. Times are epoch seconds.
+its backoff. ``trace_context`` holds the writer's OpenTelemetry context, so the relay's send
+span continues the business transaction's trace. Times are epoch seconds.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def outbox_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
         sa.Column("last_error", sa.Text, nullable=True),
         sa.Column("not_before", sa.Float, nullable=True),
         sa.Column("failed_at", sa.Float, nullable=True),
+        # the writer's trace context (a JSON object, as the propagator injects it), or NULL
+        sa.Column("trace_context", sa.Text, nullable=True),
     )
     pending = sa.and_(table.c.published_at.is_(None), table.c.failed_at.is_(None))
     unkeyed = sa.and_(pending, table.c.ordering_key.is_(None))
