@@ -21,11 +21,23 @@ from typing import Any
 
 import pytest
 
-from reliable_sub import DeadLetterPolicy, Message, Outcome
+from reliable_sub import (
+    DeadLetterPolicy,
+    LeasePolicy,
+    MemoryDedupStore,
+    Message,
+    Outcome,
+    RetryPolicy,
+    Subscriber,
+)
+from reliable_sub.adapters.memory import MemoryAdapter
+from reliable_sub.outbox import OutboxRelay
 from reliable_sub.testing.services import missing_service
 from tests.memory_world import serve_until, setup
+from tests.outbox_support import fresh_outbox
 from tests.redis_processes import free_port
 
+DASHBOARD = Path(__file__).resolve().parent.parent / "examples" / "dashboard" / "reliable-sub.json"
 # How long Prometheus may take to start, and to scrape what the Subscriber recorded.
 START_TIMEOUT = 30.0
 SCRAPE_TIMEOUT = 30.0
@@ -132,7 +144,7 @@ async def test_prometheus_shows_consumed_messages_by_outcome_and_processing_time
     exporter: tuple[Any, int], prometheus: Prometheus,
 ) -> None:
     meter_provider, _ = exporter
-    clock, broker, sub = setup(meter_provider=meter_provider,
+    clock, broker, sub = setup(meter_provider=meter_provider, dedup=MemoryDedupStore(),
                                dead_letter=DeadLetterPolicy("orders-dlq", 1))
     del clock  # served on the real clock
 
@@ -161,3 +173,63 @@ async def test_prometheus_shows_consumed_messages_by_outcome_and_processing_time
     assert float(count["value"][1]) == 4, "four handler runs timed"
     buckets = prometheus.query("messaging_process_duration_seconds_bucket")
     assert {r["metric"]["le"] for r in buckets} >= {"0.005", "10.0", "+Inf"}
+
+
+async def test_every_dashboard_query_returns_data_after_a_run(
+    exporter: tuple[Any, int], prometheus: Prometheus,
+) -> None:
+    """examples/dashboard's queries, run by Prometheus after a run that records every metric:
+    a slow handler (lease extensions), a duplicate, a dead letter, an outbox relay."""
+    meter_provider, _ = exporter
+    broker = MemoryAdapter()  # real time: the slow handler's lease must be extended
+    broker.ensure_subscription_sync("orders", "billing")
+    broker.ensure_subscription_sync("orders", "slow", ack_deadline=0.2)
+    broker.ensure_topic_sync("orders-dlq")
+    sub = Subscriber(broker, meter_provider=meter_provider, dedup=MemoryDedupStore(),
+                     dead_letter=DeadLetterPolicy("orders-dlq", 1),
+                     retry=RetryPolicy(min_backoff=0.1, max_backoff=0.2),
+                     lease=LeasePolicy(min_extension=0.2, max_extension=0.5))
+
+    @sub.handler("billing")
+    def charge(message: Message) -> None:
+        if message.data == b"poison":
+            raise ValueError("cannot parse")
+
+    @sub.handler("slow")
+    def slow(message: Message) -> None:
+        time.sleep(0.6)  # a slow handler (it holds a worker thread, not the loop)
+
+    async with fresh_outbox("sqlite") as box:
+        async with box.engine.begin() as connection:
+            await box.add(connection, "orders", b"from the outbox")
+        relay = OutboxRelay(box, broker, meter_provider=meter_provider, metrics_interval=0.1,
+                            poll_interval=0.1)
+        broker.publish_sync("orders", b"poison")
+        broker.publish_sync("orders", b"3", {"idempotency-key": "order-3"})
+
+        def once_acked() -> bool:  # then its second copy, a duplicate
+            if sub.stats[Outcome.ACKED] >= 1 and not republished:
+                republished.append(broker.publish_sync(
+                    "orders", b"3", {"idempotency-key": "order-3"}))
+            return (sub.stats[Outcome.DEAD_LETTERED] == 1 and sub.stats[Outcome.DUPLICATE] >= 1
+                    and sub.lease_manager("slow").stats.extend_calls >= 1)
+
+        republished: list[str] = []
+        async with relay:
+            await serve_until(sub, once_acked, "every kind of outcome")
+
+    for title, expression in dashboard_queries():
+        until(lambda e=expression: prometheus.query(e), f"data for {title!r}: {expression}")
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """Each dashboard panel's queries, with Grafana's range variables as fixed windows."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    found = []
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            expression = (target["expr"].replace("$__rate_interval", "1m")
+                          .replace("$__range", "5m"))
+            found.append((panel["title"], expression))
+    assert len(found) >= 10
+    return found
