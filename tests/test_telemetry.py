@@ -249,3 +249,20 @@ def test_a_publish_without_a_subscriber_is_a_producer_span(recorded: Recorded) -
     assert send.kind is SpanKind.PRODUCER
     assert send.attributes["messaging.operation.type"] == "send"
     assert send.attributes["messaging.system"] == "memory"
+
+
+def test_the_tracing_example_prints_one_trace_from_the_order_to_the_success() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "examples/tracing.py"], capture_output=True, text=True, timeout=60,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "OK: one trace" in done.stdout
+    tree = done.stdout.splitlines()
+    assert sum("process shipping" in line for line in tree) == 3
+    assert any("send orders" in line and "outbox row 1" in line for line in tree)
+    assert any("outcome acked" in line for line in tree)
