@@ -11,6 +11,10 @@ from collections.abc import Iterator
 
 import pytest
 from opentelemetry import trace
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics._internal import instrument as sdk_instrument
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.trace import SpanKind
 
 from reliable_sub import (
@@ -22,6 +26,7 @@ from reliable_sub import (
     TelemetryPolicy,
 )
 from reliable_sub.adapters.memory import MemoryAdapter
+from reliable_sub.telemetry.producer import send_span
 from reliable_sub.testing.otel import Recorded, recording_telemetry
 from reliable_sub.testing.timing import drive_until
 from tests.memory_world import serving, setup
@@ -266,3 +271,47 @@ def test_the_tracing_example_prints_one_trace_from_the_order_to_the_success() ->
     assert sum("process shipping" in line for line in tree) == 3
     assert any("send orders" in line and "outbox row 1" in line for line in tree)
     assert any("outcome acked" in line for line in tree)
+
+
+class BrokenProcessor(SpanProcessor):
+    """A span processor that raises on every span: user code gone wrong."""
+
+    def on_start(self, span, parent_context=None):  # type: ignore[no-untyped-def]
+        raise RuntimeError("span processor broke on start")
+
+    def on_end(self, span):  # type: ignore[no-untyped-def]
+        raise RuntimeError("span processor broke on end")
+
+
+async def test_a_broken_tracer_or_meter_fails_no_delivery_and_no_publish(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BrokenProcessor())
+    meter_provider = MeterProvider(metric_readers=[InMemoryMetricReader()])
+
+    def broken_record(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("histogram broke")
+
+    monkeypatch.setattr(sdk_instrument._Histogram, "record", broken_record)
+    clock, broker, sub = setup(tracer_provider=tracer_provider, meter_provider=meter_provider,
+                               retry=RetryPolicy(min_backoff=1, max_backoff=1))
+    calls: list[int] = []
+
+    @sub.handler("billing")
+    async def charge(message: Message) -> None:
+        calls.append(message.delivery_attempt)
+        if len(calls) == 1:
+            raise ConnectionError("first attempt fails")
+
+    with send_span("memory", "orders", {"a": "1"}, tracer=tracer_provider.get_tracer("t")) as sent:
+        assert sent is not None and sent["a"] == "1", "the publish goes on without its span"
+        broker.publish_sync("orders", b"x", sent)
+    await run_until(clock, sub, lambda: sub.stats[Outcome.ACKED] == 1, "the message")
+    assert calls == [1, 2]
+    assert sub.stats.outcomes == {Outcome.RETRY: 1, Outcome.ACKED: 1}
+    warnings = [r for r in caplog.records
+                if r.name == "reliable_sub.telemetry" and r.levelname == "WARNING"]
+    assert warnings, "the failing telemetry is logged"
+    assert any("span processor broke" in str(r.exc_info[1]) or "histogram broke" in
+               str(r.exc_info[1]) for r in warnings if r.exc_info)

@@ -13,11 +13,14 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from opentelemetry import propagate
+from opentelemetry.propagators.textmap import TextMapPropagator
+from opentelemetry.sdk.trace import SpanProcessor
 from opentelemetry.trace import StatusCode
 
 from reliable_sub import Message, Outcome, Subscriber, TelemetryPolicy
 from reliable_sub.adapters.memory import MemoryAdapter
-from reliable_sub.outbox import OutboxRelay
+from reliable_sub.outbox import Outbox, OutboxRelay
 from reliable_sub.ports import Adapter
 from reliable_sub.testing.otel import Recorded, recording_telemetry
 from reliable_sub.testing.services import redis_url
@@ -121,3 +124,72 @@ async def test_a_failed_publish_is_an_error_span_and_the_gauges_show_the_backlog
     [span] = failed
     assert span.attributes["error.type"] == "ConnectionError"
     assert oldest >= 0
+
+
+async def add_within_a_span(recorded: Recorded, box: Outbox) -> MemoryAdapter:
+    """Write one row to ``orders`` inside a span; the broker it will be relayed to."""
+    broker = MemoryAdapter()
+    broker.ensure_subscription_sync("orders", "shipping")
+    with recorded.tracer_provider.get_tracer("t").start_as_current_span("writer"):
+        async with box.engine.begin() as connection:
+            await box.add(connection, "orders", b"x")
+    return broker
+
+
+@pytest.mark.parametrize("damaged", ["not json", "[1, 2]", '{"traceparent": 5}', '"x"'])
+async def test_a_damaged_trace_context_column_still_publishes_its_row(
+    recorded: Recorded, damaged: str,
+) -> None:
+    async with fresh_outbox("sqlite") as box:
+        broker = await add_within_a_span(recorded, box)
+        async with box.engine.begin() as connection:
+            await connection.execute(box.table.update().values(trace_context=damaged))
+        assert await OutboxRelay(box, broker).relay_once() == 1
+    [send] = recorded.spans("send orders")
+    assert send.parent is None, "a root span: the writer's context could not be read"
+    assert send.attributes["reliable_sub.outbox.row_id"] == 1, "the relay's own span"
+    assert len(await broker.receive("shipping", 10, 0)) == 1
+
+
+async def test_a_broken_span_processor_does_not_stop_the_relay(recorded: Recorded) -> None:
+    class Broken(SpanProcessor):
+        def on_start(self, span, parent_context=None):  # type: ignore[no-untyped-def]
+            raise RuntimeError("span processor broke")
+
+    recorded.tracer_provider.add_span_processor(Broken())
+    async with fresh_outbox("sqlite") as box:
+        broker = MemoryAdapter()
+        broker.ensure_subscription_sync("orders", "shipping")
+        async with box.engine.begin() as connection:
+            await box.add(connection, "orders", b"x")
+        relay = OutboxRelay(box, broker)
+        assert await relay.relay_once() == 1
+        assert (await relay.backlog()).pending == 0
+    assert len(await broker.receive("shipping", 10, 0)) == 1
+
+
+class BrokenPropagator(TextMapPropagator):
+    """A propagator that raises on every call: user code gone wrong."""
+
+    def inject(self, carrier, context=None, setter=None):  # type: ignore[no-untyped-def]
+        raise RuntimeError("propagator broke")
+
+    def extract(self, carrier, context=None, getter=None):  # type: ignore[no-untyped-def]
+        raise RuntimeError("propagator broke")
+
+    @property
+    def fields(self) -> set[str]:
+        return {"traceparent"}
+
+
+async def test_a_broken_propagator_fails_no_write_and_no_publish(recorded: Recorded) -> None:
+    previous = propagate.get_global_textmap()
+    propagate.set_global_textmap(BrokenPropagator())
+    try:
+        async with fresh_outbox("sqlite") as box:
+            broker = await add_within_a_span(recorded, box)
+            assert await OutboxRelay(box, broker).relay_once() == 1
+            broker.publish_sync("orders", b"y", {"traceparent": "00-x"})
+    finally:
+        propagate.set_global_textmap(previous)
+    assert [d.message.data for d in await broker.receive("shipping", 10, 0)] == [b"x", b"y"]

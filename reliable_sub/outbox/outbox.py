@@ -24,7 +24,7 @@ from ..clock import Clock, SystemClock
 from ..errors import MissingExtraError
 from ..idempotency.keys import new_idempotency_key
 from ..ports import checked_message
-from ..telemetry.propagation import inject
+from ..telemetry.propagation import context_as_json
 from .table import DEFAULT_TABLE, KEY_LIMIT, NAME_LIMIT, outbox_table
 
 try:
@@ -160,13 +160,11 @@ class Outbox(OnSqlEngines):
         else:
             payload, checked = checked_message(_json_bytes(data), dict(attributes or {}))
             checked.setdefault(CONTENT_TYPE, JSON_CONTENT_TYPE)
-        trace_context: dict[str, str] = {}
-        inject(trace_context)  # the caller's span (nothing without an SDK)
         return {
             "key": idempotency_key, "topic": topic, "data": payload,
             "attributes": json.dumps(checked, sort_keys=True), "ordering_key": ordering_key,
             "created_at": self._clock.wall(),
-            "trace_context": json.dumps(trace_context) if trace_context else None,
+            "trace_context": context_as_json(),  # the caller's span (None without an SDK)
         }
 
 

@@ -36,11 +36,9 @@ published rows older than ``retention`` every ``purge_interval`` seconds.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry.metrics import MeterProvider
@@ -53,11 +51,14 @@ from ..lifecycle import Service
 from ..policy import check_count, check_seconds
 from ..ports import Publisher
 from ..runtime.supervisor import Supervisor
+from ..telemetry.guard import report
 from ..telemetry.outbox import OutboxTelemetry
 from ..telemetry.producer import SendSpans
-from ..telemetry.propagation import extract
+from ..telemetry.propagation import extract_json
 from ..telemetry.semconv import OUTBOX_ROW
+from . import maintenance
 from .listener import CommitListener
+from .maintenance import Backlog
 from .outbox import Outbox
 from .picking import IDEMPOTENCY_KEY_ATTRIBUTE, Row, RowPicker
 from .publishing import Outcome, publish_in_key_order
@@ -83,15 +84,6 @@ DEFAULT_PUBLISH_TIMEOUT = 30.0
 DEFAULT_STOP_TIMEOUT = 30.0
 # Seconds between samples of the backlog for the outbox gauges (a dashboard's resolution).
 DEFAULT_METRICS_INTERVAL = 15.0
-
-
-@dataclass(frozen=True)
-class Backlog:
-    """What waits in the outbox: pending rows, the age of the oldest, and parked rows."""
-
-    pending: int
-    oldest_age: float | None
-    parked: int
 
 
 class OutboxRelay(Service):
@@ -244,11 +236,13 @@ class OutboxRelay(Service):
         tracer = self._telemetry.tracer()
         if tracer is None:
             return await publish_in_key_order(self.adapter, messages, self.publish_timeout)
-        spans = SendSpans(
-            tracer, self._system, messages,
-            [None if row.trace_context is None else extract(json.loads(row.trace_context))
-             for row in rows],
-            [{OUTBOX_ROW: row.id} for row in rows])
+        try:
+            spans = SendSpans(tracer, self._system, messages,
+                              [extract_json(row.trace_context) for row in rows],
+                              [{OUTBOX_ROW: row.id} for row in rows])
+        except Exception:
+            report("OutboxRelay's send spans")
+            return await publish_in_key_order(self.adapter, messages, self.publish_timeout)
         outcomes = await publish_in_key_order(self.adapter, spans.messages, self.publish_timeout,
                                               spans.contexts)
         spans.end(outcomes)
@@ -298,52 +292,21 @@ class OutboxRelay(Service):
     async def requeue_parked(self, keys: Sequence[str] | None = None) -> int:
         """Make parked rows (all, or those with ``keys``) pending again, with fresh attempts;
         returns how many."""
-        t = self.outbox.table
-        statement = sa.update(t).where(t.c.failed_at.is_not(None), t.c.published_at.is_(None))
-        if keys is not None:
-            statement = statement.where(t.c.key.in_(list(keys)))
-        async with self.outbox.engine.begin() as connection:
-            result = await connection.execute(
-                statement.values(failed_at=None, attempts=0, not_before=None)
-            )
-        return int(result.rowcount)
+        return await maintenance.requeue_parked(self.outbox, keys)
 
     async def purge_published(self, older_than: float, batch_size: int = 1000) -> int:
         """Delete rows published more than ``older_than`` seconds ago, ``batch_size`` at a
         time; returns how many. (Parked and pending rows are never deleted.)"""
-        check_count("OutboxRelay.purge_published", "batch_size", batch_size)
         if not isinstance(older_than, int | float) or not older_than >= 0:
             raise ConfigurationError(
                 f"OutboxRelay.purge_published: older_than must be >= 0, got {older_than!r}")
-        t = self.outbox.table
-        cutoff = self._clock.wall() - older_than
-        deleted = 0
-        while True:
-            doomed = (sa.select(t.c.id).where(t.c.published_at.is_not(None),
-                                              t.c.published_at <= cutoff)
-                      .order_by(t.c.id).limit(batch_size))
-            async with self.outbox.engine.begin() as connection:
-                ids = list((await connection.execute(doomed)).scalars())
-                if ids:
-                    await connection.execute(sa.delete(t).where(t.c.id.in_(ids)))
-            deleted += len(ids)
-            if len(ids) < batch_size:
-                return deleted
+        return await maintenance.purge_published(
+            self.outbox, self._clock.wall() - older_than, batch_size)
 
     async def backlog(self) -> Backlog:
         """Pending rows, the age in seconds of the oldest (None when there is none), and parked
         rows."""
-        t = self.outbox.table
-        unpublished = t.c.published_at.is_(None)
-        statement = sa.select(
-            sa.func.count().filter(t.c.failed_at.is_(None)),
-            sa.func.min(t.c.created_at).filter(t.c.failed_at.is_(None)),
-            sa.func.count().filter(t.c.failed_at.is_not(None)),
-        ).where(unpublished)
-        async with self.outbox.engine.connect() as connection:
-            pending, oldest, parked = (await connection.execute(statement)).one()
-        age = None if oldest is None else max(0.0, self._clock.wall() - float(oldest))
-        return Backlog(int(pending), age, int(parked))
+        return await maintenance.backlog(self.outbox, self._clock.wall())
 
     # -- running (see reliable_sub.lifecycle for start/stop, run, serve/shutdown) ---------------
 

@@ -17,24 +17,30 @@ is off: the runtime then holds None):
 
 Metric attributes are a handful of low-cardinality values (system, destination, subscription,
 outcome, error type), built once per subscription and outcome: never a message id.
+
+The per-message counters (consumed messages, in flight, duplicates, dead letters) are tallied in
+process, an integer addition per message, and reported by observable instruments when a reader
+collects: the SDK's synchronous counters cost several microseconds a call, each hashing its
+attribute set. The histograms (processing time, attempts) are recorded per message.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.metrics import Meter, MeterProvider
+from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer, TracerProvider
 
 from ..outcome import Outcome
 from ..policy import TelemetryPolicy
 from ..ports import Claimed, ClaimResult, Completed
 from . import semconv as sc
+from .guard import never_raises, report
 from .propagation import extract, producer_span_context
 from .providers import meter_of, tracer_of
 
@@ -89,15 +95,48 @@ class SubscriberTelemetry:
         return DeliveryTelemetry(tracer, instruments, self.policy, system)
 
 
+class Tally:
+    """A count under one attribute set, kept in process and reported when a reader collects.
+
+    Updated from the event loop; read by the reader's thread (an int read is atomic).
+    """
+
+    __slots__ = ("attributes", "value")
+
+    def __init__(self, attributes: dict[str, Any]) -> None:
+        self.attributes = attributes
+        self.value = 0
+
+
+class _Tallies:
+    """The tallies behind one observable instrument, one per attribute set."""
+
+    def __init__(self) -> None:
+        self._by_attributes: dict[frozenset[tuple[str, Any]], Tally] = {}
+
+    def of(self, attributes: dict[str, Any]) -> Tally:
+        """The tally for ``attributes`` (the same one for equal sets, across runs)."""
+        key = frozenset(attributes.items())
+        tally = self._by_attributes.get(key)
+        if tally is None:
+            tally = self._by_attributes[key] = Tally(attributes)
+        return tally
+
+    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(t.value, t.attributes) for t in list(self._by_attributes.values())]
+
+
 class _Instruments:
     """The consumer metrics, on one meter."""
 
     def __init__(self, meter: Meter) -> None:
+        self.consumed, self.inflight = _Tallies(), _Tallies()
+        self.duplicates, self.dead_lettered = _Tallies(), _Tallies()
         self.duration = meter.create_histogram(
             sc.PROCESS_DURATION, unit="s", description="Duration of processing operation.",
             explicit_bucket_boundaries_advisory=sc.DURATION_BUCKETS)
-        self.consumed = meter.create_counter(
-            sc.CONSUMED_MESSAGES, unit="{message}",
+        meter.create_observable_counter(
+            sc.CONSUMED_MESSAGES, [self.consumed.observe], unit="{message}",
             description="Number of messages that were delivered to the application, by how "
                         "their delivery ended (reliable_sub.outcome).")
         self.extensions = meter.create_counter(
@@ -107,15 +146,15 @@ class _Instruments:
             sc.LEASE_DEADLINE_METRIC, unit="s",
             description="The current extension: the p99 (LeasePolicy.percentile) of "
                         "processing time, within the policy's bounds.")
-        self.inflight = meter.create_up_down_counter(
-            sc.INFLIGHT, unit="{message}",
+        meter.create_observable_up_down_counter(
+            sc.INFLIGHT, [self.inflight.observe], unit="{message}",
             description="Deliveries received and not yet settled at the broker.")
-        self.duplicates = meter.create_counter(
-            sc.DUPLICATES, unit="{message}",
+        meter.create_observable_counter(
+            sc.DUPLICATES, [self.duplicates.observe], unit="{message}",
             description="Deliveries the dedup store had as completed: acked without running "
                         "the handler.")
-        self.dead_lettered = meter.create_counter(
-            sc.DEAD_LETTERED, unit="{message}",
+        meter.create_observable_counter(
+            sc.DEAD_LETTERED, [self.dead_lettered.observe], unit="{message}",
             description="Messages published to the dead-letter topic, then acked.")
         self.attempts = meter.create_histogram(
             sc.ATTEMPTS, unit="{attempt}",
@@ -124,12 +163,24 @@ class _Instruments:
 
 
 @dataclass
+class _RouteTallies:
+    """One subscription's tallies on one meter's instruments."""
+
+    instruments: _Instruments
+    inflight: Tally
+    duplicates: Tally
+    dead_lettered: Tally
+    consumed: dict[Outcome, Tally] = field(default_factory=dict)
+
+
+@dataclass
 class RouteTelemetry:
-    """One subscription's span name and attribute sets, built once per run."""
+    """One subscription's span name, attribute sets and tallies, built once per run."""
 
     name: str
     span_attributes: dict[str, Any]
     metric_attributes: dict[str, Any]
+    tallies: _RouteTallies | None = None
     by_outcome: dict[Outcome, dict[str, Any]] = field(default_factory=dict)
 
     def outcome_attributes(self, outcome: Outcome) -> dict[str, Any]:
@@ -138,6 +189,13 @@ class RouteTelemetry:
             attributes = self.by_outcome[outcome] = {
                 **self.metric_attributes, sc.OUTCOME: outcome.value}
         return attributes
+
+    def consumed(self, tallies: _RouteTallies, outcome: Outcome) -> Tally:
+        tally = tallies.consumed.get(outcome)
+        if tally is None:
+            tally = tallies.consumed[outcome] = tallies.instruments.consumed.of(
+                self.outcome_attributes(outcome))
+        return tally
 
 
 class DeliveryTelemetry:
@@ -161,14 +219,21 @@ class DeliveryTelemetry:
         span_attributes: dict[str, Any] = {**base, sc.OPERATION_TYPE: sc.PROCESS}
         if self._gcp:
             span_attributes[sc.GCP_ACK_DEADLINE] = int(ack_deadline)
-        return RouteTelemetry(f"{sc.PROCESS} {subscription}", span_attributes, base)
+        tallies = None
+        if self.instruments is not None:
+            instruments = self.instruments
+            tallies = _RouteTallies(instruments, instruments.inflight.of(base),
+                                    instruments.duplicates.of(base),
+                                    instruments.dead_lettered.of(base))
+        return RouteTelemetry(f"{sc.PROCESS} {subscription}", span_attributes, base, tallies)
 
     # -- the steps of a delivery ---------------------------------------------------------------
 
+    @never_raises
     def received(self, route: RouteTelemetry, items: Sequence[InFlight],
                  handler: str) -> None:
-        if self.instruments is not None:
-            self.instruments.inflight.add(len(items), route.metric_attributes)
+        if route.tallies is not None:
+            route.tallies.inflight.value += len(items)
         if self.tracer is None:
             return
         for item in items:
@@ -200,11 +265,14 @@ class DeliveryTelemetry:
         if mode != "off":
             key = message.idempotency_key
             attributes[sc.IDEMPOTENCY_KEY] = (
-                key if mode == "raw" else hashlib.sha256(key.encode()).hexdigest()[:16])
+                key if mode == "raw"
+                # surrogatepass: a key with a lone surrogate (possible on Redis) still hashes
+                else hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16])
         return self.tracer.start_span(  # type: ignore[union-attr]
             route.name, context=parent or Context(), kind=SpanKind.CONSUMER,
             attributes=attributes, links=links)
 
+    @never_raises
     def dedup_verdict(self, item: InFlight, verdict: ClaimResult) -> None:
         span = item.span
         if span is not None and span.is_recording():
@@ -218,8 +286,13 @@ class DeliveryTelemetry:
 
     def context_of(self, item: InFlight) -> Context:
         """The context a handler runs in: its delivery's span (set) as the current span."""
-        return trace.set_span_in_context(item.span, Context())
+        try:
+            return trace.set_span_in_context(item.span, Context())
+        except Exception:
+            report("DeliveryTelemetry.context_of")
+            return Context()
 
+    @never_raises
     def extended(self, route: RouteTelemetry, items: Sequence[InFlight], seconds: float,
                  observed: float | None) -> None:
         if self.instruments is not None:
@@ -235,6 +308,7 @@ class DeliveryTelemetry:
             if span is not None and span.is_recording():
                 span.add_event(sc.EVENT_LEASE_EXTENDED, event)
 
+    @never_raises
     def retried(self, item: InFlight, attempt: int, error: BaseException | None) -> None:
         span = item.span
         if span is not None and span.is_recording():
@@ -244,20 +318,23 @@ class DeliveryTelemetry:
                 event["exception.message"] = str(error)[:1000]
             span.add_event(sc.EVENT_RETRY, event)
 
+    @never_raises
     def dead_lettered(self, item: InFlight, topic: str) -> None:
         span = item.span
         if span is not None and span.is_recording():
             span.add_event(sc.EVENT_DEAD_LETTER, {sc.DEAD_LETTER_TOPIC: topic})
 
+    @never_raises
     def settled(self, route: RouteTelemetry, item: InFlight, outcome: Outcome,
                 delay: float) -> None:
         failed = outcome in _FAILED and item.error is not None
-        instruments = self.instruments
-        if instruments is not None:
-            attributes = route.outcome_attributes(outcome)
-            instruments.inflight.add(-1, route.metric_attributes)
-            instruments.consumed.add(1, attributes)
+        tallies = route.tallies
+        if tallies is not None:
+            tallies.inflight.value -= 1
+            route.consumed(tallies, outcome).value += 1
+            instruments = tallies.instruments
             if item.duration is not None:
+                attributes = route.outcome_attributes(outcome)
                 if failed:
                     assert item.error is not None
                     attributes = {**attributes, sc.ERROR_TYPE: error_type(item.error)}
@@ -266,9 +343,9 @@ class DeliveryTelemetry:
                 instruments.attempts.record(item.delivery.message.delivery_attempt,
                                             route.metric_attributes)
             elif outcome is Outcome.DUPLICATE:
-                instruments.duplicates.add(1, route.metric_attributes)
+                tallies.duplicates.value += 1
             elif outcome is Outcome.DEAD_LETTERED:
-                instruments.dead_lettered.add(1, route.metric_attributes)
+                tallies.dead_lettered.value += 1
         span = item.span
         if span is None:
             return

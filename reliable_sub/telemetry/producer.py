@@ -22,6 +22,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from ..ports import Outgoing
 from . import semconv as sc
 from .consumer import error_type
+from .guard import report
 from .propagation import inject
 from .providers import tracer_of
 
@@ -52,18 +53,26 @@ def send_span(
     if tracer is None:
         yield attributes
         return
-    span = _start(tracer, system, topic, parent, span_attributes)
-    token = otel_context.attach(_sending_in(span, parent))
+    try:
+        span = _start(tracer, system, topic, parent, span_attributes)
+        token = otel_context.attach(_sending_in(span, parent))
+    except Exception:
+        report("send_span")
+        yield attributes
+        return
     try:
         carried = dict(attributes or {})
-        inject(carried)
+        try:
+            inject(carried)
+        except Exception:
+            report("send_span")
         yield carried
     except BaseException as error:
         _failed(span, error)
         raise
     finally:
         otel_context.detach(token)
-        span.end()
+        _end(span)
 
 
 class SendSpans:
@@ -102,7 +111,7 @@ class SendSpans:
                 _failed(span, outcome)
             elif outcome is not None and span.is_recording():
                 span.set_attribute(sc.OUTCOME, "not_sent")
-            span.end()
+            _end(span)
 
 
 def _start(tracer: Tracer, system: str, topic: str, parent: Context | None,
@@ -124,10 +133,20 @@ def _sending_in(span: Span, base: Context | None) -> Context:
 
 
 def _failed(span: Span, error: BaseException) -> None:
-    if span.is_recording():
-        span.set_attribute(sc.ERROR_TYPE, error_type(error))
-        span.record_exception(error)
-        span.set_status(Status(StatusCode.ERROR, error_type(error)))
+    try:
+        if span.is_recording():
+            span.set_attribute(sc.ERROR_TYPE, error_type(error))
+            span.record_exception(error)
+            span.set_status(Status(StatusCode.ERROR, error_type(error)))
+    except Exception:
+        report("send span's error")
+
+
+def _end(span: Span) -> None:
+    try:
+        span.end()
+    except Exception:
+        report("send span's end")
 
 
 __all__ = ["SendSpans", "send_span"]

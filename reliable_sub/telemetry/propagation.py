@@ -8,12 +8,15 @@ value is ignored and the message simply has no producer context.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping, MutableMapping
 
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanContext
+
+from .guard import report
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,33 @@ def extract(attributes: Mapping[str, str]) -> Context | None:
         return None
 
 
+def context_as_json() -> str | None:
+    """The current context as a JSON object of carrier fields (what ``Outbox.add`` keeps with
+    a row), or None when there is none to keep. Never raises."""
+    carrier: dict[str, str] = {}
+    try:
+        inject(carrier)
+    except Exception:
+        report("inject")
+        return None
+    return json.dumps(carrier) if carrier else None
+
+
+def extract_json(text: str | None) -> Context | None:
+    """The context :func:`context_as_json` kept, or None (none, or not readable). Never
+    raises: a row whose column was damaged still publishes, without its trace."""
+    if not text:
+        return None
+    try:
+        carrier = json.loads(text)
+    except ValueError:
+        logger.debug("ignoring unreadable trace context %r", text[:200])
+        return None
+    if not isinstance(carrier, dict):
+        return None
+    return extract(carrier)
+
+
 def producer_span_context(context: Context | None) -> SpanContext | None:
     """The span context ``context`` carries, if it names a valid span."""
     if context is None:
@@ -52,4 +82,5 @@ def producer_span_context(context: Context | None) -> SpanContext | None:
     return span_context if span_context.is_valid else None
 
 
-__all__ = ["MAX_CARRIER_VALUE", "extract", "inject", "producer_span_context"]
+__all__ = ["MAX_CARRIER_VALUE", "context_as_json", "extract", "extract_json", "inject",
+           "producer_span_context"]

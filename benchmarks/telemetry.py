@@ -1,0 +1,311 @@
+"""Telemetry's cost: a Subscriber with tracing and metrics on, off, and the API alone.
+
+    python -m benchmarks.telemetry            # print the table
+    python -m benchmarks.telemetry --write    # ... and rewrite the README section
+
+One run, the variants interleaved over ``--repetitions`` runs, medians; a Subscriber (no dedup,
+a no-op async handler) drains a pre-published backlog:
+
+* **off**: ``Subscriber(tracer_provider=NoOpTracerProvider(), meter_provider=NoOpMeterProvider())``;
+* **API alone**: no SDK configured (OpenTelemetry's default proxies: what a service without
+  an SDK gets, and the default of every Subscriber);
+* **SDK**: an SDK ``TracerProvider`` with a ``BatchSpanProcessor`` into a no-op exporter and an
+  SDK ``MeterProvider`` with a periodic reader into a no-op exporter: every span and metric is
+  made and batched, nothing leaves the process.
+
+on the in-memory broker (``--messages``) and on Redis Streams (``--redis``, ``--redis-messages``).
+Then the same on the in-memory broker with a handler that works: 0.5 ms of CPU per message
+(``--work-messages``), off, SDK and sampled, to show the cost beside real work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import gc
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from opentelemetry.metrics import NoOpMeterProvider
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import (
+    MetricExporter,
+    MetricExportResult,
+    MetricsData,
+    PeriodicExportingMetricReader,
+)
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace import NoOpTracerProvider
+
+from benchmarks import memory_pipeline as memory
+from benchmarks import redis_streams as redis_bench
+from benchmarks._common import GcTimer, Rates, positive_int, verdict, write_section
+from reliable_sub import Message, Outcome, Subscriber
+from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
+
+DEFAULT_MESSAGES = 30_000
+DEFAULT_REDIS_MESSAGES = 10_000
+DEFAULT_REPETITIONS = 5
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+WARMUP_MESSAGES = 2_000
+DEFAULT_WORK_MESSAGES = 4_000
+WORK_SECONDS = 0.0005  # CPU time the working handler spends per message
+# The periodic metric reader's interval: long enough not to run during a timed run.
+METRIC_EXPORT_INTERVAL_MS = 60_000
+SECTION_NAME = "telemetry"
+COMMAND = "python -m benchmarks.telemetry --write"
+
+OFF, API = "off (no-op providers)", "API alone (no SDK)"
+SDK, SAMPLED = "SDK (batch spans, metrics)", "SDK, 1% of traces sampled"
+METRICS_ONLY, SPANS_ONLY = "SDK, metrics only", "SDK, spans only"
+VARIANTS = (OFF, API, METRICS_ONLY, SPANS_ONLY, SDK, SAMPLED)
+WORK_VARIANTS = (OFF, SDK, SAMPLED)
+WORK = "memory, 0.5 ms handler"
+SAMPLED_RATIO = 0.01
+
+
+class NoOpSpanExporter(SpanExporter):
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        return SpanExportResult.SUCCESS
+
+
+class NoOpMetricExporter(MetricExporter):
+    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000,
+               **kwargs: Any) -> MetricExportResult:
+        return MetricExportResult.SUCCESS
+
+    def force_flush(self, timeout_millis: float = 10_000) -> bool:
+        return True
+
+    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+        return None
+
+
+def providers(variant: str) -> tuple[dict[str, Any], list[Any]]:
+    """The Subscriber's provider arguments for ``variant``, and what to shut down after."""
+    if variant == OFF:
+        return {"tracer_provider": NoOpTracerProvider(),
+                "meter_provider": NoOpMeterProvider()}, []
+    if variant == API:
+        return {}, []
+    options: dict[str, Any] = {"tracer_provider": NoOpTracerProvider(),
+                               "meter_provider": NoOpMeterProvider()}
+    owned: list[Any] = []
+    if variant != METRICS_ONLY:
+        sampler = ParentBased(TraceIdRatioBased(SAMPLED_RATIO)) if variant == SAMPLED else None
+        tracer_provider = TracerProvider(sampler=sampler)
+        tracer_provider.add_span_processor(BatchSpanProcessor(NoOpSpanExporter()))
+        options["tracer_provider"] = tracer_provider
+        owned.append(tracer_provider)
+    if variant != SPANS_ONLY:
+        reader = PeriodicExportingMetricReader(
+            NoOpMetricExporter(), export_interval_millis=METRIC_EXPORT_INTERVAL_MS)
+        meter_provider = MeterProvider(metric_readers=[reader])
+        options["meter_provider"] = meter_provider
+        owned.append(meter_provider)
+    return options, owned
+
+
+async def working_handler(message: Message) -> None:
+    """A handler that computes for WORK_SECONDS (CPU, holding the event loop) per message."""
+    until = time.perf_counter() + WORK_SECONDS
+    while time.perf_counter() < until:
+        pass
+
+
+async def run_memory(variant: str, messages: int, work: bool = False) -> float:
+    """Seconds for a Subscriber with ``variant`` to drain ``messages`` in-memory messages (with
+    the working handler if ``work``, else a no-op one)."""
+    adapter = memory.fresh_adapter(messages)
+    options, owned = providers(variant)
+    subscriber = Subscriber(adapter, **options)
+    subscriber.handler(memory.SUBSCRIPTION)(working_handler if work else memory.noop_handler)
+    gc.collect()
+    gc.freeze()  # the published backlog lives in this process only because the broker does
+    try:
+        with GcTimer():
+            started = time.perf_counter()
+            consumer = asyncio.create_task(subscriber.serve())
+            try:
+                drained = await memory.wait_drained(adapter, consumer)
+            finally:
+                await subscriber.shutdown(memory.SHUTDOWN_TIMEOUT)
+                await consumer
+    finally:
+        gc.unfreeze()
+        for provider in owned:
+            provider.shutdown()
+    _check(variant, subscriber, messages)
+    return drained - started
+
+
+async def run_redis(control: aioredis.Redis, url: str, template: str, variant: str,
+                    messages: int) -> float:
+    """Seconds for a Subscriber with ``variant`` to drain a copy of the template stream."""
+    keys = redis_bench.next_keys(redis_bench.SUB)
+    if not await control.copy(template, keys.stream):
+        raise RuntimeError(f"COPY to {keys.stream} failed")
+    adapter = RedisStreamsAdapter(url, consumer=keys.consumer, key_prefix=keys.adapter_prefix)
+    options, owned = providers(variant)
+    subscriber = Subscriber(adapter, **options)
+    handled = redis_bench.Tally()
+
+    async def handle(message: Message) -> None:
+        handled.handled += 1
+
+    subscriber.handler(keys.group)(handle)
+    consumer = None
+    try:
+        await adapter.ensure_subscription(keys.stream, keys.group,
+                                          ack_deadline=redis_bench.ACK_DEADLINE, start="0")
+        await adapter.client.ping()
+        gc.collect()
+        started = time.perf_counter()
+        consumer = asyncio.create_task(subscriber.serve())
+        drained = await _redis_drained(control, keys, handled, consumer, messages, started)
+        await subscriber.shutdown(redis_bench.SHUTDOWN_TIMEOUT)
+        await consumer
+        await redis_bench.verify_group(control, keys, messages)
+    finally:
+        if consumer is not None and not consumer.done():
+            await subscriber.shutdown(redis_bench.SHUTDOWN_TIMEOUT)
+            await consumer
+        await adapter.close()
+        await redis_bench.delete_keys(control, f"{keys.base}:*")
+        for provider in owned:
+            provider.shutdown()
+    _check(variant, subscriber, messages)
+    return drained - started
+
+
+async def _redis_drained(control: aioredis.Redis, keys: Any, handled: Any,
+                         consumer: asyncio.Task[None], total: int, started: float) -> float:
+    give_up_at = started + redis_bench.RUN_DEADLINE
+    while True:
+        if handled.handled >= total:
+            summary = await control.xpending(keys.stream, keys.group)
+            if summary["pending"] == 0:
+                return time.perf_counter()
+        if consumer.done():
+            consumer.result()
+            raise RuntimeError("the Subscriber stopped before the backlog drained")
+        if time.perf_counter() > give_up_at:
+            raise TimeoutError(f"{handled.handled} of {total} handled")
+        await asyncio.sleep(redis_bench.POLL_INTERVAL)
+
+
+def _check(variant: str, subscriber: Subscriber, messages: int) -> None:
+    outcomes = dict(subscriber.stats.outcomes)
+    if outcomes != {Outcome.ACKED: messages}:
+        raise RuntimeError(f"{variant}: outcomes {outcomes}, expected {messages} acked")
+
+
+async def measure(args: argparse.Namespace) -> dict[str, dict[str, Rates]]:
+    results: dict[str, dict[str, Rates]] = {
+        "memory": {v: Rates(v) for v in VARIANTS}, "redis": {v: Rates(v) for v in VARIANTS},
+        WORK: {v: Rates(v) for v in WORK_VARIANTS}}
+    control = aioredis.Redis.from_url(args.redis)
+    template = f"{redis_bench.KEY_PREFIX}:telemetry-template"
+    await redis_bench.publish_template(control, template, args.redis_messages)
+    try:
+        for variant in VARIANTS:  # warm-up
+            await run_memory(variant, WARMUP_MESSAGES)
+        for repetition in range(1, args.repetitions + 1):
+            for variant in VARIANTS:
+                seconds = await run_memory(variant, args.messages)
+                results["memory"][variant].rates.append(args.messages / seconds)
+                seconds = await run_redis(control, args.redis, template, variant,
+                                          args.redis_messages)
+                results["redis"][variant].rates.append(args.redis_messages / seconds)
+                print(f"  run {repetition}/{args.repetitions}  {variant:<27} memory "
+                      f"{results['memory'][variant].rates[-1]:>9,.0f}  redis "
+                      f"{results['redis'][variant].rates[-1]:>8,.0f} msg/s", file=sys.stderr)
+            for variant in WORK_VARIANTS:
+                seconds = await run_memory(variant, args.work_messages, work=True)
+                results[WORK][variant].rates.append(args.work_messages / seconds)
+                print(f"  run {repetition}/{args.repetitions}  {variant:<27} working handler "
+                      f"{results[WORK][variant].rates[-1]:>7,.0f} msg/s", file=sys.stderr)
+    finally:
+        await control.delete(template)
+        await control.aclose()
+    return results
+
+
+def report(args: argparse.Namespace, results: dict[str, dict[str, Rates]]) -> str:
+    lines = [
+        "## Telemetry: tracing and metrics on, off, and the API alone",
+        "",
+        f"Command (from the repository root): `{COMMAND}`; measured "
+        f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs; Redis on loopback; "
+        f"{args.repetitions} runs per variant, interleaved; medians. A Subscriber (no dedup, a "
+        f"no-op async handler) drains {args.messages:,} in-memory messages and "
+        f"{args.redis_messages:,} Redis Streams entries; then {args.work_messages:,} in-memory "
+        f"messages whose handler computes for {WORK_SECONDS * 1e3:g} ms each.",
+        "",
+        "| Broker | Variant | median msgs/s | min – max | µs/msg | µs/msg added | cost vs off |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    costs: dict[str, dict[str, float]] = {}
+    for broker, rows in results.items():
+        off = rows[OFF].median
+        for variant, row in rows.items():
+            cost = off / row.median - 1.0
+            costs.setdefault(broker, {})[variant] = cost
+            added = 1e6 / row.median - 1e6 / off
+            lines.append(f"| {broker} | {variant} | {row.median:,.0f} | "
+                         f"{min(row.rates):,.0f} – {max(row.rates):,.0f} | "
+                         f"{1e6 / row.median:.1f} | {added:+.1f} | {cost:+.1%} |")
+    lines.append("")
+    for broker in results:
+        lines.append(verdict(f"{broker}: SDK cost (time per message, vs off)",
+                             costs[broker][SDK] * 100, 25, unit=" %", at_most=True))
+        if API in costs[broker]:
+            lines.append(verdict(f"{broker}: API-alone cost", costs[broker][API] * 100, 3,
+                                 unit=" %", at_most=True))
+    lines += [
+        "",
+        "Reading the figures:",
+        "",
+        "* *off* and *API alone* take the same path: without an SDK a run's telemetry stage is "
+        "None and the delivery path skips it (one `is None` test per step), so their "
+        "difference is run-to-run noise.",
+        "* With the SDK each delivery makes one span (about a dozen attributes, a dedup or "
+        "lease event when those happen), handed to the batch processor's queue and exported "
+        "off the hot path, and records two histogram values (processing time; the attempt, "
+        "on success); its counters are integers in process, read when metrics are collected.",
+        "* The SDK's own work dominates: starting and ending one span with a dozen attributes "
+        "costs about 25-35 µs on this machine in a loop of its own, and one histogram record "
+        "about 8 µs (attribute validation and hashing on each call). So the SDK's cost is a "
+        "fixed number of µs per message: large beside this pipeline's own 14-23 µs, small "
+        "beside a handler that works (the last block). Sampling cuts the span's part; metrics "
+        "are recorded for every message.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--redis", default=DEFAULT_REDIS)
+    parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES)
+    parser.add_argument("--redis-messages", type=positive_int, default=DEFAULT_REDIS_MESSAGES)
+    parser.add_argument("--work-messages", type=positive_int, default=DEFAULT_WORK_MESSAGES)
+    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
+    parser.add_argument("--write", action="store_true", help="rewrite the README section")
+    args = parser.parse_args(argv)
+    section = report(args, asyncio.run(measure(args)))
+    print(section)
+    if args.write:
+        write_section(SECTION_NAME, section, append=True)
+
+
+if __name__ == "__main__":
+    main()
