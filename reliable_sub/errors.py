@@ -26,6 +26,14 @@ class UnknownTopicError(AdapterError, LookupError):
     """A call named a topic the broker does not have; the message names it and the fix."""
 
 
+class UnknownSnapshotError(AdapterError, LookupError):
+    """A snapshot name that the broker does not know."""
+
+
+class SnapshotExistsError(AdapterError, ValueError):
+    """A snapshot name that is already taken."""
+
+
 class AccessDeniedError(AdapterError, PermissionError):
     """The broker refused a call for lack of permission; the message names the resource."""
 
@@ -47,6 +55,12 @@ class ResultNotSerializableError(ReliableSubError, TypeError):
 
 class StoredResultError(ReliableSubError, ValueError):
     """A dedup record's stored result is not valid JSON (written by something else)."""
+
+
+class InvalidMessageError(ReliableSubError, ValueError):
+    """``publish`` refused a message the broker cannot carry as given (Pub/Sub: neither data
+    nor attributes, an attribute beyond its limits, over its size limit); nothing was sent, and
+    no other message is affected. The message names what is wrong and the limit."""
 
 
 class MalformedMessageError(ReliableSubError, ValueError):

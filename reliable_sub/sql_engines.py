@@ -66,11 +66,23 @@ class SqlEngines:
             )
         self._sync = sync_engine
         self._engines: PerLoop[AsyncEngine] = PerLoop(self._make)
+        self._transaction_engines: PerLoop[AsyncEngine] = PerLoop(self._make)
 
     @property
     def engine(self) -> AsyncEngine:
         """The asyncio engine of the running event loop."""
         return self._given if self._given is not None else self._engines.get()
+
+    @property
+    def transaction_engine(self) -> AsyncEngine:
+        """The asyncio engine of the running event loop for handlers' own transactions.
+
+        A pool of its own: a handler holds its connection for as long as it runs, and with
+        more handlers running than the pool has connections, the store's claims, renewals and
+        completions would wait behind them (renewals late, claims lapsed, leases unextended).
+        A given engine serves both.
+        """
+        return self._given if self._given is not None else self._transaction_engines.get()
 
     @property
     def sync_engine(self) -> Engine:
@@ -104,9 +116,10 @@ class SqlEngines:
 
     async def close(self) -> None:
         """Dispose of this loop's engine (its connections); a later call reconnects."""
-        engine = self._engines.pop()
-        if engine is not None:
-            await engine.dispose()
+        for engines in (self._engines, self._transaction_engines):
+            engine = engines.pop()
+            if engine is not None:
+                await engine.dispose()
 
     def close_sync(self) -> None:
         """Dispose of the sync engine's connections; a later call reconnects."""

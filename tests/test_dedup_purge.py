@@ -9,7 +9,10 @@ import sqlalchemy as sa
 
 from reliable_sub import ConfigurationError, MemoryDedupStore, Message, Subscriber
 from reliable_sub.adapters.memory import MemoryAdapter
+from reliable_sub.clock import ManualClock
 from reliable_sub.idempotency.sql_store import SqlDedupStore
+from reliable_sub.ports import Completion, DedupKey
+from reliable_sub.testing.services import postgres_url
 from tests.memory_world import serve_until
 
 WITHIN = 10.0
@@ -36,6 +39,32 @@ async def test_expired_records_are_purged_while_the_subscriber_runs() -> None:
         left = (await connection.execute(sa.select(sa.func.count()).select_from(store.table)))
         assert left.scalar_one() == 0
     await store.close()
+
+
+@pytest.mark.parametrize("database", ["postgresql", "sqlite"])
+async def test_purge_deletes_exactly_the_expired_records_in_batches(database: str) -> None:
+    clock = ManualClock()
+    url = postgres_url() if database == "postgresql" else "sqlite://"
+    store = SqlDedupStore(url, table=f"purge_{uuid.uuid4().hex[:8]}", clock=clock)
+    await store.create_schema()
+    try:
+        short = [DedupKey("ns", f"short-{n}") for n in range(7)]
+        long = [DedupKey("ns", f"long-{n}") for n in range(4)]
+        claims = await store.claim_many([*short, *long], 60.0)
+        await store.complete_many([Completion(c, "null") for c in claims[:7]], 10.0)
+        await store.complete_many([Completion(c, "null") for c in claims[7:]], 100.0)
+        assert await store.purge_expired(batch_size=3) == 0
+        clock.advance(10.0)
+        assert await store.purge_expired(batch_size=3) == 7, "three batches: 3, 3, 1"
+        async with store.engine.connect() as connection:
+            left = (await connection.execute(sa.select(store.table.c.key))).scalars().all()
+        assert sorted(left) == [key.key for key in long]
+        with pytest.raises(ConfigurationError, match="batch_size must be >= 1"):
+            await store.purge_expired(batch_size=0)
+    finally:
+        async with store.engine.begin() as connection:
+            await connection.run_sync(store.metadata.drop_all)
+        await store.close()
 
 
 class FailingPurge(MemoryDedupStore):

@@ -21,7 +21,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from ..dedup import Claimed, ClaimResult, Completion, DedupKey, DedupStore
+from ..ports import DedupEpochs
 from ..runtime.inflight import InFlight
+from .epochs import EpochCache
 
 # Without a store, failure counts are kept for this many recent messages per Subscriber.
 FAILURE_MEMORY = 100_000
@@ -38,6 +40,8 @@ class Claims:
     def __init__(self, store: DedupStore | None, retention: float = 0.0) -> None:
         self.store = store
         self.retention = retention
+        self._epochs = (EpochCache(store) if store is not None and isinstance(store, DedupEpochs)
+                        else None)
         self._failures: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     @staticmethod
@@ -47,8 +51,13 @@ class Claims:
     async def claim(
         self, namespace: str, items: Sequence[InFlight], ttl: float
     ) -> list[ClaimResult]:
-        """Claim the keys of ``items`` in one call; a Claimed result is kept on its item."""
+        """Claim the keys of ``items`` in one call; a Claimed result is kept on its item.
+
+        With a store that keeps epochs, the keys are claimed in the namespace of the current
+        epoch (see :mod:`reliable_sub.idempotency.epochs`)."""
         assert self.store is not None
+        if self._epochs is not None:
+            namespace = await self._epochs.namespace(namespace)
         keys = [DedupKey(namespace, item.delivery.message.idempotency_key) for item in items]
         results = await self.store.claim_many(keys, ttl)
         for item, result in zip(items, results, strict=True):
@@ -129,3 +138,10 @@ class Claims:
         claim, item.claim = item.claim, None
         item.claim_active = False
         return claim
+
+    def release_dead_lettered(self, item: InFlight) -> Claimed | None:
+        """The claim to release for a dead-lettered ``item``: with no failures, so its record
+        goes (the dead-letter copy carries the count) and a replay from the dead-letter queue,
+        under the same idempotency key, starts with fresh attempts."""
+        claim = self.release(item)
+        return dataclasses.replace(claim, failures=0) if claim is not None else None

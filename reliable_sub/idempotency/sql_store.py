@@ -9,7 +9,9 @@ your Alembic migrations; :meth:`SqlDedupStore.create_schema` creates it)::
 
 ``state`` is ``claimed`` (``owner`` holds it until ``lease_expires_at``), ``failed`` (released
 after ``failures`` failed attempts, kept until ``expires_at``) or ``completed`` (``result`` is the
-handler's result as JSON text). A row whose ``expires_at`` has passed counts as absent. Times are
+handler's result as JSON text). A row whose ``expires_at`` has passed counts as absent. A
+namespace's dedup epoch (see :mod:`reliable_sub.idempotency.epochs`) is a row of state ``epoch``
+under the key ``h:epoch``, which no message key is stored as. Times are
 epoch seconds from the store's clock: keep consumers' clocks in sync (NTP), as their claims are
 compared across hosts. Namespaces and keys longer than ``READABLE_LIMIT`` characters are stored
 as ``h:`` + their SHA-256 hex, as in the Redis store.
@@ -51,6 +53,10 @@ DEFAULT_TABLE = "reliable_sub_processed"
 READABLE_LIMIT = 200
 _HASHED = "h:"
 CLAIMED, FAILED, COMPLETED = "claimed", "failed", "completed"
+# A namespace's epoch is a row of its own: key EPOCH_KEY (no message key is stored as it: keys
+# that start with "h:" are stored hashed), state EPOCH, the number in ``failures``, never expiring.
+EPOCH_KEY, EPOCH = "h:epoch", "epoch"
+NEVER = 1e18  # epoch seconds, some thirty billion years ahead
 
 
 def processed_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
@@ -118,21 +124,45 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         deleted = 0
         while True:
             now = self._clock.wall()
+            # One statement per batch: the keys never travel to the client and back (a list of
+            # a thousand (namespace, key) pairs made each batch cost ~0.5 s on PostgreSQL).
             doomed = (
                 sa.select(t.c.namespace, t.c.key).where(t.c.expires_at <= now).limit(batch_size)
             )
             async with self.engine.begin() as connection:
-                keys = (await connection.execute(doomed)).all()
-                if keys:
-                    await connection.execute(
-                        sa.delete(t).where(
-                            sa.tuple_(t.c.namespace, t.c.key).in_([tuple(k) for k in keys]),
-                            t.c.expires_at <= now,
-                        )
+                result = await connection.execute(
+                    sa.delete(t).where(
+                        sa.tuple_(t.c.namespace, t.c.key).in_(doomed.scalar_subquery()),
+                        t.c.expires_at <= now,
                     )
-            deleted += len(keys)
-            if len(keys) < batch_size:
+                )
+            count = result.rowcount
+            deleted += count
+            if count < batch_size:
                 return deleted
+
+    # -- epochs (the DedupEpochs capability) -----------------------------------------------
+
+    async def epoch(self, namespace: str) -> int:
+        """The current epoch of ``namespace`` (0 if it never had one)."""
+        t = self.table
+        async with self.engine.connect() as connection:
+            found = await connection.scalar(sa.select(t.c.failures).where(
+                t.c.namespace == _part(namespace), t.c.key == EPOCH_KEY))
+        return int(found) if found is not None else 0
+
+    async def next_epoch(self, namespace: str) -> int:
+        """Start the next epoch of ``namespace`` (one upsert; the row never expires)."""
+        t = self.table
+        insert = (postgresql.insert(t) if self.dialect == "postgresql" else sqlite.insert(t))
+        statement = insert.values(
+            namespace=_part(namespace), key=EPOCH_KEY, owner=None, state=EPOCH, failures=1,
+            expires_at=NEVER,
+        ).on_conflict_do_update(
+            index_elements=[t.c.namespace, t.c.key], set_={"failures": t.c.failures + 1},
+        ).returning(t.c.failures)
+        async with self.engine.begin() as connection:
+            return int((await connection.execute(statement)).scalar_one())
 
     # -- the DedupStore protocol ----------------------------------------------------------------
 
@@ -389,8 +419,10 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
     # -- inside a handler's transaction ------------------------------------------------------
 
     def begin(self) -> AbstractAsyncContextManager[AsyncConnection]:
-        """An ``AsyncConnection`` of this loop's engine in a transaction (commits on exit)."""
-        return self.engine.begin()
+        """An ``AsyncConnection`` in a transaction (commits on exit), from a pool of its own
+        (see :attr:`~reliable_sub.sql_engines.SqlEngines.transaction_engine`): the store's
+        calls never wait for a connection behind running handlers."""
+        return self._engines.transaction_engine.begin()
 
     def begin_sync(self) -> AbstractContextManager[Connection]:
         """A sync ``Connection`` in a transaction (for sync handlers; commits on exit)."""

@@ -13,10 +13,11 @@ from . import CallNext, Context, Decision, Verdict
 
 logger = logging.getLogger("reliable_sub.subscriber")
 
-# Pub/Sub attribute values are limited to 1024 bytes; the error message is cut to fit.
+# Pub/Sub attribute values are limited to 1024 bytes; the error message is cut to this many
+# bytes of UTF-8 to fit.
 ERROR_MESSAGE_LIMIT = 1000
-# Attribute names the dead-letter copy sets; a publisher's attributes of the same names are
-# kept under PUBLISHER_ATTRIBUTE_PREFIX + name.
+# Attribute names the dead-letter copy sets; a publisher's attributes of the same names (behind
+# any number of PUBLISHER_ATTRIBUTE_PREFIX) are kept with one prefix more.
 DEAD_LETTER_ATTRIBUTES = (
     "original-message-id",
     "original-subscription",
@@ -104,23 +105,38 @@ class DeadLetterOrBackoff:
 def dead_letter_attributes(
     message: Message, failures: int, error: BaseException
 ) -> dict[str, str]:
-    """The attributes of a dead-letter copy: the publisher's (those named like ours renamed
-    with ``PUBLISHER_ATTRIBUTE_PREFIX``), then where it came from and why it failed."""
-    attributes: dict[str, str] = {}
-    for name, value in message.attributes.items():
-        if name in DEAD_LETTER_ATTRIBUTES:
-            attributes[PUBLISHER_ATTRIBUTE_PREFIX + name] = value
-        else:
-            attributes[name] = value
+    """The attributes of a dead-letter copy: the publisher's (each named like ours, behind any
+    number of ``PUBLISHER_ATTRIBUTE_PREFIX``, gets one prefix more: ``error-type`` becomes
+    ``publisher-error-type``, ``publisher-error-type`` becomes
+    ``publisher-publisher-error-type``, so nothing collides and the renaming can be undone),
+    then where it came from and why it failed."""
+    attributes = {
+        (PUBLISHER_ATTRIBUTE_PREFIX + name if named_like_ours(name) else name): value
+        for name, value in message.attributes.items()
+    }
     attributes.update({
         "original-message-id": message.id,
         "original-subscription": message.subscription,
         "delivery-attempts": str(message.delivery_attempt),
         "handler-failures": str(failures),
         "error-type": f"{type(error).__module__}.{type(error).__qualname__}",
-        "error-message": str(error)[:ERROR_MESSAGE_LIMIT],
+        "error-message": _cut(str(error), ERROR_MESSAGE_LIMIT),
     })
     return attributes
+
+
+def named_like_ours(name: str) -> bool:
+    """``name`` is one of ours, behind any number of publisher prefixes."""
+    while name.startswith(PUBLISHER_ATTRIBUTE_PREFIX):
+        name = name[len(PUBLISHER_ATTRIBUTE_PREFIX):]
+    return name in DEAD_LETTER_ATTRIBUTES
+
+
+def _cut(text: str, limit: int) -> str:
+    """``text`` as at most ``limit`` bytes of UTF-8, whole characters only; characters UTF-8
+    cannot carry (lone surrogates) are written as backslash escapes."""
+    encoded = text.encode("utf-8", "backslashreplace")
+    return encoded[:limit].decode("utf-8", "ignore")
 
 
 def log_fields(message: Message, failures: int, outcome: str) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import MissingExtraError
+from ..message import IDEMPOTENCY_KEY_ATTRIBUTE
 from ..ports import Outgoing
 
 try:
@@ -40,9 +41,6 @@ try:
     from sqlalchemy.dialects import postgresql
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("OutboxRelay", "sql", "SQLAlchemy") from error
-
-# The attribute that carries each row's key to the consumer's dedup store.
-IDEMPOTENCY_KEY_ATTRIBUTE = "idempotency-key"
 
 
 @dataclass(frozen=True)

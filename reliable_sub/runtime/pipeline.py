@@ -652,7 +652,7 @@ class Runtime:
             self._dead_lettered(item)
             self.claims.forget(lane.namespace, item)
             self._settle(item, Outcome.DEAD_LETTERED, ack=True,
-                         release=self.claims.release(item))
+                         release=self.claims.release_dead_lettered(item))
         else:
             self._settle(item, Outcome.RETRY, ack=False, delay=decision.delay,
                          release=self.claims.release(item))
@@ -680,7 +680,8 @@ class Runtime:
         self.claims.forget(item.route.namespace, item)
         if decision.verdict is Verdict.DEAD_LETTERED:
             self._dead_lettered(item)
-            self._settle(item, Outcome.DEAD_LETTERED, ack=True, release=self.claims.release(item))
+            self._settle(item, Outcome.DEAD_LETTERED, ack=True,
+                         release=self.claims.release_dead_lettered(item))
         else:
             self._settle(item, Outcome.RETRY, ack=False, delay=decision.delay,
                          release=self.claims.release(item))

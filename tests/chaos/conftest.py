@@ -1,0 +1,65 @@
+"""The fault-injection scenarios: marked ``chaos``; with ``RELIABILITY_REPORT=1`` a session
+that ran them rewrites the table in ``docs/reliability.md``.
+
+Scenarios run one at a time: under xdist they are one unit of work, sent to one worker (see
+``pytest_xdist_make_scheduler`` in ``tests/conftest.py``), so the other workers run the other
+tests instead of waiting; and each holds a lock file while it runs, so two sessions never run
+them at once.
+Each loads the machine with its own consumer processes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.chaos import report
+from tests.redis_processes import RedisServer
+
+HERE = Path(__file__).resolve().parent
+LOCK = Path(tempfile.gettempdir()) / "reliable-sub-chaos.lock"
+
+
+# A scenario runs 6-60 s alone; beside other tests on a busy machine longer, and under xdist it
+# may first wait for the scenarios of the other workers.
+SCENARIO_TIMEOUT = 420
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("RELIABILITY_REPORT") == "1" and config.getoption("numprocesses", None):
+        raise pytest.UsageError("RELIABILITY_REPORT=1 needs one process: add -n 0 (each "
+                                "worker would write its own rows, and their timings would "
+                                "include the other workers' load)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.fspath)).resolve().parent == HERE:
+            item.add_marker(pytest.mark.chaos)
+            item.add_marker(pytest.mark.timeout(SCENARIO_TIMEOUT))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if os.environ.get("RELIABILITY_REPORT") == "1" and report.anything_recorded():
+        report.write()
+
+
+@pytest.fixture(autouse=True)
+def one_scenario_at_a_time() -> Iterator[None]:
+    with LOCK.open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own, without persistence, killed at the end."""
+    server = RedisServer(tmp_path, appendonly=False)
+    server.start()
+    yield server
+    server.kill()

@@ -1,0 +1,157 @@
+"""A consumer process for the fault-injection scenarios: ``python tests/chaos/consumer.py CFG``.
+
+``CFG`` is JSON (see :class:`tests.chaos.fleet.Fleet`). The process runs one Subscriber on Redis
+Streams or Pub/Sub until SIGTERM (graceful) or SIGKILL. Its handler waits a random time in
+``handler_ms`` and then records its **effect outside the consumer**, keyed by the message's
+payload number ``n``:
+
+* dedup ``sql``: a transactional handler inserts a row ``(n, consumer)`` into the effects table
+  in the transaction that records the message as processed (exactly once);
+* dedup ``redis`` or ``none``: ``HINCRBY effects n 1`` on Redis (at least once: the effect and
+  the completion are two writes, so a kill between them repeats the effect).
+
+``sabotage: "ack-on-receive"`` acks every delivery as it arrives, before its handler ran (an
+at-most-once consumer): the scenarios must then report lost messages, which shows that their
+assertions can fail. ``sabotage: "no-extend"`` makes every ack-deadline extension a silent
+no-op: the lease manager is effectively off.
+
+It prints ``READY <consumer>`` once receiving, and ``STATS <json>`` after a graceful stop.
+Nothing of the test suite is imported: only the installed package and its clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sys
+import threading
+import time
+from typing import Any
+
+import redis.asyncio as aioredis
+import sqlalchemy as sa
+
+from reliable_sub import (
+    DeadLetterPolicy,
+    FlowControl,
+    LeasePolicy,
+    Message,
+    RetryPolicy,
+    Subscriber,
+)
+from reliable_sub.ports import Adapter
+
+cfg: dict[str, Any] = json.loads(sys.argv[1])
+rng = random.Random(cfg["seed"])
+
+
+def make_adapter() -> Adapter:
+    if cfg["adapter"] == "redis":
+        from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
+
+        base: type = RedisStreamsAdapter
+        args: tuple[Any, ...] = (cfg["broker_url"],)
+        options: dict[str, Any] = {"consumer": cfg["consumer"], "key_prefix": cfg["prefix"]}
+    else:
+        from reliable_sub.adapters.pubsub import PubSubAdapter
+
+        base, args, options = PubSubAdapter, (cfg["project"],), {}
+    sabotage = cfg.get("sabotage")
+    if sabotage == "ack-on-receive":
+
+        class AckOnReceive(base):  # type: ignore[misc,valid-type]
+            async def receive(self, subscription: str, max_messages: int,
+                              timeout: float) -> Any:
+                deliveries = await super().receive(subscription, max_messages, timeout)
+                if deliveries:
+                    await super().ack(deliveries)
+                return deliveries
+
+        return AckOnReceive(*args, **options)  # type: ignore[no-any-return]
+    if sabotage == "no-extend":
+
+        class NeverExtends(base):  # type: ignore[misc,valid-type]
+            async def extend(self, deliveries: Any, seconds: float) -> list[Any]:
+                return []  # claims success: the lease manager is effectively off
+
+        return NeverExtends(*args, **options)  # type: ignore[no-any-return]
+    return base(*args, **options)  # type: ignore[no-any-return]
+
+
+def make_store() -> Any:
+    if cfg["dedup"] == "redis":
+        from reliable_sub.dedup import RedisDedupStore
+
+        return RedisDedupStore(cfg["dedup_url"], prefix=cfg["dedup_prefix"],
+                               owner=cfg["consumer"])
+    if cfg["dedup"] == "sql":
+        from reliable_sub.dedup import SqlDedupStore
+
+        return SqlDedupStore(cfg["postgres"], table=cfg["processed_table"],
+                             owner=cfg["consumer"])
+    return None
+
+
+async def handler_pause() -> None:
+    low, high = cfg["handler_ms"]
+    await asyncio.sleep(rng.uniform(low, high) / 1000)
+
+
+def payload_number(message: Message) -> int:
+    return int(json.loads(message.data)["n"])
+
+
+def build() -> Subscriber:
+    store = make_store()
+    dead_letter = (DeadLetterPolicy(cfg["dead_letter_topic"], max_delivery_attempts=5)
+                   if cfg.get("dead_letter_topic") else None)
+    sub = Subscriber(
+        make_adapter(), dedup=store, dead_letter=dead_letter,
+        lease=LeasePolicy(min_extension=cfg["min_extension"],
+                          max_extension=cfg["max_extension"]),
+        retry=RetryPolicy(min_backoff=0.1, max_backoff=1.0),
+        flow_control=FlowControl(max_messages=cfg["max_messages"]),
+        stop_timeout=cfg["stop_timeout"], receive_timeout=1.0,
+    )
+    if cfg["dedup"] == "sql":
+        effects = sa.Table(cfg["effects_table"], sa.MetaData(),
+                           sa.Column("n", sa.Integer), sa.Column("consumer", sa.String(100)))
+
+        @sub.handler(cfg["subscription"], transactional=True)
+        async def transactional_effect(message: Message, connection: Any) -> None:
+            await handler_pause()
+            await connection.execute(sa.insert(effects).values(
+                n=payload_number(message), consumer=cfg["consumer"]))
+    else:
+        clients: list[aioredis.Redis] = []
+
+        @sub.handler(cfg["subscription"])
+        async def counted_effect(message: Message) -> None:
+            await handler_pause()
+            if not clients:  # made in the Subscriber's event loop
+                clients.append(aioredis.Redis.from_url(cfg["effects_url"]))
+            await clients[0].hincrby(cfg["effects_key"], str(payload_number(message)), 1)
+    return sub
+
+
+def announce_when_running(sub: Subscriber) -> None:
+    give_up = time.monotonic() + 60
+    while not sub.running:
+        if time.monotonic() > give_up:
+            print("NOT STARTED", flush=True)
+            return
+        time.sleep(0.01)
+    print("READY", cfg["consumer"], flush=True)
+
+
+def main() -> None:
+    sub = build()
+    threading.Thread(target=announce_when_running, args=(sub,), daemon=True).start()
+    sub.run()  # until SIGTERM (graceful) or SIGKILL
+    outcomes = {outcome.value: count for outcome, count in sub.stats.outcomes.items()}
+    print("STATS", json.dumps(outcomes), flush=True)
+
+
+if __name__ == "__main__":
+    main()
