@@ -16,6 +16,12 @@ elsewhere (``adapters/``, a third party's package) implement them using public n
   :class:`InProgress`, :class:`Completion`) -- the idempotent-consumer store.
 * :class:`SyncDedupStore` -- an optional capability of a store: blocking twins of its batch
   methods, for callers on threads without an event loop (sync ``@idempotent`` functions).
+* :class:`DedupEpochs` -- an optional capability of a store: an epoch per namespace, so a
+  replay can run already processed messages again (``reliable_sub.replay``).
+* :class:`Seekable` and :class:`Snapshot` -- an optional capability of an adapter: seek a
+  subscription to a time or a snapshot, and keep snapshots (``Capabilities.seek``).
+* :class:`Inspectable` and :class:`SubscriptionStats` -- an optional capability of an adapter:
+  what a subscription holds (the ``reliable-sub stats`` command).
 
 Every method that takes deliveries takes a batch and should cost one broker round trip per batch
 where the broker allows it.
@@ -26,6 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from ._results import decode_result
@@ -415,4 +422,108 @@ class SyncDedupStore(Protocol):
 
     def release_many_sync(self, claims: Sequence[Claimed], retention: float) -> None:
         """Blocking twin of :meth:`DedupStore.release_many`."""
+        ...
+
+
+@runtime_checkable
+class DedupEpochs(Protocol):
+    """An optional capability of a :class:`DedupStore`: an epoch number per namespace.
+
+    The Subscriber claims a subscription's keys in the namespace of its current epoch
+    (:func:`reliable_sub.idempotency.epochs.epoch_namespace`), so records written in an earlier
+    epoch no longer match: a replay in mode ``"reprocess"`` starts a new epoch before it seeks.
+    Epochs are kept until deleted by hand; a namespace that never had one is in epoch 0.
+    """
+
+    async def epoch(self, namespace: str) -> int:
+        """The current epoch of ``namespace`` (0 if it never had one)."""
+        ...
+
+    async def next_epoch(self, namespace: str) -> int:
+        """Start the next epoch of ``namespace`` (atomically) and return its number."""
+        ...
+
+
+# -- seek and snapshots ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A subscription's acknowledgement state at one moment, to seek back to.
+
+    Attributes:
+        name: the snapshot's short name (unique per broker project or key prefix).
+        subscription: the subscription it was taken of (None where the broker does not keep
+            it: Pub/Sub keeps it in a label when the name fits a label's rules).
+        topic: that subscription's topic.
+        created: when it was taken (None where the broker does not say).
+        expires: when the broker deletes it (None: kept until deleted).
+    """
+
+    name: str
+    subscription: str | None
+    topic: str
+    created: datetime | None = None
+    expires: datetime | None = None
+
+
+@runtime_checkable
+class Seekable(Protocol):
+    """An optional capability of an adapter: replay or purge a subscription's messages.
+
+    ``seek(subscription, to=time)``: messages published before ``time`` count as acknowledged,
+    those published at or after it as unacknowledged, so they are delivered again (acked ones
+    only where the subscription retains acked messages); a time in the future acknowledges
+    everything published so far. ``seek(subscription, snapshot=name)``: the acknowledgement
+    state of the snapshot comes back: what was unacknowledged when it was taken, and everything
+    published since, is delivered again. Deliveries in flight at a seek become stale (their
+    acks may be refused). Operators call it through :func:`reliable_sub.replay.seek`, which
+    also decides what the dedup store does with the replayed messages.
+    """
+
+    async def seek(
+        self, subscription: str, *, to: datetime | None = None, snapshot: str | None = None
+    ) -> None:
+        """Seek ``subscription`` to a time (timezone-aware) or to a snapshot (exactly one)."""
+        ...
+
+    async def create_snapshot(self, subscription: str, name: str) -> Snapshot:
+        """Take a snapshot of ``subscription`` named ``name`` (refused if the name is taken)."""
+        ...
+
+    async def delete_snapshot(self, name: str) -> None:
+        """Delete the snapshot ``name`` (``UnknownSnapshotError`` if there is none)."""
+        ...
+
+    async def list_snapshots(self, subscription: str | None = None) -> list[Snapshot]:
+        """The snapshots, all or those of one subscription, by name."""
+        ...
+
+
+# -- inspection -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SubscriptionStats:
+    """What a subscription holds now; None where the broker does not say.
+
+    Attributes:
+        backlog: messages not yet acked (delivered or not).
+        in_flight: messages delivered and not yet acked or given back.
+        oldest_unacked_age: seconds since the oldest unacked message was published.
+        ack_deadline: the subscription's ack deadline in seconds.
+    """
+
+    backlog: int | None
+    in_flight: int | None
+    oldest_unacked_age: float | None
+    ack_deadline: float | None
+
+
+@runtime_checkable
+class Inspectable(Protocol):
+    """An optional capability of an adapter: report what a subscription holds."""
+
+    async def subscription_stats(self, subscription: str) -> SubscriptionStats:
+        """The subscription's figures now (``UnknownSubscriptionError`` if there is none)."""
         ...

@@ -108,6 +108,7 @@ class MemoryDedupStore(SingleKeyMethods):
         self._tokens = TokenSource(check_owner(owner, "MemoryDedupStore"))
         self.owner = self._tokens.owner
         self._records: dict[DedupKey, _Record] = {}
+        self._epochs: dict[str, int] = {}
         self._lock = threading.Lock()
         self._operations = 0
 
@@ -229,6 +230,19 @@ class MemoryDedupStore(SingleKeyMethods):
             and record[2] == claim.token
             and record[1] > now
         )
+
+    # -- epochs (the DedupEpochs capability) -----------------------------------------------
+
+    async def epoch(self, namespace: str) -> int:
+        """The current epoch of ``namespace`` (0 if it never had one)."""
+        with self._lock:
+            return self._epochs.get(namespace, 0)
+
+    async def next_epoch(self, namespace: str) -> int:
+        """Start the next epoch of ``namespace``: records of earlier ones no longer match."""
+        with self._lock:
+            epoch = self._epochs[namespace] = self._epochs.get(namespace, 0) + 1
+            return epoch
 
     # -- lifecycle and inspection --------------------------------------------------------------
 

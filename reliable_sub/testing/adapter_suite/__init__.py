@@ -15,7 +15,8 @@ against it::
 The suite covers the adapter contract (ack, deadline expiry, nack delays, extend, fan-out,
 ordering), the Subscriber's guarantees on top of it (no loss, lease extension, dead letters,
 deduplication), stop, restart and close, hostile handlers, settling under failure, hung
-handlers, and telemetry (spans per attempt, linked to the producer; metrics). It needs pytest,
+handlers, telemetry (spans per attempt, linked to the producer; metrics), and seek, snapshots
+and replay modes (on adapters that can seek), and the dead-letter tools. It needs pytest,
 pytest-asyncio and opentelemetry-sdk (``pip install "reliable-sub[testing]"``).
 """
 
@@ -28,18 +29,22 @@ import pytest
 import pytest_asyncio
 
 from reliable_sub.testing.adapter_suite import (
+    dead_letter_tools,
     delivery,
     failures,
     guarantees,
     hostile_handlers,
+    inspection,
     lifecycle,
+    replay,
     settling,
     telemetry,
 )
 from reliable_sub.testing.harness import Harness
 
 MODULES: tuple[ModuleType, ...] = (
-    delivery, guarantees, lifecycle, hostile_handlers, settling, failures, telemetry,
+    delivery, guarantees, lifecycle, hostile_handlers, settling, failures, telemetry, replay,
+    dead_letter_tools, inspection,
 )
 
 
