@@ -25,12 +25,21 @@ from datetime import datetime, timezone
 from typing import Any
 
 from reliable_sub.clock import Clock, SystemClock, sleep_or_event
-from reliable_sub.errors import ConfigurationError, UnknownSubscriptionError, UnknownTopicError
+from reliable_sub.errors import (
+    ConfigurationError,
+    SnapshotExistsError,
+    UnknownSnapshotError,
+    UnknownSubscriptionError,
+    UnknownTopicError,
+)
 from reliable_sub.message import Delivery, Message
-from reliable_sub.ports import Capabilities, checked_message
+from reliable_sub.ports import Capabilities, Snapshot, SubscriptionStats, checked_message
+from reliable_sub.replay import check_target
 from reliable_sub.telemetry import send_span
 
 DEFAULT_ACK_DEADLINE = 10.0
+# Stale lease-heap entries tolerated beyond twice the live leases before the heap is rebuilt.
+LEASE_HEAP_SLACK = 1024
 # How long acked messages are kept when a subscription asks for it (retain_acked_messages=True);
 # seven days, Pub/Sub's default. Unacked messages are kept until acked, however long that takes.
 DEFAULT_MESSAGE_RETENTION = 7 * 24 * 3600.0
@@ -41,7 +50,7 @@ CAPABILITIES = Capabilities(
     native_dead_letter=False,
     native_retry_backoff=True,
     exactly_once=True,
-    seek=False,
+    seek=True,
     ordering=True,
     delivery_attempt_exact=True,
     cancel_safe_receive=True,
@@ -59,6 +68,19 @@ class _Entry:
     publish_time: datetime
     ordering_key: str | None
     attempts: int = 0
+
+
+@dataclass(eq=False)
+class _Snapshot:
+    """A subscription's unacked messages when the snapshot was taken, the last message id
+    published by then, and the messages published later and acked since (as on Pub/Sub, the
+    snapshot keeps them whether or not the subscription retains acked messages): all of them
+    are unacked after a seek to it."""
+
+    info: Snapshot
+    unacked: list[_Entry]
+    last_message_id: int
+    acked_since: list[_Entry] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -98,6 +120,8 @@ class MemoryAdapter:
         self._topics: dict[str, list[_Subscription]] = {}
         self._subscriptions: dict[str, _Subscription] = {}
         self._message_ids = itertools.count(1)
+        self._last_message_id = 0
+        self._snapshots: dict[str, _Snapshot] = {}
         self._ack_ids = itertools.count(1)
         self._sequence = itertools.count()
         self._closings = 0  # close() wakes receivers waiting when it was called
@@ -221,7 +245,8 @@ class MemoryAdapter:
                     f"topic {topic!r} does not exist; create it with ensure_subscription or "
                     f"ensure_topic (known topics: {sorted(self._topics)})"
                 )
-            message_id = str(next(self._message_ids))
+            self._last_message_id = next(self._message_ids)
+            message_id = str(self._last_message_id)
             published = datetime.fromtimestamp(self._clock.wall(), tz=timezone.utc)
             for sub in subscriptions:
                 entry = _Entry(message_id, payload, dict(attrs), published, ordering_key or None)
@@ -277,7 +302,12 @@ class MemoryAdapter:
                 if sub.retain_acked_messages:
                     sub.acked.append((now, lease.entry))
                     self._prune_acked(sub, now)
+                for taken in self._snapshots.values():
+                    if (taken.info.subscription == sub.name
+                            and int(lease.entry.id) > taken.last_message_id):
+                        taken.acked_since.append(lease.entry)
                 self._release_key(sub, lease.entry)
+                self._compact_lease_heap(sub)
         return refused
 
     async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
@@ -294,6 +324,7 @@ class MemoryAdapter:
                 else:
                     heapq.heappush(sub.delayed, (available_at, next(self._sequence), lease.entry))
                     self._notify(sub)  # a waiting receiver must learn of the new due time
+                self._compact_lease_heap(sub)
 
     async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
         refused: list[Delivery] = []
@@ -308,6 +339,7 @@ class MemoryAdapter:
                 lease.deadline = deadline
                 heapq.heappush(sub.lease_heap, (deadline, next(self._sequence), delivery.ack_id))
                 self._notify(sub)
+                self._compact_lease_heap(sub)
         return refused
 
     async def close(self) -> None:
@@ -320,6 +352,66 @@ class MemoryAdapter:
             for sub in self._subscriptions.values():
                 self._notify(sub)
 
+    # -- seek and snapshots (the Seekable capability) ------------------------------------------
+
+    async def seek(
+        self, subscription: str, *, to: datetime | None = None, snapshot: str | None = None
+    ) -> None:
+        """Seek ``subscription`` to a time or a snapshot (see :class:`~reliable_sub.ports.
+        Seekable`). Acked messages come back only if the subscription retains them
+        (``retain_acked_messages=True``); deliveries in flight become stale."""
+        check_target(to, snapshot)
+        with self._lock:
+            sub = self._subscription(subscription)
+            now = self._clock.now()
+            self._prune_acked(sub, now)
+            retained = {entry.id: at for at, entry in sub.acked}
+            known = {entry.id: entry for _, entry in sub.acked}
+            known.update((entry.id, entry) for entry in self._unacked(sub))
+            if to is not None:
+                again = {id_ for id_, entry in known.items() if entry.publish_time >= to}
+            else:
+                taken = self._snapshot(snapshot or "")
+                if taken.info.subscription != subscription:
+                    raise ConfigurationError(
+                        f"snapshot {snapshot!r} was taken of {taken.info.subscription!r}, not "
+                        f"{subscription!r}")
+                kept = [*taken.unacked, *taken.acked_since]
+                known.update((entry.id, entry) for entry in kept)
+                again = {id_ for id_ in known if int(id_) > taken.last_message_id}
+                again.update(entry.id for entry in kept)
+            self._clear(sub)
+            if sub.retain_acked_messages:
+                stays_acked = [(retained.get(id_, now), entry) for id_, entry in known.items()
+                               if id_ not in again]
+                sub.acked = deque(sorted(stays_acked, key=lambda pair: (pair[0], int(pair[1].id))))
+            for id_ in sorted(again, key=int):
+                self._enqueue(sub, known[id_])
+
+    async def create_snapshot(self, subscription: str, name: str) -> Snapshot:
+        """Take a snapshot of ``subscription``: its unacked messages now, and everything
+        published after."""
+        with self._lock:
+            sub = self._subscription(subscription)
+            if name in self._snapshots:
+                raise SnapshotExistsError(f"snapshot {name!r} already exists")
+            if not isinstance(name, str) or not name:
+                raise ConfigurationError(f"a snapshot needs a non-empty name, got {name!r}")
+            created = datetime.fromtimestamp(self._clock.wall(), tz=timezone.utc)
+            info = Snapshot(name, subscription, sub.topic, created, None)
+            self._snapshots[name] = _Snapshot(info, self._unacked(sub), self._last_message_id)
+            return info
+
+    async def delete_snapshot(self, name: str) -> None:
+        with self._lock:
+            self._snapshot(name)
+            del self._snapshots[name]
+
+    async def list_snapshots(self, subscription: str | None = None) -> list[Snapshot]:
+        with self._lock:
+            return [taken.info for name, taken in sorted(self._snapshots.items())
+                    if subscription is None or taken.info.subscription == subscription]
+
     # -- inspection, for tests and examples ---------------------------------------------------
 
     def backlog(self, subscription: str) -> int:
@@ -328,6 +420,15 @@ class MemoryAdapter:
             sub = self._subscription(subscription)
             queued = sum(len(q) for q in sub.waiting_by_key.values())
             return len(sub.ready) + len(sub.delayed) + len(sub.leased) + queued
+
+    async def subscription_stats(self, subscription: str) -> SubscriptionStats:
+        """Backlog, leased messages, the oldest unacked one's age and the ack deadline."""
+        with self._lock:
+            sub = self._subscription(subscription)
+            unacked = self._unacked(sub)
+            oldest = min((entry.publish_time for entry in unacked), default=None)
+            age = None if oldest is None else max(0.0, self._clock.wall() - oldest.timestamp())
+            return SubscriptionStats(len(unacked), len(sub.leased), age, sub.ack_deadline)
 
     def retained(self, subscription: str) -> list[Message]:
         """Acked messages still retained by ``subscription`` (retain_acked_messages=True)."""
@@ -345,6 +446,32 @@ class MemoryAdapter:
             raise UnknownSubscriptionError(
                 f"subscription {name!r} does not exist; known: {sorted(self._subscriptions)}"
             ) from None
+
+    def _snapshot(self, name: str) -> _Snapshot:
+        try:
+            return self._snapshots[name]
+        except KeyError:
+            raise UnknownSnapshotError(
+                f"snapshot {name!r} does not exist; known: {sorted(self._snapshots)}") from None
+
+    @staticmethod
+    def _unacked(sub: _Subscription) -> list[_Entry]:
+        """Every message of ``sub`` not yet acked, in publish order."""
+        entries = [*sub.ready, *(entry for _, _, entry in sub.delayed),
+                   *(lease.entry for lease in sub.leased.values()),
+                   *(entry for queue in sub.waiting_by_key.values() for entry in queue)]
+        return sorted(entries, key=lambda entry: int(entry.id))
+
+    def _clear(self, sub: _Subscription) -> None:
+        """Forget every delivery state of ``sub`` (its leases' ack ids become stale)."""
+        sub.ready.clear()
+        sub.delayed.clear()
+        sub.leased.clear()
+        sub.lease_heap.clear()
+        sub.waiting_by_key.clear()
+        sub.busy_keys.clear()
+        sub.acked.clear()
+        self._notify(sub)
 
     def _enqueue(self, sub: _Subscription, entry: _Entry) -> None:
         key = entry.ordering_key
@@ -369,6 +496,20 @@ class MemoryAdapter:
             self._notify(sub)
         else:
             sub.busy_keys.discard(key)
+
+    def _compact_lease_heap(self, sub: _Subscription) -> None:
+        """Drop the heap entries of leases that ended (acked, nacked) or moved (extended).
+
+        Entries are only popped when their deadline passes; under load, acks and extensions
+        leave stale ones much faster, so without this the heap held every delivery of the
+        last ack deadline (tens of MB at full speed). Rebuilt when mostly stale: O(1) per
+        entry, amortised.
+        """
+        if len(sub.lease_heap) <= 2 * len(sub.leased) + LEASE_HEAP_SLACK:
+            return
+        sub.lease_heap = [(lease.deadline, next(self._sequence), ack_id)
+                          for ack_id, lease in sub.leased.items()]
+        heapq.heapify(sub.lease_heap)
 
     def _promote(self, sub: _Subscription, now: float) -> None:
         """Move expired leases and elapsed nack delays back to the ready queue."""

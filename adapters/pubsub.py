@@ -18,37 +18,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from reliable_sub.errors import (
     AccessDeniedError,
     ConfigurationError,
+    InvalidMessageError,
     MissingExtraError,
+    SnapshotExistsError,
+    UnknownSnapshotError,
     UnknownSubscriptionError,
     UnknownTopicError,
 )
 from reliable_sub.loops import PerLoop
 from reliable_sub.message import Delivery, Message
 from reliable_sub.policy import DeadLetterPolicy, RetryPolicy
-from reliable_sub.ports import Capabilities, checked_message
+from reliable_sub.ports import Capabilities, Snapshot, SubscriptionStats, checked_message
+from reliable_sub.replay import check_target
 from reliable_sub.telemetry import send_span
 
 try:
     import grpc
     from google.api_core import exceptions as google_errors
     from google.cloud import pubsub_v1
+    from google.cloud.pubsub_v1.publisher.exceptions import MessageTooLargeError
+    from google.pubsub_v1.services.publisher import PublisherClient as GapicPublisherClient
     from google.pubsub_v1.services.subscriber import SubscriberAsyncClient
     from google.pubsub_v1.services.subscriber.transports import SubscriberGrpcAsyncIOTransport
     from google.pubsub_v1.types import DeadLetterPolicy as NativeDeadLetterPolicy
+    from google.pubsub_v1.types import PubsubMessage, Subscription
     from google.pubsub_v1.types import RetryPolicy as NativeRetryPolicy
-    from google.pubsub_v1.types import Subscription
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("PubSubAdapter", "pubsub", "google-cloud-pubsub") from error
 
@@ -57,6 +64,10 @@ logger = logging.getLogger(__name__)
 # The service's range for a subscription's ack deadline and for one modifyAckDeadline.
 MIN_ACK_DEADLINE = 10.0
 MAX_ACK_DEADLINE = 600.0
+# A subscription's message retention, in seconds: ten minutes to 31 days.
+MIN_RETENTION, MAX_RETENTION = 600.0, 31 * 24 * 3600.0
+# The label that names the subscription a snapshot was taken of (Pub/Sub does not keep it).
+SNAPSHOT_SUBSCRIPTION_LABEL = "reliable-sub-subscription"
 # acknowledge / modifyAckDeadline accept this many ack ids per request (as the Google client).
 MAX_ACK_IDS_PER_REQUEST = 2500
 # One pull returns at most this many messages.
@@ -71,6 +82,20 @@ MIN_PULL_TIMEOUT = 0.1
 # No further pull once less than this is left of a receive's timeout: the server answers an
 # empty pull about a second before its deadline, so a shorter one returns empty at once.
 MIN_PULL_WINDOW = 1.5
+# The service's limits on one message's attributes (https://cloud.google.com/pubsub/quotas);
+# the emulator does not enforce them. The service refuses a whole publish request over them, so
+# they are checked before a message joins the client's batch with other callers' messages.
+MAX_ATTRIBUTES = 100
+MAX_ATTRIBUTE_KEY_BYTES = 256
+MAX_ATTRIBUTE_VALUE_BYTES = 1024
+# google-cloud-pubsub's PublisherClient.publish(topic, data, ordering_key, retry, timeout,
+# **attrs) takes attributes as keyword arguments: an attribute of one of these names would
+# collide with a parameter (a TypeError), or be taken as retry/timeout and dropped from the
+# message. Such a message is published on its own with the Publish call itself.
+PUBLISH_PARAMETERS = frozenset({"self", "topic", "data", "ordering_key", "retry", "timeout"})
+# As Google's own transports: no cap on message size. gRPC's default 4 MiB receive limit would
+# make every pull that returns a larger message fail (the emulator channel is made here).
+CHANNEL_OPTIONS = (("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1))
 
 CAPABILITIES = Capabilities(
     min_ack_deadline=MIN_ACK_DEADLINE,
@@ -78,7 +103,7 @@ CAPABILITIES = Capabilities(
     native_dead_letter=True,
     native_retry_backoff=True,
     exactly_once=True,
-    seek=False,
+    seek=True,
     ordering=True,
     delivery_attempt_exact=False,
     refuses_stale_acks=False,
@@ -99,7 +124,10 @@ class PubSubAdapter:
             subscriptions (default: one made on first use, closed by :meth:`close`).
 
     Not-found and permission errors of the service are raised as ``UnknownSubscriptionError``,
-    ``UnknownTopicError`` and ``AccessDeniedError`` naming the resource.
+    ``UnknownTopicError`` and ``AccessDeniedError`` naming the resource. ``publish`` refuses
+    with ``InvalidMessageError``, before anything is sent, a message the service would refuse
+    (neither data nor attributes, over 10 MB, attributes beyond Pub/Sub's limits): the service
+    would refuse its whole batch, other callers' messages included.
     """
 
     def __init__(
@@ -197,6 +225,8 @@ class PubSubAdapter:
         retry: RetryPolicy | None = None,
         exactly_once: bool = False,
         ordering: bool = False,
+        retain_acked_messages: bool = False,
+        message_retention: float | None = None,
         **options: Any,
     ) -> None:
         """Create the topic and the subscription if missing (an existing one is left as is).
@@ -211,11 +241,15 @@ class PubSubAdapter:
                 ``max_backoff``, 0..600 s, applied by the broker on nack and expiry).
             exactly_once: enable exactly-once delivery (acks are confirmed).
             ordering: enable message ordering by ``ordering_key``.
+            retain_acked_messages: keep acked messages, so a seek to a time can replay them.
+            message_retention: seconds messages are kept (Pub/Sub: 600 to 2,678,400; its
+                default is seven days).
         """
         if options:
             raise ConfigurationError(
                 f"PubSubAdapter.ensure_subscription got unknown options {sorted(options)}; "
-                "allowed: ack_deadline, dead_letter, retry, exactly_once, ordering"
+                "allowed: ack_deadline, dead_letter, retry, exactly_once, ordering, "
+                "retain_acked_messages, message_retention"
             )
         if not MIN_ACK_DEADLINE <= ack_deadline <= MAX_ACK_DEADLINE:
             raise ConfigurationError(
@@ -228,7 +262,14 @@ class PubSubAdapter:
             "ack_deadline_seconds": math.ceil(ack_deadline),
             "enable_exactly_once_delivery": exactly_once,
             "enable_message_ordering": ordering,
+            "retain_acked_messages": retain_acked_messages,
         }
+        if message_retention is not None:
+            if not MIN_RETENTION <= message_retention <= MAX_RETENTION:
+                raise ConfigurationError(
+                    f"ensure_subscription: message_retention must be in [{MIN_RETENTION:g}, "
+                    f"{MAX_RETENTION:g}] seconds on Pub/Sub, got {message_retention!r}")
+            request["message_retention_duration"] = timedelta(seconds=message_retention)
         if dead_letter is not None:
             if not 5 <= dead_letter.max_delivery_attempts <= 100:
                 raise ConfigurationError(
@@ -285,20 +326,98 @@ class PubSubAdapter:
             subscription.dead_letter_policy and subscription.dead_letter_policy.dead_letter_topic
         )
 
+    # -- seek and snapshots (the Seekable capability) ---------------------------------------
+
+    def snapshot_path(self, name: str) -> str:
+        if name.startswith("projects/"):
+            return name
+        return f"projects/{self.project_id}/snapshots/{name}"
+
+    async def seek(
+        self, subscription: str, *, to: datetime | None = None, snapshot: str | None = None
+    ) -> None:
+        """Pub/Sub's own Seek (see :class:`~reliable_sub.ports.Seekable`); a seek to a time
+        replays acked messages only on a subscription made with ``retain_acked_messages``."""
+        check_target(to, snapshot)
+        request: dict[str, Any] = {"subscription": self.subscription_path(subscription)}
+        if to is not None:
+            request["time"] = to
+        else:
+            request["snapshot"] = self.snapshot_path(snapshot or "")
+        with _named_errors(subscription=subscription), _snapshot_errors(snapshot):
+            await asyncio.to_thread(self._admin.seek, request=request)
+
+    async def create_snapshot(self, subscription: str, name: str) -> Snapshot:
+        """Pub/Sub's CreateSnapshot; the subscription's name is kept in a label where it fits
+        a label's rules (lower-case letters, digits, ``-`` and ``_``, up to 63)."""
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"a snapshot needs a non-empty name, got {name!r}")
+        request: dict[str, Any] = {"name": self.snapshot_path(name),
+                                   "subscription": self.subscription_path(subscription)}
+        if _label_safe(subscription):
+            request["labels"] = {SNAPSHOT_SUBSCRIPTION_LABEL: subscription}
+        with _named_errors(subscription=subscription), _snapshot_errors(name):
+            made = await asyncio.to_thread(self._admin.create_snapshot, request=request)
+        return dataclasses.replace(_snapshot_of(made), subscription=subscription,
+                                   created=datetime.now(timezone.utc))
+
+    async def delete_snapshot(self, name: str) -> None:
+        with _snapshot_errors(name):
+            await asyncio.to_thread(self._admin.delete_snapshot,
+                                    request={"snapshot": self.snapshot_path(name)})
+
+    async def list_snapshots(self, subscription: str | None = None) -> list[Snapshot]:
+        """The project's snapshots; with ``subscription``, those labelled with it (or, without
+        the label, taken on its topic)."""
+
+        def listed() -> list[Any]:
+            return list(self._admin.list_snapshots(
+                request={"project": f"projects/{self.project_id}"}))
+
+        found = [_snapshot_of(raw) for raw in await asyncio.to_thread(listed)]
+        if subscription is not None:
+            topic = await self.subscription_topic(subscription)
+            found = [snap for snap in found if snap.subscription == subscription
+                     or (snap.subscription is None and snap.topic == topic)]
+        return sorted(found, key=lambda snap: snap.name)
+
+    async def subscription_stats(self, subscription: str) -> SubscriptionStats:
+        """The ack deadline only: Pub/Sub reports a subscription's backlog through Cloud
+        Monitoring (``subscription/num_undelivered_messages``,
+        ``oldest_unacked_message_age``), not through its own API."""
+        return SubscriptionStats(None, None, None,
+                                 await self.subscription_ack_deadline(subscription))
+
     # -- publishing ------------------------------------------------------------------------
 
     def _publish_future(
         self,
         topic: str,
-        data: bytes,
-        attributes: dict[str, str] | None,
+        payload: bytes,
+        attributes: dict[str, str],
         ordering_key: str | None,
     ) -> Future[str]:
-        payload, checked = checked_message(data, attributes)
-        future: Future[str] = self._publisher.publish(
-            self.topic_path(topic), payload, ordering_key=ordering_key or "", **checked
-        )
+        try:
+            future: Future[str] = self._publisher.publish(
+                self.topic_path(topic), payload, ordering_key=ordering_key or "", **attributes
+            )
+        except MessageTooLargeError as error:
+            raise InvalidMessageError(
+                f"publish to {topic!r}: a message of {len(payload)} bytes of data (and "
+                f"{len(attributes)} attributes) is over Pub/Sub's limit of 10 MB per publish "
+                "request; put the payload in storage and publish a reference to it"
+            ) from error
         return future
+
+    def _publish_alone(self, topic: str, payload: bytes, attributes: dict[str, str]) -> str:
+        """One message with attributes named like ``PUBLISH_PARAMETERS``: the Publish call of
+        the client's GAPIC base class, which takes attributes as a mapping (blocking)."""
+        with _named_errors(topic=topic):
+            response = GapicPublisherClient.publish(
+                self._publisher, topic=self.topic_path(topic),
+                messages=[PubsubMessage(data=payload, attributes=attributes)],
+            )
+        return str(response.message_ids[0])
 
     async def publish(
         self,
@@ -308,7 +427,10 @@ class PubSubAdapter:
         ordering_key: str | None = None,
     ) -> str:
         with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
-            future = self._publish_future(topic, data, attributes, ordering_key)
+            payload, checked = _publishable(topic, data, attributes, ordering_key)
+            if not PUBLISH_PARAMETERS.isdisjoint(checked):
+                return await asyncio.to_thread(self._publish_alone, topic, payload, checked)
+            future = self._publish_future(topic, payload, checked, ordering_key)
             try:
                 with _named_errors(topic=topic):
                     return await asyncio.wrap_future(future)
@@ -324,7 +446,10 @@ class PubSubAdapter:
         ordering_key: str | None = None,
     ) -> str:
         with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
-            future = self._publish_future(topic, data, attributes, ordering_key)
+            payload, checked = _publishable(topic, data, attributes, ordering_key)
+            if not PUBLISH_PARAMETERS.isdisjoint(checked):
+                return self._publish_alone(topic, payload, checked)
+            future = self._publish_future(topic, payload, checked, ordering_key)
             try:
                 with _named_errors(topic=topic):
                     return future.result()
@@ -509,9 +634,53 @@ def _new_subscriber_client() -> SubscriberAsyncClient:
     """An asyncio subscriber client for the running loop (the emulator's when configured)."""
     host = os.environ.get("PUBSUB_EMULATOR_HOST")
     if host:
-        channel = grpc.aio.insecure_channel(host)
+        channel = grpc.aio.insecure_channel(host, options=CHANNEL_OPTIONS)
         return SubscriberAsyncClient(transport=SubscriberGrpcAsyncIOTransport(channel=channel))
     return SubscriberAsyncClient()
+
+
+def _publishable(
+    topic: str,
+    data: bytes | bytearray | memoryview,
+    attributes: dict[str, str] | None,
+    ordering_key: str | None,
+) -> tuple[bytes, dict[str, str]]:
+    """``checked_message``, then what Pub/Sub refuses for one message, as InvalidMessageError:
+    refused alone here rather than by the service with every message of its batch."""
+    payload, checked = checked_message(data, attributes)
+    where = f"publish to {topic!r}"
+    if not payload and not checked:
+        raise InvalidMessageError(
+            f"{where}: Pub/Sub refuses a message with neither data nor attributes; send "
+            "non-empty data or at least one attribute"
+        )
+    if len(checked) > MAX_ATTRIBUTES:
+        raise InvalidMessageError(
+            f"{where}: {len(checked)} attributes, Pub/Sub allows at most {MAX_ATTRIBUTES}"
+        )
+    for name, value in checked.items():
+        for part, text, limit in (("name", name, MAX_ATTRIBUTE_KEY_BYTES),
+                                  ("value", value, MAX_ATTRIBUTE_VALUE_BYTES)):
+            try:
+                size = len(text.encode())
+            except UnicodeEncodeError as error:
+                raise InvalidMessageError(
+                    f"{where}: the {part} of attribute {name!r} is not valid Unicode text "
+                    f"({error.reason}); Pub/Sub carries UTF-8 only"
+                ) from None
+            if size > limit:
+                raise InvalidMessageError(
+                    f"{where}: the {part} of attribute {name[:40]!r} is {size} bytes of UTF-8, "
+                    f"Pub/Sub allows at most {limit}"
+                )
+    if ordering_key and not PUBLISH_PARAMETERS.isdisjoint(checked):
+        clashing = sorted(PUBLISH_PARAMETERS.intersection(checked))
+        raise InvalidMessageError(
+            f"{where}: attributes named {clashing} cannot be published with an ordering key "
+            "(google-cloud-pubsub takes them as its publish() arguments, and publishing them "
+            "apart from its batches could reorder the key); rename them"
+        )
+    return payload, checked
 
 
 def _named(
@@ -537,6 +706,33 @@ def _named(
             "or ensure_subscription"
         )
     return error
+
+
+@contextlib.contextmanager
+def _snapshot_errors(name: str | None) -> Iterator[None]:
+    """Raise a snapshot's NotFound and AlreadyExists as the library's named errors."""
+    try:
+        yield
+    except google_errors.AlreadyExists as error:
+        raise SnapshotExistsError(f"snapshot {name!r} already exists") from error
+    except google_errors.NotFound as error:
+        if name is not None and "napshot" in (getattr(error, "message", None) or str(error)):
+            raise UnknownSnapshotError(f"snapshot {name!r} does not exist ({error})") from error
+        raise
+
+
+def _label_safe(value: str) -> bool:
+    return 0 < len(value) <= 63 and all(c.islower() or c.isdigit() or c in "-_" for c in value)
+
+
+def _snapshot_of(raw: Any) -> Snapshot:
+    expires = raw.expire_time if raw.expire_time else None
+    return Snapshot(
+        name=raw.name.rsplit("/", 1)[-1],
+        subscription=raw.labels.get(SNAPSHOT_SUBSCRIPTION_LABEL),
+        topic=raw.topic.rsplit("/", 1)[-1],
+        expires=expires,
+    )
 
 
 @contextlib.contextmanager

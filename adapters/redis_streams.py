@@ -37,6 +37,8 @@ Subscriber dead-letters it instead of letting it block its batch.
 from __future__ import annotations
 
 import asyncio
+import functools
+import itertools
 import json
 import logging
 import math
@@ -47,7 +49,13 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from reliable_sub.errors import ConfigurationError, MissingExtraError, UnknownSubscriptionError
+from reliable_sub.errors import (
+    ConfigurationError,
+    MissingExtraError,
+    SnapshotExistsError,
+    UnknownSnapshotError,
+    UnknownSubscriptionError,
+)
 from reliable_sub.message import Delivery, Message
 from reliable_sub.ports import (
     Capabilities,
@@ -55,17 +63,27 @@ from reliable_sub.ports import (
     Completion,
     DedupStore,
     Outgoing,
+    Snapshot,
+    SubscriptionStats,
     checked_message,
 )
+from reliable_sub.replay import check_target
 from reliable_sub.telemetry import send_span
 
 try:
     import redis
     import redis.asyncio as aioredis
+    from redis.crc import key_slot
     from redis.exceptions import ResponseError
 
     from reliable_sub.idempotency.redis_store import COMPLETE_LUA, RedisDedupStore
-    from reliable_sub.redis_clients import RedisClients, lua_source, script
+    from reliable_sub.redis_clients import (
+        AsyncClient,
+        RedisClients,
+        SyncClient,
+        lua_source,
+        script,
+    )
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("RedisStreamsAdapter", "redis", "redis") from error
 
@@ -92,7 +110,7 @@ CAPABILITIES = Capabilities(
     native_dead_letter=False,
     native_retry_backoff=False,
     exactly_once=True,
-    seek=False,
+    seek=True,
     ordering=False,
     delivery_attempt_exact=True,
     extension_limited_to_ack_deadline=True,
@@ -109,6 +127,9 @@ _ACK_COMPLETE = lua_source(__package__, "owned") + COMPLETE_LUA + lua_source(
     __package__, "streams_ack_complete"
 )
 _NACK = lua_source(__package__, "owned", "now_ms", "streams_nack")
+_SEEK = lua_source(__package__, "now_ms", "streams_seek")
+# The largest sequence number of an entry id: "<ms>-MAX_SEQUENCE" is the last id of a millisecond.
+MAX_SEQUENCE = 2**64 - 1
 
 
 @dataclass(eq=False)
@@ -173,6 +194,8 @@ class RedisStreamsAdapter:
         self._ack = script(_ACK)
         self._nack = script(_NACK)
         self._ack_complete = script(_ACK_COMPLETE)
+        self._seek = script(_SEEK)
+        self._snapshots_key = f"{key_prefix}:snapshots"
         self.stats = {"reclaimed": 0, "gone": 0, "malformed": 0}
 
     @property
@@ -180,27 +203,30 @@ class RedisStreamsAdapter:
         return CAPABILITIES
 
     @property
-    def client(self) -> aioredis.Redis:
+    def client(self) -> AsyncClient:
         """The asyncio client of the running event loop."""
         return self.clients.get()
 
     @property
-    def _sync(self) -> redis.Redis:
+    def _sync(self) -> SyncClient:
         return self.clients.sync
 
     # -- administration -------------------------------------------------------------------
 
     def _delayed_key(self, stream: str, group: str) -> str:
-        # the {stream} hash tag keeps the set in the stream's cluster slot
-        return f"{self._prefix}:delayed:{{{stream}}}:{group}"
+        # the stream's hash tag keeps the set in the stream's cluster slot
+        return f"{self._prefix}:delayed:{{{hash_tag(stream)}}}:{group}"
 
     def _settings(
         self, topic: str, ack_deadline: float, start: str, options: dict[str, Any]
     ) -> bytes:
+        # A stream keeps its entries, acked or not, until max_len trims them: a seek can always
+        # replay them, so retain_acked_messages (as on Pub/Sub and memory) asks for nothing more.
+        options.pop("retain_acked_messages", None)
         if options:
             raise ConfigurationError(
                 f"RedisStreamsAdapter.ensure_subscription got unknown options {sorted(options)}; "
-                "allowed: ack_deadline, start"
+                "allowed: ack_deadline, start, retain_acked_messages"
             )
         if not ack_deadline > 0:
             raise ConfigurationError(
@@ -227,6 +253,8 @@ class RedisStreamsAdapter:
         Args:
             ack_deadline: seconds an entry may stay idle before another consumer reclaims it.
             start: ``"$"`` to deliver entries added from now on, ``"0"`` for the whole stream.
+            retain_acked_messages: accepted for portability; a stream always keeps acked
+                entries until ``max_len`` trims them, so a seek can replay them.
         """
         settings = self._settings(topic, ack_deadline, start, options)
         client = self.client
@@ -334,6 +362,105 @@ class RedisStreamsAdapter:
         except ResponseError as error:
             _raise_unless_group_exists(error)
         await client.hsetnx(self._settings_key, group, settings)
+
+    # -- seek and snapshots (the Seekable capability) ---------------------------------------
+
+    async def seek(
+        self, subscription: str, *, to: datetime | None = None, snapshot: str | None = None
+    ) -> None:
+        """Seek ``subscription``'s group to a time or a snapshot (see
+        :class:`~reliable_sub.ports.Seekable`): the group is recreated, in one script, with its
+        last-delivered id before the time (entry ids carry their millisecond) and no pending
+        entries. Entries trimmed from the stream (``max_len``) cannot come back."""
+        check_target(to, snapshot)
+        sub = await self._subscription(subscription)
+        if to is not None:
+            target = ["time", str(math.ceil(to.timestamp() * 1000))]
+        else:
+            record = await self._snapshot_record(snapshot or "")
+            if record["subscription"] != subscription:
+                raise ConfigurationError(
+                    f"snapshot {snapshot!r} was taken of {record['subscription']!r}, not "
+                    f"{subscription!r}")
+            target = ["id", record["resume_after"]]
+        await self._seek(keys=[sub.stream, sub.delayed_key], args=[subscription, *target],
+                         client=self.client)
+        sub.reclaim_from = "-"
+
+    async def create_snapshot(self, subscription: str, name: str) -> Snapshot:
+        """Take a snapshot of ``subscription``: the id before its oldest pending entry (or its
+        last-delivered id when none is pending), kept in the hash ``{key_prefix}:snapshots``.
+        A seek to it delivers again every entry after that id: the ones unacked when it was
+        taken, those published since, and also any acked between them."""
+        if not isinstance(name, str) or not name:
+            raise ConfigurationError(f"a snapshot needs a non-empty name, got {name!r}")
+        sub = await self._subscription(subscription)
+        group, pending, now_ms = await self._group_state(sub)
+        oldest = pending.get("min") if pending.get("pending") else None
+        resume_after = _id_before(_text(oldest)) if oldest else _text(group["last-delivered-id"])
+        created = datetime.fromtimestamp(now_ms / 1000, tz=timezone.utc)
+        record = {"subscription": subscription, "topic": sub.stream,
+                  "created": created.isoformat(), "resume_after": resume_after}
+        if not await self.client.hsetnx(self._snapshots_key, name, json.dumps(record)):
+            raise SnapshotExistsError(f"snapshot {name!r} already exists")
+        return _snapshot_of(name, record)
+
+    async def delete_snapshot(self, name: str) -> None:
+        if not await self.client.hdel(self._snapshots_key, name):
+            raise UnknownSnapshotError(f"snapshot {name!r} does not exist")
+
+    async def list_snapshots(self, subscription: str | None = None) -> list[Snapshot]:
+        raw = await self.client.hgetall(self._snapshots_key)
+        found = [_snapshot_of(_text(name), json.loads(value)) for name, value in raw.items()]
+        return sorted((snap for snap in found
+                       if subscription is None or snap.subscription == subscription),
+                      key=lambda snap: snap.name)
+
+    async def subscription_stats(self, subscription: str) -> SubscriptionStats:
+        """From XINFO GROUPS (the group's lag: entries not yet delivered) and XPENDING (the
+        pending entries and the oldest one's id, whose milliseconds date it). The backlog is
+        unknown (None) when Redis cannot count the lag (after entries were deleted)."""
+        sub = await self._subscription(subscription)
+        group, pending, now_ms = await self._group_state(sub)
+        in_flight = int(pending.get("pending") or 0)
+        lag = group.get("lag")
+        oldest = pending.get("min") if in_flight else None
+        if oldest is None and lag:  # nothing pending: the oldest unacked is the next to deliver
+            last = _text(group["last-delivered-id"])
+            after = await self.client.xrange(sub.stream, min=f"({last}", count=1)
+            oldest = after[0][0] if after else None
+        age = None if oldest is None else max(0.0, (now_ms - int(_text(oldest).split("-")[0]))
+                                              / 1000)
+        backlog = None if lag is None else int(lag) + in_flight
+        return SubscriptionStats(backlog, in_flight, age, sub.ack_deadline)
+
+    async def _group_state(self, sub: _Subscription) -> tuple[dict[str, Any], dict[str, Any], int]:
+        """The group's XINFO GROUPS entry, its XPENDING summary and the server's time in ms,
+        read together (on a cluster one after the other: its pipelines carry no TIME)."""
+        client = self.client
+        if self.clients.cluster:
+            groups = await client.xinfo_groups(sub.stream)
+            pending = await client.xpending(sub.stream, sub.name)
+            seconds, micros = await client.time()
+        else:
+            async with client.pipeline(transaction=True) as pipe:
+                pipe.xinfo_groups(sub.stream)
+                pipe.xpending(sub.stream, sub.name)
+                pipe.time()
+                groups, pending, (seconds, micros) = await pipe.execute()
+        found = [g for g in groups if _text(g["name"]) == sub.name]
+        if not found:
+            raise UnknownSubscriptionError(
+                f"consumer group {sub.name!r} is gone from stream {sub.stream!r} (Redis "
+                "restarted without persistence?); a consumer recreates it on its next receive")
+        return found[0], pending, int(seconds) * 1000 + int(micros) // 1000
+
+    async def _snapshot_record(self, name: str) -> dict[str, str]:
+        raw = await self.client.hget(self._snapshots_key, name)
+        if raw is None:
+            raise UnknownSnapshotError(f"snapshot {name!r} does not exist")
+        record: dict[str, str] = json.loads(raw)
+        return record
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -601,12 +728,43 @@ class RedisStreamsAdapter:
         self.clients.close_sync()
 
 
+@functools.lru_cache(maxsize=4096)
+def hash_tag(key: str) -> str:
+    """A hash tag for keys that must share ``key``'s Redis Cluster slot (``...{tag}...``):
+    what the cluster hashes of ``key`` (the text of its first non-empty ``{...}``, else all of
+    it), or, when that text holds a ``}`` and so cannot sit between braces, a short stand-in
+    of the same slot."""
+    hashed = key
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            hashed = key[start + 1 : end]
+    if "}" not in hashed:
+        return hashed
+    slot = key_slot(key.encode())
+    return next(f"slot-{n}" for n in itertools.count() if key_slot(f"slot-{n}".encode()) == slot)
+
+
+def _id_before(entry_id: str) -> str:
+    """The greatest entry id below ``entry_id``."""
+    ms, sequence = (int(part) for part in entry_id.split("-"))
+    if sequence > 0:
+        return f"{ms}-{sequence - 1}"
+    return f"{ms - 1}-{MAX_SEQUENCE}" if ms > 0 else "0-0"
+
+
+def _snapshot_of(name: str, record: dict[str, str]) -> Snapshot:
+    return Snapshot(name, record["subscription"], record["topic"],
+                    datetime.fromisoformat(record["created"]), None)
+
+
 def _settings_json(topic: str, ack_deadline: float, start: str) -> bytes:
     return json.dumps({"topic": topic, "ack_deadline": ack_deadline, "start": start}).encode()
 
 
 async def _record_settings(
-    client: aioredis.Redis, key: str, group: str, settings: bytes
+    client: AsyncClient, key: str, group: str, settings: bytes
 ) -> bytes | None:
     """Record ``group``'s settings unless some are; return what is recorded now."""
     async with client.pipeline(transaction=True) as pipe:

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
 from hypothesis import HealthCheck, settings
+
+from tests.redis_processes import RedisClusterProcesses
 
 # fixtures shared by the outbox tests: outbox (PostgreSQL and SQLite), pg_outbox
 pytest_plugins = ["tests.outbox_support"]
@@ -19,3 +25,29 @@ settings.register_profile("nightly", max_examples=1000, stateful_step_count=60, 
 settings.register_profile("hunt", max_examples=300, stateful_step_count=40, deadline=None,
                           suppress_health_check=_SLOW_IS_FINE)
 settings.load_profile("ci")
+
+
+def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
+    """Under xdist, the chaos scenarios are one unit of work, run by one worker one after the
+    other (each loads the machine with consumer processes), while the other workers run the
+    rest. (xdist's own ``xdist_group`` marks do not reach the node ids under pytest 9.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ChaosOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "chaos" if nodeid.startswith("tests/chaos/") else nodeid
+
+    return ChaosOnOneWorker(config, log)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcesses]:
+    """A private Redis Cluster (3 masters, 3 replicas) for this session's worker."""
+    cluster = RedisClusterProcesses(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.kill()

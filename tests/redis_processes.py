@@ -30,6 +30,8 @@ POLL_INTERVAL = 0.01
 START_TIMEOUT = 15.0
 # How long a SIGKILLed process gets to be reaped.
 EXIT_TIMEOUT = 10.0
+# A cluster node unreachable this long (ms) is failed over to its replica.
+CLUSTER_NODE_TIMEOUT_MS = 2000
 
 
 def poll_until_sync(check: Callable[[], bool], what: str, within: float = 10.0) -> None:
@@ -64,6 +66,23 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def free_cluster_port() -> int:
+    """A free loopback port whose cluster bus port (10,000 higher) is free too; Redis refuses
+    ports above 55535 in cluster mode."""
+    import random
+
+    for _ in range(1000):
+        port = random.randrange(20_000, 55_000)
+        try:
+            with socket.socket() as first, socket.socket() as second:
+                first.bind(("127.0.0.1", port))
+                second.bind(("127.0.0.1", port + 10_000))
+        except OSError:
+            continue
+        return port
+    raise AssertionError("no free pair of ports for a cluster node")
+
+
 class RedisServer:
     """A private ``redis-server`` on a free loopback port, data in ``directory``.
 
@@ -71,7 +90,7 @@ class RedisServer:
     the data survives a SIGKILL and a :meth:`start` on the same port and directory.
     """
 
-    def __init__(self, directory: Path, *, appendonly: bool) -> None:
+    def __init__(self, directory: Path, *, appendonly: bool, cluster: bool = False) -> None:
         executable = shutil.which("redis-server")
         if executable is None:
             message = "redis-server is not on PATH"
@@ -81,7 +100,8 @@ class RedisServer:
         self.executable = executable
         self.directory = directory
         self.appendonly = appendonly
-        self.port = free_port()
+        self.cluster = cluster
+        self.port = free_cluster_port() if cluster else free_port()
         self.log_path = directory / "redis-server.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
@@ -103,6 +123,9 @@ class RedisServer:
             "--dir", str(self.directory),
             "--daemonize", "no",
         ]
+        if self.cluster:
+            command += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                        "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS)]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
@@ -142,6 +165,16 @@ class RedisServer:
         finally:
             client.close()
 
+    def role(self) -> str:
+        """``master`` or ``slave`` (ROLE's first field)."""
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port)
+        try:
+            return str(client.execute_command("ROLE")[0], "utf-8")
+        finally:
+            client.close()
+
     def kill(self) -> None:
         """SIGKILL the server and reap it: no shutdown save, connections simply drop."""
         process, self.process = self.process, None
@@ -156,6 +189,61 @@ class RedisServer:
             return self.log_path.read_text(errors="replace")[-4000:]
         except OSError:
             return "(no log)"
+
+
+class RedisClusterProcesses:
+    """A Redis Cluster of 3 masters and 3 replicas: six private ``redis-server`` processes on
+    free loopback ports, joined by ``redis-cli --cluster create --cluster-replicas 1``."""
+
+    def __init__(self, directory: Path, masters: int = 3) -> None:
+        self.servers = []
+        for number in range(2 * masters):
+            node = directory / f"node-{number}"
+            node.mkdir(parents=True, exist_ok=True)
+            self.servers.append(RedisServer(node, appendonly=False, cluster=True))
+
+    @property
+    def url(self) -> str:
+        """A ``redis+cluster://`` URL naming every node as a seed (any one that answers
+        gives the library's clients the whole topology)."""
+        seeds = ",".join(f"127.0.0.1:{server.port}" for server in self.servers)
+        return f"redis+cluster://{seeds}/0"
+
+    def start(self) -> None:
+        for server in self.servers:
+            server.start()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise AssertionError("redis-cli is not on PATH (it joins the cluster)")
+        created = subprocess.run(
+            [cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in self.servers),
+             "--cluster-replicas", "1", "--cluster-yes"],
+            capture_output=True, text=True, timeout=60, check=False)
+        if created.returncode != 0:
+            raise AssertionError(f"redis-cli --cluster create failed:\n{created.stdout}"
+                                 f"{created.stderr}")
+        poll_until_sync(self._ready, "cluster_state:ok on every node", within=START_TIMEOUT)
+
+    def _ready(self) -> bool:
+        """Every node sees the cluster ok, and every replica has synced with its master (a
+        replica that never synced would not take over when its master dies)."""
+        import redis
+
+        for server in self.servers:
+            client = redis.Redis(host="127.0.0.1", port=server.port)
+            try:
+                if b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+                    return False
+                replication = client.info("replication")
+                if replication["role"] == "slave" and replication["master_link_status"] != "up":
+                    return False
+            finally:
+                client.close()
+        return True
+
+    def kill(self) -> None:
+        for server in self.servers:
+            server.kill()
 
 
 class Child:
@@ -185,6 +273,14 @@ class Child:
 
     @property
     def output(self) -> str:
+        """What the child printed so far (lines not yet waited for included)."""
+        with contextlib.suppress(queue.Empty):
+            while True:
+                line = self._queue.get_nowait()
+                if line is None:
+                    self._queue.put(None)
+                    break
+                self.lines.append(line)
         return "\n".join(self.lines)
 
     def wait_for_line(self, prefix: str, timeout: float = START_TIMEOUT) -> str:

@@ -6,6 +6,8 @@ fails the Redis class instead.
 
 from __future__ import annotations
 
+import pytest
+
 from reliable_sub.testing import (
     AdapterSuite,
     Harness,
@@ -15,6 +17,7 @@ from reliable_sub.testing import (
     redis_harness,
 )
 from reliable_sub.testing.services import in_ci, redis_available
+from tests.redis_processes import RedisClusterProcesses
 
 
 class TestMemoryAdapter(AdapterSuite):
@@ -25,6 +28,19 @@ class TestMemoryAdapter(AdapterSuite):
 class TestRedisStreamsAdapter(AdapterSuite):
     def make_harness(self) -> Harness:
         return redis_harness()
+
+
+class TestRedisStreamsAdapterOnACluster(AdapterSuite):
+    """On a Redis Cluster of 3 masters and 3 replicas (tests/conftest.py starts it)."""
+
+    cluster_url = ""
+
+    @pytest.fixture(autouse=True)
+    def _on_the_cluster(self, redis_cluster: RedisClusterProcesses) -> None:
+        self.cluster_url = redis_cluster.url
+
+    def make_harness(self) -> Harness:
+        return redis_harness(self.cluster_url, name="redis-cluster")
 
 
 class TestPubSubAdapter(AdapterSuite):

@@ -1,6 +1,9 @@
-"""The shipped dedup-store suite, run against the memory and Redis stores."""
+"""The shipped dedup-store suite, run against the memory, Redis (one server and a cluster) and
+SQL stores."""
 
 from __future__ import annotations
+
+import pytest
 
 from reliable_sub.testing import (
     DedupStoreSuite,
@@ -11,6 +14,7 @@ from reliable_sub.testing import (
     sql_stores,
 )
 from reliable_sub.testing.services import in_ci, postgres_url, redis_available, redis_url
+from tests.redis_processes import RedisClusterProcesses
 
 
 class TestMemoryDedupStore(DedupStoreSuite):
@@ -21,6 +25,20 @@ class TestMemoryDedupStore(DedupStoreSuite):
 class TestRedisDedupStore(DedupStoreSuite):
     def make_stores(self) -> StoreHarness:
         return redis_stores(redis_url())
+
+
+class TestRedisDedupStoreOnACluster(DedupStoreSuite):
+    """On a Redis Cluster of 3 masters and 3 replicas: a batch's keys are claimed with one
+    script call per hash slot."""
+
+    cluster_url = ""
+
+    @pytest.fixture(autouse=True)
+    def _on_the_cluster(self, redis_cluster: RedisClusterProcesses) -> None:
+        self.cluster_url = redis_cluster.url
+
+    def make_stores(self) -> StoreHarness:
+        return redis_stores(self.cluster_url, name="redis-cluster")
 
 
 class TestSqlDedupStoreOnPostgres(DedupStoreSuite):

@@ -34,28 +34,39 @@ on the blocking ``redis.Redis`` client, from any thread, without an event loop. 
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import logging
 import math
 import re
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from .._results import checked_result_json
 from ..errors import ConfigurationError, MissingExtraError
+from ..loops import PerLoop
 from ..policy import check_seconds
 from ..ports import Claimed, ClaimResult, Completed, Completion, DedupKey, InProgress
 from .memory_store import SingleKeyMethods, TokenSource, check_owner
 
 try:
     import redis.asyncio as aioredis
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.commands.core import AsyncScript, Script
 except ImportError as error:  # the redis extra is not installed
     raise MissingExtraError("RedisDedupStore", "redis", "redis") from error
 
-import redis
 
-from ..redis_clients import RedisClients, lua_source, script, sync_script
+from ..redis_clients import (
+    AsyncClient,
+    RedisClients,
+    SyncClient,
+    lua_source,
+    script,
+    slot_groups,
+    sync_script,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -117,11 +128,11 @@ class RedisDedupStore(SingleKeyMethods):
 
     def __init__(
         self,
-        url_or_client: str | aioredis.Redis = DEFAULT_URL,
+        url_or_client: str | aioredis.Redis | AsyncRedisCluster = DEFAULT_URL,
         *,
         prefix: str = DEFAULT_PREFIX,
         owner: str | None = None,
-        sync_client: redis.Redis | None = None,
+        sync_client: SyncClient | None = None,
     ) -> None:
         if not isinstance(prefix, str) or not prefix or "{" in prefix or "}" in prefix:
             raise ConfigurationError(
@@ -143,6 +154,8 @@ class RedisDedupStore(SingleKeyMethods):
             sync_client=sync_client,
         )
         self.prefix = prefix
+        self._cluster_calls: PerLoop[asyncio.Semaphore] = PerLoop(
+            lambda: asyncio.Semaphore(MAX_CONNECTIONS))
         # Scripts are bound to no client: each call names the running loop's client.
         self._claim_script = script(_CLAIM_SCRIPT)
         self._renew_script = script(_RENEW_SCRIPT)
@@ -157,12 +170,12 @@ class RedisDedupStore(SingleKeyMethods):
         return f"RedisDedupStore(prefix={self.prefix!r}, owner={self.owner!r})"
 
     @property
-    def client(self) -> aioredis.Redis:
+    def client(self) -> AsyncClient:
         """The ``redis.asyncio.Redis`` client of the running event loop."""
         return self.clients.get()
 
     @property
-    def sync_client(self) -> redis.Redis:
+    def sync_client(self) -> SyncClient:
         """The blocking ``redis.Redis`` client of the ``*_sync`` methods."""
         return self.clients.sync
 
@@ -180,6 +193,21 @@ class RedisDedupStore(SingleKeyMethods):
         namespace, idempotency_key = key
         return f"{self.prefix}:{{{_namespace_tag(namespace)}}}:{_key_part(idempotency_key)}"
 
+    def epoch_key(self, namespace: str) -> str:
+        """The Redis key that holds ``namespace``'s epoch: in the hash slot of its records."""
+        return f"{self.prefix}:epoch:{{{_namespace_tag(namespace)}}}"
+
+    # -- epochs (the DedupEpochs capability) -----------------------------------------------
+
+    async def epoch(self, namespace: str) -> int:
+        """The current epoch of ``namespace`` (0 if it never had one)."""
+        value = await self.client.get(self.epoch_key(namespace))
+        return int(value) if value is not None else 0
+
+    async def next_epoch(self, namespace: str) -> int:
+        """Start the next epoch of ``namespace`` (INCR; kept without expiry)."""
+        return int(await self.client.incr(self.epoch_key(namespace)))
+
     # -- the DedupStore protocol ----------------------------------------------------------------
 
     async def claim_many(
@@ -191,28 +219,28 @@ class RedisDedupStore(SingleKeyMethods):
         if not keys:
             return []
         redis_keys, args, chosen = self._claim_arguments(keys, lease_ttl, tokens)
-        reply = await self._claim_script(keys=redis_keys, args=args, client=self.client)
-        return self._claim_results(keys, chosen, reply)
+        replies = await self._calls(self._claim_script, redis_keys, args, 1)
+        return self._claim_results(keys, chosen, _triples(replies, len(keys)))
 
     async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
         if not claims:
             return []
         keys, args = self._held_arguments(claims, _milliseconds("lease_ttl", lease_ttl))
-        lost = await self._renew_script(keys=keys, args=args, client=self.client)
+        lost = _positions(await self._calls(self._renew_script, keys, args, 2))
         return _at_positions(claims, lost)
 
     async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
         if not completions:
             return []
         keys, args = self.completion_records(completions, ttl)
-        refused = await self._complete_script(keys=keys, args=args, client=self.client)
+        refused = _positions(await self._calls(self._complete_script, keys, args, 2))
         return [c.claim for c in _at_positions(completions, refused)]
 
     async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
         if not claims:
             return
         keys, args = self._held_arguments(claims, _retention_milliseconds(retention))
-        await self._release_script(keys=keys, args=args, client=self.client)
+        await self._calls(self._release_script, keys, args, 2)
 
     # -- the blocking twins (SyncDedupStore): same arguments, scripts and replies --------------
 
@@ -226,15 +254,15 @@ class RedisDedupStore(SingleKeyMethods):
         if not keys:
             return []
         redis_keys, args, chosen = self._claim_arguments(keys, lease_ttl, tokens)
-        reply = self._claim_script_sync(keys=redis_keys, args=args, client=self.clients.sync)
-        return self._claim_results(keys, chosen, reply)
+        replies = self._calls_sync(self._claim_script_sync, redis_keys, args, 1)
+        return self._claim_results(keys, chosen, _triples(replies, len(keys)))
 
     def renew_sync(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
         """Blocking twin of :meth:`renew`."""
         if not claims:
             return []
         keys, args = self._held_arguments(claims, _milliseconds("lease_ttl", lease_ttl))
-        lost = self._renew_script_sync(keys=keys, args=args, client=self.clients.sync)
+        lost = _positions(self._calls_sync(self._renew_script_sync, keys, args, 2))
         return _at_positions(claims, lost)
 
     def complete_many_sync(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
@@ -242,7 +270,7 @@ class RedisDedupStore(SingleKeyMethods):
         if not completions:
             return []
         keys, args = self.completion_records(completions, ttl)
-        refused = self._complete_script_sync(keys=keys, args=args, client=self.clients.sync)
+        refused = _positions(self._calls_sync(self._complete_script_sync, keys, args, 2))
         return [c.claim for c in _at_positions(completions, refused)]
 
     def release_many_sync(self, claims: Sequence[Claimed], retention: float) -> None:
@@ -250,7 +278,51 @@ class RedisDedupStore(SingleKeyMethods):
         if not claims:
             return
         keys, args = self._held_arguments(claims, _retention_milliseconds(retention))
-        self._release_script_sync(keys=keys, args=args, client=self.clients.sync)
+        self._calls_sync(self._release_script_sync, keys, args, 2)
+
+    # -- one script call per batch; per hash slot on a cluster ----------------------------------
+
+    def _split(self, keys: list[str], args: list[Any], width: int) -> list[_Call]:
+        """The script calls for ``keys`` and ``args`` (one header value, then ``width`` values
+        per key): one, or on a cluster one per hash slot, each with the batch positions of its
+        keys."""
+        if not self.clients.cluster:
+            return [_Call(list(range(len(keys))), keys, args)]
+        calls = []
+        for positions in slot_groups(keys):
+            slot_args = [args[0]]
+            for position in positions:
+                slot_args += args[1 + position * width : 1 + (position + 1) * width]
+            calls.append(_Call(positions, [keys[p] for p in positions], slot_args))
+        return calls
+
+    async def _calls(
+        self, run: AsyncScript, keys: list[str], args: list[Any], width: int
+    ) -> list[tuple[list[int], Any]]:
+        """Each call's batch positions and reply; a cluster's calls go at once."""
+        calls = self._split(keys, args, width)
+        client = self.client
+        if not self.clients.cluster:
+            reply = await run(keys=calls[0].keys, args=calls[0].args, client=client)
+            return [(calls[0].positions, reply)]
+        # A cluster client has no blocking pool: past max_connections to a node it raises.
+        # This waits for a free one instead, as the single-server pool does.
+        in_flight = self._cluster_calls.get()
+
+        async def call_one(call: _Call) -> Any:
+            async with in_flight:
+                return await run(keys=call.keys, args=call.args, client=client)
+
+        replies = await asyncio.gather(*(call_one(call) for call in calls))
+        return [(call.positions, reply) for call, reply in zip(calls, replies, strict=True)]
+
+    def _calls_sync(
+        self, run: Script, keys: list[str], args: list[Any], width: int
+    ) -> list[tuple[list[int], Any]]:
+        """Blocking twin of :meth:`_calls` (a cluster's calls one after the other)."""
+        client = self.clients.sync
+        return [(call.positions, run(keys=call.keys, args=call.args, client=client))
+                for call in self._split(keys, args, width)]
 
     # -- what both share: script arguments and replies -----------------------------------------
 
@@ -326,6 +398,26 @@ def _retention_milliseconds(retention: float) -> int:
 
 
 _Item = TypeVar("_Item")
+
+
+class _Call(NamedTuple):
+    positions: list[int]  # of its keys in the batch
+    keys: list[str]
+    args: list[Any]
+
+
+def _triples(replies: list[tuple[list[int], Any]], count: int) -> list[Any]:
+    """The claim script's replies (a triple per key) as one reply in batch order."""
+    merged: list[Any] = [None] * (3 * count)
+    for positions, reply in replies:
+        for index, position in enumerate(positions):
+            merged[3 * position : 3 * position + 3] = reply[3 * index : 3 * index + 3]
+    return merged
+
+
+def _positions(replies: list[tuple[list[int], Any]]) -> list[int]:
+    """The 1-based positions the calls returned, as 1-based positions in the batch."""
+    return [positions[int(found) - 1] + 1 for positions, reply in replies for found in reply]
 
 
 def _at_positions(items: Sequence[_Item], positions: Sequence[Any]) -> list[_Item]:

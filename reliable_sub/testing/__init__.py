@@ -9,6 +9,11 @@
   in milliseconds, in a deterministic order (``drive_until``, ``pass_time``).
 * :mod:`reliable_sub.testing.services` -- reach Redis and start the Pub/Sub emulator (skip the
   test without them, or fail it under ``CI=true``).
+* :class:`FaultInjector`, :class:`Faults`, :data:`DUPLICATE_DELIVERY` -- duplicates, lost acks,
+  repeats, interruptions and store failures injected into your own tests
+  (:mod:`reliable_sub.testing.faults`).
+* :func:`run_recorded`, :func:`load_recorded` -- replay recorded messages through a handler and
+  get its effects per message (:mod:`reliable_sub.testing.recorded`).
 
 Needs pytest and pytest-asyncio: ``pip install "reliable-sub[testing]"``.
 """
@@ -30,6 +35,12 @@ from reliable_sub.testing.dedup_suite import (
     redis_stores,
     sql_stores,
 )
+from reliable_sub.testing.faults import (
+    DUPLICATE_DELIVERY,
+    FaultInjector,
+    Faults,
+    InjectedFault,
+)
 from reliable_sub.testing.harness import (
     Features,
     Harness,
@@ -39,20 +50,34 @@ from reliable_sub.testing.harness import (
     pubsub_harness,
     redis_harness,
 )
+from reliable_sub.testing.recorded import (
+    EffectsReport,
+    MessageEffects,
+    load_recorded,
+    run_recorded,
+)
 
 __all__ = [
+    "DUPLICATE_DELIVERY",
     "AdapterSuite",
     "DedupStoreSuite",
+    "EffectsReport",
+    "FaultInjector",
+    "Faults",
     "Features",
     "Harness",
+    "InjectedFault",
+    "MessageEffects",
     "Recorder",
     "StoreHarness",
     "fakeredis_harness",
     "fakeredis_stores",
+    "load_recorded",
     "memory_harness",
     "memory_stores",
     "pubsub_harness",
     "redis_harness",
     "redis_stores",
+    "run_recorded",
     "sql_stores",
 ]

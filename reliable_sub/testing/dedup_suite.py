@@ -31,7 +31,8 @@ from reliable_sub import (
     StoredResultError,
 )
 from reliable_sub.dedup import encode_result
-from reliable_sub.ports import ClaimResult
+from reliable_sub.idempotency.epochs import epoch_namespace
+from reliable_sub.ports import ClaimResult, DedupEpochs
 
 POLL = 0.01
 
@@ -53,6 +54,7 @@ def memory_stores() -> StoreHarness:
     store = MemoryDedupStore(clock=clock, owner="me")
     peer = MemoryDedupStore(clock=clock, owner="peer")
     peer._records = store._records  # one process's memory, two owners
+    peer._epochs = store._epochs
     peer._lock = store._lock
 
     async def gone(key: DedupKey) -> None:
@@ -69,7 +71,6 @@ def memory_stores() -> StoreHarness:
 
 def redis_stores(url: str | None = None, client_factory: Callable[[], object] | None = None,
                   name: str = "redis") -> StoreHarness:
-    import redis.asyncio as aioredis
 
     from reliable_sub.idempotency.redis_store import RedisDedupStore
 
@@ -90,7 +91,7 @@ def redis_stores(url: str | None = None, client_factory: Callable[[], object] | 
                                px=60_000)
 
     async def cleanup() -> None:
-        client: aioredis.Redis = store.client
+        client = store.client
         keys = [k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]
         if keys:
             await client.delete(*keys)
@@ -330,6 +331,31 @@ async def test_durations_must_be_positive(stores: StoreHarness) -> None:
     claim = Claimed(K, "me.1")
     with pytest.raises(ConfigurationError, match="ttl"):
         await stores.store.complete(claim, None, ttl=-1)
+
+
+async def test_a_new_epoch_leaves_the_records_of_earlier_ones_behind(
+    stores: StoreHarness,
+) -> None:
+    store, peer = stores.store, stores.peer
+    if not isinstance(store, DedupEpochs) or not isinstance(peer, DedupEpochs):
+        pytest.skip(f"{stores.name} keeps no epochs")
+    namespace = f"epochs-{uuid.uuid4().hex}"
+    key = DedupKey(namespace, "order-1")
+    assert await store.epoch(namespace) == 0
+    [claim] = await store.claim_many([key], 30)
+    assert isinstance(claim, Claimed)
+    assert await store.complete(claim, {"charged": 1}, ttl=60)
+
+    assert await peer.next_epoch(namespace) == 1
+    assert await store.epoch(namespace) == 1, "every store instance sees the new epoch"
+    assert await store.epoch(f"{namespace}-other") == 0, "other namespaces keep theirs"
+    [fresh] = await store.claim_many([DedupKey(epoch_namespace(namespace, 1), "order-1")], 30)
+    assert isinstance(fresh, Claimed), "the new epoch's namespace has no record of the key"
+    [old] = await store.claim_many([key], 30)
+    assert isinstance(old, Completed), "the old epoch's records are left as they were"
+
+    bumps = await asyncio.gather(*(s.next_epoch(namespace) for s in [store, peer] * 5))
+    assert sorted(bumps) == list(range(2, 12)), "each next_epoch is atomic"
 
 
 class DedupStoreSuite:

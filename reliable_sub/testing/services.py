@@ -213,9 +213,18 @@ def emulator_host() -> str:
 
 def restart_emulator() -> None:
     """Kill the emulator and start it again on the same port (all its state is lost)."""
-    [old] = _emulator
-    old.stop()
-    new = EmulatorProcess(old.port)
+    kill_emulator()
+    start_emulator_again()
+
+
+def kill_emulator() -> None:
+    """Stop the emulator this process started; :func:`start_emulator_again` reuses its port."""
+    _emulator[0].stop()
+
+
+def start_emulator_again() -> None:
+    """Start an emulator on the port of the one :func:`kill_emulator` stopped: empty."""
+    new = EmulatorProcess(_emulator[0].port)
     new.start()
     atexit.register(new.stop)
     _emulator[0] = new
