@@ -218,6 +218,21 @@ async def survivor(scene: Scene) -> AsyncIterator[Survivor]:
         await asyncio.wait_for(task, timeout=WITHIN)
 
 
+def ran_once_more_after_the_first_attempt(peer: Survivor, message_id: str) -> None:
+    """The peer's handler ran once, on attempt 2 or later.
+
+    The first consumer renews its dedup claim just after its broker lease, so its claim can
+    outlive the lease by a few milliseconds; a redelivery in that window is deferred (Redis
+    counts it as a delivery) and the handler then runs on attempt 3.
+    """
+    [(called_id, attempt)] = peer.calls
+    assert called_id == message_id
+    assert attempt >= 2, "the first attempt counts"
+    before_the_ack = {outcome for _, outcome in peer.outcomes[:-1]}
+    assert before_the_ack <= {Outcome.DEFERRED}, peer.outcomes
+    assert attempt == 2 + len(peer.outcomes) - 1, "one delivery per deferral, then the run"
+
+
 def killed(child: Child) -> None:
     status = child.kill()
     assert status == -signal.SIGKILL, f"child ended with {status}, not by SIGKILL:\n{child.output}"
@@ -251,7 +266,7 @@ async def test_killed_before_commit_nothing_remains_and_the_redelivery_commits_o
     async with survivor(scene) as peer:
         await poll_until(lambda: peer.settled(Outcome.ACKED), "the redelivery to commit", WITHIN)
     assert peer.outcomes[-1] == (message_id, Outcome.ACKED)
-    assert [attempt for _, attempt in peer.calls] == [2], "ran once more, as attempt 2"
+    ran_once_more_after_the_first_attempt(peer, message_id)
     assert await scene.rows() == [(message_id, "survivor")], "the killed attempt left nothing"
     assert await scene.record(message_id) == (None, "completed")
 
@@ -268,7 +283,7 @@ async def test_frozen_past_its_lease_the_first_consumer_rolls_back_after_a_takeo
         async with survivor(scene) as peer:
             await poll_until(lambda: peer.settled(Outcome.ACKED), "the takeover to commit",
                              WITHIN)
-        assert peer.calls == [(message_id, 2)]
+        ran_once_more_after_the_first_attempt(peer, message_id)
         assert await scene.rows() == [(message_id, "survivor")]
     finally:
         (scene.tmp_path / "go").touch()
