@@ -248,6 +248,32 @@ class _Cluster(AsyncRedisCluster):
             await self.initialize()
         return await super().execute_command(*args, **kwargs)
 
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        name = str(command).upper()
+        if name == "XREADGROUP":
+            # redis-py would ask a node where the keys of a command with movable keys are
+            # (COMMAND GETKEYS: a round trip per read); they are the first half after STREAMS
+            keys = _stream_keys(args)
+            if keys and len({self.keyslot(key) for key in keys}) == 1:
+                return self.keyslot(keys[0])
+        elif name in ("EVAL", "EVALSHA") and len(args) >= 3 and int(args[1]) > 1:
+            # our scripts' keys are grouped by slot before the call (slot_groups); redis-py
+            # would hash every key again. A key of another slot is still refused: by the node,
+            # with CROSSSLOT.
+            return self.keyslot(args[2])
+        slot: int = await super()._determine_slot(command, *args)
+        return slot
+
+
+def _stream_keys(args: Sequence[Any]) -> list[Any]:
+    """The stream keys of XREADGROUP's arguments (``... STREAMS key... id...``)."""
+    for position, arg in enumerate(args):
+        word = arg.decode() if isinstance(arg, bytes) else arg
+        if isinstance(word, str) and word.upper() == "STREAMS":
+            rest = args[position + 1:]
+            return list(rest[: len(rest) // 2])
+    return []
+
 
 def _sync_node(host: str, port: int) -> Any:
     node: Any = SyncClusterNode  # redis-py leaves its constructor untyped

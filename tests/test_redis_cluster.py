@@ -239,3 +239,43 @@ def test_a_cluster_url_may_name_several_seed_nodes(url: str, seeds: list[tuple[s
     clients = RedisClients(url, owner="the test")
     assert clients.cluster and clients.seeds == seeds
     assert clients.connection_kwargs["host"] == seeds[0][0]
+
+
+def command_calls(cluster: RedisClusterProcesses, command: str) -> int:
+    """How often every node of ``cluster`` has run ``command`` (INFO commandstats)."""
+    calls = 0
+    for server in cluster.servers:
+        node = redis.Redis(host="127.0.0.1", port=server.port)
+        try:
+            calls += node.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0)
+        finally:
+            node.close()
+    return calls
+
+
+async def test_reads_and_batch_scripts_are_routed_without_asking_a_node_for_their_keys(
+    redis_cluster: RedisClusterProcesses,
+) -> None:
+    """redis-py finds the keys of XREADGROUP with COMMAND GETKEYS, a round trip per read, and
+    hashes every key of an EVAL; our cluster client routes both from the first key."""
+    name = f"routing-{uuid.uuid4().hex[:8]}"
+    adapter = RedisStreamsAdapter(redis_cluster.url, consumer="c", key_prefix=name)
+    store = RedisDedupStore(redis_cluster.url, prefix=f"{name}:dedup")
+    try:
+        await adapter.ensure_subscription(f"{name}-orders", "billing", ack_deadline=5.0)
+        for number in range(20):
+            await adapter.publish(f"{name}-orders", str(number).encode())
+        asked_before = command_calls(redis_cluster, "command|getkeys")
+        reads_before = command_calls(redis_cluster, "xreadgroup")
+        deliveries = []
+        while len(deliveries) < 20:
+            deliveries += await adapter.receive("billing", 20, 1.0)
+        keys = [DedupKey("billing", d.message.id) for d in deliveries]
+        claims = await store.claim_many(keys, 5.0)
+        assert len(claims) == 20
+        await adapter.ack(deliveries)
+        assert command_calls(redis_cluster, "xreadgroup") > reads_before
+        assert command_calls(redis_cluster, "command|getkeys") == asked_before
+    finally:
+        await adapter.close()
+        await store.close()
