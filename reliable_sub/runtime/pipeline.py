@@ -69,9 +69,10 @@ logger = logging.getLogger("reliable_sub.subscriber")
 # A message a live peer is handling comes back when the peer's claim would lapse, but not sooner
 # than this (nor later than RetryPolicy.max_backoff, unless that is shorter than this).
 DEFER_MIN_DELAY = 1.0
-# Backoff between failed receive calls (broker unreachable): from 0.1 s up to 10 s, jittered.
+# Backoff between failed receive calls (broker unreachable): from 0.1 s up to 2 s, jittered;
+# the cap bounds how long a consumer idles after the broker is back (a failover, a restart).
 RECEIVE_RETRY_INITIAL = 0.1
-RECEIVE_RETRY_MAX = 10.0
+RECEIVE_RETRY_MAX = 2.0
 # After a stop cancels the async handlers still running at its deadline, each gets this long
 # (real seconds) to end; one that swallows the cancellation is then left behind, logged.
 CANCEL_GRACE = 5.0
