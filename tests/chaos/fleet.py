@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import signal
 import time
 import uuid
@@ -234,6 +235,13 @@ class Fleet:
         self.kills += 1
         self.children[number] = None
         self.ready.discard(number)
+
+    async def kill_and_respawn_one(self, rng: random.Random) -> None:
+        """SIGKILL a consumer drawn by ``rng`` and start it again at once (the storm does not
+        wait for it to be ready)."""
+        victim = rng.randrange(self.size)
+        self.kill(victim)
+        self.spawn(victim)
 
     async def terminate(self, number: int, within: float) -> str:
         """SIGTERM consumer ``number`` (a graceful stop, once it runs) and wait for it to exit;

@@ -20,6 +20,7 @@ their handlers mostly sleep, and one after the other they would add a minute to 
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -53,12 +54,7 @@ ROLLING_DEPLOY = [("redis", "redis"), ("redis", "sql"), ("pubsub", "redis")]
 async def test_kill_storm(adapter_kind: str, dedup: str) -> None:
     rng = random.Random(f"kill-storm-{adapter_kind}-{dedup}")
     async with running_world(adapter_kind, dedup) as (world, fleet, adapter):
-
-        async def kill_one() -> None:
-            victim = rng.randrange(CONSUMERS)
-            fleet.kill(victim)
-            fleet.spawn(victim)  # restarted at once; the storm does not wait for it
-
+        kill_one = functools.partial(fleet.kill_and_respawn_one, rng)
         seconds = await under_load(world, fleet, adapter, kill_one, rng, KILL_INTERVAL)
         count = await final_count(world)
     report.record(report.Row("kill storm (SIGKILL every 2-3 s)", adapter_kind, dedup, count,
@@ -73,12 +69,7 @@ async def long_handler_storm(adapter_kind: str, dedup: str) -> None:
     rng = random.Random(f"kill-storm-long-{adapter_kind}-{dedup}")
     async with running_world(adapter_kind, dedup, messages=LONG_MESSAGES,
                              handler_ms=LONG_HANDLER_MS) as (world, fleet, adapter):
-
-        async def kill_one() -> None:
-            victim = rng.randrange(CONSUMERS)
-            fleet.kill(victim)
-            fleet.spawn(victim)
-
+        kill_one = functools.partial(fleet.kill_and_respawn_one, rng)
         seconds = await under_load(world, fleet, adapter, kill_one, rng, KILL_INTERVAL,
                                    min_faults=LONG_KILLS, max_faults=LONG_KILLS)
         count = await final_count(world)

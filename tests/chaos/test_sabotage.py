@@ -8,10 +8,11 @@ count must report lost messages.
 
 from __future__ import annotations
 
+import functools
 import random
 
 from tests.chaos import report
-from tests.chaos.scenario import CONSUMERS, final_count, running_world, under_load
+from tests.chaos.scenario import final_count, running_world, under_load
 from tests.chaos.test_processes import KILL_INTERVAL
 
 SABOTAGE_HANDLER_MS = (100.0, 300.0)
@@ -24,12 +25,7 @@ async def test_the_kill_storm_finds_the_messages_an_early_ack_loses() -> None:
     # run, none at all).
     async with running_world("redis", "none", sabotage="ack-on-receive",
                              handler_ms=SABOTAGE_HANDLER_MS) as (world, fleet, adapter):
-
-        async def kill_one() -> None:
-            victim = rng.randrange(CONSUMERS)
-            fleet.kill(victim)
-            fleet.spawn(victim)
-
+        kill_one = functools.partial(fleet.kill_and_respawn_one, rng)
         seconds = await under_load(world, fleet, adapter, kill_one, rng, KILL_INTERVAL,
                                    until_all_handled=False)
         count = await final_count(world)
