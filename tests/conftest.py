@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.nats_processes import NatsServer
 from tests.redis_processes import RedisClusterProcesses
 
 # fixtures shared by the outbox tests: outbox (PostgreSQL and SQLite), pg_outbox
@@ -51,3 +52,14 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClu
         yield cluster
     finally:
         cluster.kill()
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """A private ``nats-server -js`` for this session's worker."""
+    server = NatsServer(tmp_path_factory.mktemp("nats-server"))
+    try:
+        server.start()
+        yield server
+    finally:
+        server.kill()

@@ -1,0 +1,95 @@
+"""A private ``nats-server`` with JetStream, for the NATS tests (restarts, takeovers).
+
+Like :mod:`tests.redis_processes`: nothing sleeps to synchronise; the server is polled with a
+TCP connect and the monitoring endpoint's ``/healthz?js-enabled-only=true`` until a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.redis_processes import EXIT_TIMEOUT, POLL_INTERVAL, START_TIMEOUT, free_port
+
+
+class NatsServer:
+    """``nats-server -js`` on free loopback ports, its JetStream store in ``directory`` (kept
+    across :meth:`kill` and :meth:`start`, as a restarted production server keeps its disk)."""
+
+    def __init__(self, directory: Path) -> None:
+        executable = shutil.which("nats-server")
+        if executable is None:
+            message = "nats-server is not on PATH (Debian package nats-server)"
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail(f"{message} (CI=true: a missing service is a failure, not a skip)")
+            pytest.skip(message)
+        self.executable = executable
+        self.directory = directory
+        self.port = free_port()
+        self.monitor_port = free_port()
+        self.log_path = directory / "nats-server.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        """Start the server (again, on the same ports and store) and wait until JetStream is
+        healthy."""
+        assert self.process is None, "already running"
+        command = [
+            self.executable, "-js", "-a", "127.0.0.1", "-p", str(self.port),
+            "-m", str(self.monitor_port), "-sd", str(self.directory / "jetstream"),
+        ]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        self._wait_until_healthy()
+
+    def _wait_until_healthy(self) -> None:
+        health = f"http://127.0.0.1:{self.monitor_port}/healthz?js-enabled-only=true"
+        give_up = time.monotonic() + START_TIMEOUT
+        while True:
+            assert self.process is not None
+            if self.process.poll() is not None:
+                raise AssertionError(
+                    f"nats-server on port {self.port} exited with {self.process.returncode}:\n"
+                    f"{self.log()}"
+                )
+            try:
+                with urllib.request.urlopen(health, timeout=0.5) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):  # not listening yet, or JetStream not up
+                pass
+            if time.monotonic() > give_up:
+                raise AssertionError(
+                    f"nats-server on port {self.port} was not healthy within {START_TIMEOUT}s:\n"
+                    f"{self.log()}"
+                )
+            time.sleep(POLL_INTERVAL)
+
+    def kill(self) -> None:
+        """SIGKILL the server and reap it: connections drop, the store stays on disk."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+        process.wait(timeout=EXIT_TIMEOUT)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return "(no log)"
