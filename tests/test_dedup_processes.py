@@ -1,15 +1,17 @@
 """Two real processes claim the same keys at the same time: every key has exactly one winner.
 
 Each child builds its own store over the shared database (Redis, PostgreSQL, an SQLite file),
-connects, prints ``ready``, waits for the parent's start file (polled, with a deadline), then
-claims 400 keys in its own shuffled order, one ``claim_many`` batch of 10 at a time, and prints
-the keys it won and when it began and ended. The parent checks the two sets are disjoint and
-cover all keys, and that the two claimed at the same time.
+connects, prints ``ready``, waits for the parent's start file (polled, with a deadline) and for
+the start time written in it, then claims 1,000 keys in its own shuffled order, one
+``claim_many`` batch of 10 at a time, and prints the keys it won and when it began and ended.
+The parent checks the two sets are disjoint and cover all keys, and that the two claimed at the
+same time.
 """
 
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,10 @@ import pytest
 from reliable_sub.testing.services import postgres_url, redis_url
 from tests.redis_processes import Child
 
-KEYS = 400
+KEYS = 1000
+# Seconds between the parent writing the start time and the start: more than the children's
+# polling takes to see the file.
+START_AHEAD = 0.2
 
 CHILD = r'''
 import asyncio, json, random, sys, time
@@ -47,9 +52,11 @@ async def main():
     print("ready", flush=True)
     start = Path(settings["start_file"])
     give_up = time.monotonic() + 30
-    while not start.exists():
+    while not start.exists() or not start.read_text():
         assert time.monotonic() < give_up, "no start file"
         await asyncio.sleep(0.001)
+    # both begin at the wall-clock time the parent wrote, not when each noticed the file
+    await asyncio.sleep(max(0.0, float(start.read_text()) - time.time()))
     won = []
     began = time.time()
     for first in range(0, len(keys), 10):
@@ -104,7 +111,8 @@ def test_two_processes_claiming_the_same_keys_never_both_win(
     try:
         for child in children:
             child.wait_for_line("ready")
-        start_file.touch()
+        # a start a moment ahead, so that neither child's polling delay decides who goes first
+        start_file.write_text(repr(time.time() + START_AHEAD))
         reports = [json.loads(child.wait_for_line("won ", timeout=60)[4:]) for child in children]
     finally:
         for child in children:

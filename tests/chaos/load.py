@@ -77,6 +77,27 @@ def release_free_memory() -> None:
             libc.malloc_trim(0)
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def malloc_in_use_kib() -> int | None:
+    """KiB the C allocator has handed out and not had back (glibc's ``mallinfo2``: in-use
+    chunks plus mmapped ones), which free fragments do not move as they move resident memory;
+    None without glibc 2.33+."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is None:
+        return None
+    libc = ctypes.CDLL(libc_name)
+    if not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return int((info.uordblks + info.hblkhd) // 1024)
+
+
 def internals(sub: Subscriber) -> dict[str, int]:
     """What the Subscriber still holds per message: nothing, after a drain."""
     runtime: Any = sub._runtime
@@ -119,6 +140,7 @@ async def main(config: dict[str, Any]) -> None:
                 "round": number, "messages": size, "seconds": round(seconds, 2),
                 "rate": round(size / seconds), "rss_kib": status_kib("VmRSS"),
                 "peak_kib": status_kib("VmHWM"), "blocks": sys.getallocatedblocks(),
+                "malloc_kib": malloc_in_use_kib(),
                 "outcomes": {outcome.value: count for outcome, count in outcomes.items()},
                 **internals(sub),
             }), flush=True)
