@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -46,18 +46,21 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterProcesses]:
     """A private Redis Cluster (3 masters, 3 replicas) for this session's worker."""
-    cluster = RedisClusterProcesses(tmp_path_factory.mktemp("redis-cluster"))
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.kill()
+    yield from running(RedisClusterProcesses(tmp_path_factory.mktemp("redis-cluster")))
 
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
     """A private ``nats-server -js`` for this session's worker."""
-    server = NatsServer(tmp_path_factory.mktemp("nats-server"))
+    yield from running(NatsServer(tmp_path_factory.mktemp("nats-server")))
+
+
+Server = TypeVar("Server", RedisClusterProcesses, NatsServer)
+
+
+def running(server: Server) -> Iterator[Server]:
+    """Start ``server`` for a fixture's life, and kill it at the end (also after a failed
+    start)."""
     try:
         server.start()
         yield server

@@ -1,37 +1,26 @@
 """A private ``nats-server`` with JetStream, for the NATS tests (restarts, takeovers).
 
-Like :mod:`tests.redis_processes`: nothing sleeps to synchronise; the server is polled with a
-TCP connect and the monitoring endpoint's ``/healthz?js-enabled-only=true`` until a deadline.
+Like :mod:`tests.redis_processes`: nothing sleeps to synchronise; the server is polled through
+its monitoring endpoint (``/healthz?js-enabled-only=true``) until a deadline.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
-import pytest
-
-from tests.redis_processes import EXIT_TIMEOUT, POLL_INTERVAL, START_TIMEOUT, free_port
+from tests.redis_processes import POLL_INTERVAL, START_TIMEOUT, ServerProcess, free_port
 
 
-class NatsServer:
+class NatsServer(ServerProcess):
     """``nats-server -js`` on free loopback ports, its JetStream store in ``directory`` (kept
     across :meth:`kill` and :meth:`start`, as a restarted production server keeps its disk)."""
 
     def __init__(self, directory: Path) -> None:
-        executable = shutil.which("nats-server")
-        if executable is None:
-            message = "nats-server is not on PATH (Debian package nats-server)"
-            if os.environ.get("CI", "").lower() == "true":
-                pytest.fail(f"{message} (CI=true: a missing service is a failure, not a skip)")
-            pytest.skip(message)
-        self.executable = executable
+        self.executable = self.find_executable("nats-server", " (Debian package nats-server)")
         self.directory = directory
         self.port = free_port()
         self.monitor_port = free_port()
@@ -78,18 +67,3 @@ class NatsServer:
                     f"{self.log()}"
                 )
             time.sleep(POLL_INTERVAL)
-
-    def kill(self) -> None:
-        """SIGKILL the server and reap it: connections drop, the store stays on disk."""
-        process, self.process = self.process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-        process.wait(timeout=EXIT_TIMEOUT)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return "(no log)"

@@ -83,7 +83,41 @@ def free_cluster_port() -> int:
     raise AssertionError("no free pair of ports for a cluster node")
 
 
-class RedisServer:
+class ServerProcess:
+    """What the private servers of the tests share: finding the executable (a missing one fails
+    under ``CI=true`` and skips elsewhere), a SIGKILL, and the tail of the log for messages."""
+
+    process: subprocess.Popen[bytes] | None
+    log_path: Path
+
+    @staticmethod
+    def find_executable(name: str, hint: str = "") -> str:
+        executable = shutil.which(name)
+        if executable is None:
+            message = f"{name} is not on PATH{hint}"
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail(f"{message} (CI=true: a missing service is a failure, not a skip)")
+            pytest.skip(message)
+        return executable
+
+    def kill(self) -> None:
+        """SIGKILL the server and reap it: no clean shutdown, connections simply drop; what it
+        wrote to disk stays for the next :meth:`start`."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+        process.wait(timeout=EXIT_TIMEOUT)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except OSError:
+            return "(no log)"
+
+
+class RedisServer(ServerProcess):
     """A private ``redis-server`` on a free loopback port, data in ``directory``.
 
     ``appendonly=True`` writes every command to the AOF before replying (appendfsync always), so
@@ -91,13 +125,7 @@ class RedisServer:
     """
 
     def __init__(self, directory: Path, *, appendonly: bool, cluster: bool = False) -> None:
-        executable = shutil.which("redis-server")
-        if executable is None:
-            message = "redis-server is not on PATH"
-            if os.environ.get("CI", "").lower() == "true":
-                pytest.fail(f"{message} (CI=true: a missing service is a failure, not a skip)")
-            pytest.skip(message)
-        self.executable = executable
+        self.executable = self.find_executable("redis-server")
         self.directory = directory
         self.appendonly = appendonly
         self.cluster = cluster
@@ -174,21 +202,6 @@ class RedisServer:
             return str(client.execute_command("ROLE")[0], "utf-8")
         finally:
             client.close()
-
-    def kill(self) -> None:
-        """SIGKILL the server and reap it: no shutdown save, connections simply drop."""
-        process, self.process = self.process, None
-        if process is None:
-            return
-        if process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-        process.wait(timeout=EXIT_TIMEOUT)
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-4000:]
-        except OSError:
-            return "(no log)"
 
 
 class RedisClusterProcesses:
