@@ -10,7 +10,8 @@ every adapter:
   them while reading, and give them back (``nack``) unchanged;
 * :meth:`~DeadLetterQueue.replay` publishes each one to the topic of the subscription it came
   from (``original-subscription``), with the publisher's attributes restored and the original
-  idempotency key kept, and acks the dead-letter copy only after that publish succeeded;
+  idempotency key kept and a ``replayed-from`` attribute naming the dead-letter copy, and acks
+  the copy only after that publish succeeded;
 * :meth:`~DeadLetterQueue.purge` acks them.
 
 A replayed message is a new message with a fresh delivery count; when it was dead-lettered the
@@ -42,6 +43,9 @@ BATCH = 500  # messages per receive call
 # not be in the first; each receive waits ``wait`` seconds, and the reclaim passes come at most
 # a second apart.
 QUIET_RECEIVES = 2
+# A replayed message names the dead-letter copy it replays: a broker that drops a republished
+# idempotency key as a producer's retry (JetStream's Nats-Msg-Id) tells a replay from a retry.
+REPLAYED_FROM_ATTRIBUTE = "replayed-from"
 
 
 class UnknownDeadLetterError(ReliableSubError, LookupError):
@@ -289,6 +293,7 @@ class DeadLetterQueue:
             topic = topics[source]
         attributes = dict(letter.attributes)
         attributes.setdefault("idempotency-key", letter.idempotency_key)
+        attributes[REPLAYED_FROM_ATTRIBUTE] = letter.id
         return Outgoing(topic, letter.data, attributes)
 
     async def _publish(self, outgoing: list[Outgoing]) -> list[str | Exception]:

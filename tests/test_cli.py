@@ -107,7 +107,8 @@ async def test_a_dead_letter_queue_listed_shown_replayed_and_purged(world: Redis
     assert replayed == {"replayed": [second], "failed": {}, "missing": []}
     [back] = await world.adapter.receive(world.sub, 10, 1.0)
     assert back.message.data == b"\xff\xfe"
-    assert back.message.attributes == {"shop": "a", "idempotency-key": "2-0"}, (
+    assert back.message.attributes == {"shop": "a", "idempotency-key": "2-0",
+                                       "replayed-from": second}, (
         "the publisher's attributes, and the original idempotency key")
     partly = reliable_sub(*world.args("dlq", "replay", world.dlq, "9-9", "--wait", "0.2"))
     assert partly.returncode == 1 and "not in the queue: 9-9" in partly.stderr
@@ -290,7 +291,8 @@ async def test_dead_letters_seek_and_snapshots_on_the_emulator() -> None:
                                         env=env))
         assert replayed["replayed"] == [letter["id"]]
         [back] = await adapter.receive(sub, 10, 5.0)
-        assert back.message.attributes == {"idempotency-key": "42"}
+        assert back.message.attributes == {"idempotency-key": "42",
+                                           "replayed-from": letter["id"]}
         await adapter.ack([back])
 
         assert reliable_sub("snapshot", "create", sub, f"snap-{run}", env=env).returncode == 0

@@ -1,4 +1,4 @@
-"""The shipped adapter suite, run against this package's three adapters.
+"""The shipped adapter suite, run against this package's four adapters.
 
 fakeredis stands in for Redis only on a laptop without one; under ``CI=true`` a missing Redis
 fails the Redis class instead.
@@ -13,10 +13,12 @@ from reliable_sub.testing import (
     Harness,
     fakeredis_harness,
     memory_harness,
+    nats_harness,
     pubsub_harness,
     redis_harness,
 )
 from reliable_sub.testing.services import in_ci, redis_available
+from tests.nats_processes import NatsServer
 from tests.redis_processes import RedisClusterProcesses
 
 
@@ -41,6 +43,19 @@ class TestRedisStreamsAdapterOnACluster(AdapterSuite):
 
     def make_harness(self) -> Harness:
         return redis_harness(self.cluster_url, name="redis-cluster")
+
+
+class TestNatsJetStreamAdapter(AdapterSuite):
+    """On a private nats-server with JetStream (tests/conftest.py starts it)."""
+
+    nats_url = ""
+
+    @pytest.fixture(autouse=True)
+    def _on_the_server(self, nats_server: NatsServer) -> None:
+        self.nats_url = nats_server.url
+
+    def make_harness(self) -> Harness:
+        return nats_harness(self.nats_url)
 
 
 class TestPubSubAdapter(AdapterSuite):

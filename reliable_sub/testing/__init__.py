@@ -47,6 +47,7 @@ from reliable_sub.testing.harness import (
     Recorder,
     fakeredis_harness,
     memory_harness,
+    nats_harness,
     pubsub_harness,
     redis_harness,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "load_recorded",
     "memory_harness",
     "memory_stores",
+    "nats_harness",
     "pubsub_harness",
     "redis_harness",
     "redis_stores",

@@ -273,6 +273,38 @@ def pubsub_harness() -> Harness:
                    new_adapter=new_adapter, prefix=f"conf-{run}", features=features)
 
 
+def nats_harness(url: str) -> Harness:
+    """A real NATS server with JetStream at ``url``. Real time: a 1 s ack deadline keeps the
+    suite short. Streams, consumers and the settings bucket of the run are deleted afterwards;
+    dedup records live in the in-memory store (the stores have their own suite). Publishes carry
+    no ``Nats-Msg-Id``: the suite's duplicate copies must reach the consumers, as they do when
+    they come outside JetStream's duplicate window."""
+    from reliable_sub.adapters.nats_jetstream import NatsJetStreamAdapter
+    from reliable_sub.clock import SystemClock
+
+    run = uuid.uuid4().hex[:10]
+    prefix = f"conf-{run}"
+
+    async def new_adapter() -> Adapter:
+        return NatsJetStreamAdapter(url, prefix=prefix, deduplicate_publishes=False)
+
+    async def cleanup() -> None:
+        import nats
+
+        client = await nats.connect(url, max_reconnect_attempts=0)
+        try:
+            js = client.jetstream()
+            for info in await js.streams_info():
+                name = info.config.name or ""
+                if prefix in name:
+                    await js.delete_stream(name)
+        finally:
+            await client.close()
+
+    return Harness(name="nats", clock=SystemClock(), ack_deadline=1.0, tick=0.1,
+                   new_adapter=new_adapter, prefix=prefix, cleanup=cleanup)
+
+
 class Recorder:
     """Collects what handlers saw and how each delivery ended."""
 
