@@ -514,7 +514,7 @@ class NatsJetStreamAdapter:
         try:
             ack = await js.publish(topic, payload, headers=headers or None,
                                    stream=stream_name(topic))
-        except nats.errors.NoRespondersError:
+        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
             raise UnknownTopicError(
                 f"topic {topic!r} has no stream; create it with ensure_topic or "
                 "ensure_subscription") from None

@@ -1,0 +1,681 @@
+"""Throughput on NATS JetStream: the Subscriber against a raw nats-py pull loop and FastStream.
+
+Run from the repository root, with ``nats-server`` on ``PATH`` and Redis at ``--redis`` (for
+the dedup row)::
+
+    python -m benchmarks.nats            # print the table
+    python -m benchmarks.nats --write    # ... and write the README section
+    python -m benchmarks.nats --quick    # a smoke test (small backlog, two repetitions)
+
+The benchmark starts its own ``nats-server -js`` on free loopback ports, its JetStream store
+in a temporary directory (``tests/nats_processes.py``), and kills it at the end. Every run gets
+a fresh file-backed stream (one subject, the stream's own name) holding ``--messages`` messages
+of 64 bytes, published with ``publish_async`` before the clock starts, and a fresh durable pull
+consumer on it (explicit ack, ``AckWait`` ``ACK_DEADLINE``, deliver all, the server's default
+``MaxAckPending`` of 1,000); both are deleted right after the run.
+
+The clock runs from the moment the consumer starts until every message was handled *and
+acked*: a poller in the same event loop waits until the handler has been called for every
+message (a counter in this process), then until the consumer's info (asked on a control
+connection of the benchmark's own) shows nothing pending and nothing awaiting an ack. After the
+clock stops the consumer's info must show every message delivered and acked, none redelivered,
+and the handler must have seen each message exactly once. The handler is a no-op coroutine
+function apart from that counter, so the numbers are the consumer's own overhead per message.
+
+Variants, each run in the benchmark's one event loop, interleaved over the repetitions:
+
+* ``(a)`` raw nats-py: ``pull_subscribe_bind`` on the consumer, ``fetch(100)``, await the
+  handler and ``msg.ack()`` for each message, until the backlog is consumed; then a flush.
+* ``(b1)``/``(b2)`` FastStream's NATS subscriber on the same consumer, ``PullSub(batch_size=100)``
+  one message per handler call and with ``batch=True``; ``NatsBroker(logger=None)`` started
+  with ``await broker.start()`` and stopped with ``await broker.stop()``.
+* ``(c)`` ``Subscriber(NatsJetStreamAdapter(...))`` with default policies, the consumer made by
+  ``adapter.ensure_subscription(..., start="all")``; run as ``asyncio.create_task(sub.serve())``
+  and stopped with ``await sub.shutdown()`` after the clock stops.
+* ``(d)`` the same with ``dedup=RedisDedupStore(redis_url, prefix=...)``, a prefix unique to the
+  run; its keys are deleted after the run.
+
+Every client connects before the clock starts. What the consumer's connection sent and received
+while the clock ran is read from the server's ``/connz`` (by connection name) before and after:
+messages in (pull requests, acks) and out (deliveries, status messages) per message handled.
+(d)'s Redis round trips are counted in one more, untimed run with its client instrumented.
+``--profile`` runs (c) once more under cProfile and prints its hottest functions (not written to
+the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import datetime
+import gc
+import json
+import os
+import platform
+import pstats
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import redis.asyncio as aioredis
+from faststream.nats import JStream, NatsBroker, PullSub
+from nats.aio.client import Client as NatsClient
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
+
+from benchmarks._common import GcTimer, positive_int, verdict, write_section
+from benchmarks._common import Throughput as _CommonThroughput
+from benchmarks.redis_streams import RoundTrips, Tally, delete_keys
+from reliable_sub import Message, Subscriber
+from reliable_sub.adapters.nats_jetstream import NatsJetStreamAdapter
+from reliable_sub.dedup import RedisDedupStore
+from reliable_sub.outcome import Outcome
+from reliable_sub.subscriber import RECEIVE_BATCH
+
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+DEFAULT_MESSAGES = 20_000
+DEFAULT_REPETITIONS = 5
+WARMUP_MESSAGES = 2_000
+QUICK_MESSAGES, QUICK_REPETITIONS, QUICK_WARMUP = 2_000, 2, 200
+PAYLOAD = b"x" * 64
+PUBLISH_CHUNK = 1_000  # publish_async futures awaited together while publishing (not timed)
+READ_COUNT = RECEIVE_BATCH  # messages per fetch for every variant: the Subscriber's batch
+FETCH_TIMEOUT = 1.0  # (a)/(b)'s fetch timeout; a run never waits on it (all is published)
+ACK_DEADLINE = 30.0
+POLL_INTERVAL = 0.001
+RUN_DEADLINE = 120.0
+SHUTDOWN_TIMEOUT = 5.0
+# Goals from the issue.
+NO_DEDUP_MIN_RATIO = 0.5  # (c) >= 0.5x (a), and ahead of FastStream
+DEDUP_MIN_RATIO = 0.3  # (d) >= 0.3x (a)
+
+RAW = "(a) raw nats-py: fetch(100), ack each"
+FS_ONE = "(b1) FastStream PullSub(batch_size=100), one message per call"
+FS_BATCH = "(b2) FastStream PullSub(batch_size=100, batch=True)"
+SUB = "(c) Subscriber(NatsJetStreamAdapter), no dedup"
+SUB_DEDUP = "(d) Subscriber + RedisDedupStore"
+VARIANTS = (RAW, FS_ONE, FS_BATCH, SUB, SUB_DEDUP)
+SLUGS = {RAW: "raw", FS_ONE: "fs1", FS_BATCH: "fsb", SUB: "sub", SUB_DEDUP: "dedup"}
+SECTION_NAME = "nats"
+RUN_ID = uuid.uuid4().hex[:8]
+ADAPTER_PREFIX = f"bench-{RUN_ID}"  # the adapter's settings bucket: {prefix}-subscriptions
+
+
+# -- the server --------------------------------------------------------------------------------
+
+
+def monitor(port: int, endpoint: str) -> Any:
+    """The JSON of the server's monitoring ``endpoint`` (``varz``, ``connz?...``)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/{endpoint}", timeout=5) as response:
+        return json.load(response)
+
+
+def connection_msgs(port: int, name: str) -> tuple[int, int]:
+    """(messages in, messages out) of the open client connection called ``name``."""
+    found = [c for c in monitor(port, "connz?limit=100000")["connections"] if c.get("name") == name]
+    if len(found) != 1:
+        raise RuntimeError(f"{len(found)} open connections named {name!r}, expected 1")
+    return found[0]["in_msgs"], found[0]["out_msgs"]
+
+
+# -- runs --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Names:
+    """One run's stream (also its subject and the adapter's topic), consumer and connection."""
+
+    base: str
+
+    @property
+    def stream(self) -> str:
+        return self.base.replace("-", "_")
+
+    @property
+    def consumer(self) -> str:
+        return f"{self.stream}_consumer"
+
+    @property
+    def connection(self) -> str:
+        return self.base
+
+    @property
+    def dedup_prefix(self) -> str:
+        return f"{self.base}-dedup"
+
+
+_run_numbers: Counter[str] = Counter()
+
+
+def next_names(variant: str) -> Names:
+    slug = SLUGS[variant]
+    _run_numbers[slug] += 1
+    return Names(f"bench-nats-{RUN_ID}-{slug}-{_run_numbers[slug]}")
+
+
+def consumer_config(names: Names) -> ConsumerConfig:
+    """The consumer (a) and (b) read: the one ``ensure_subscription`` makes for (c) and (d)."""
+    return ConsumerConfig(
+        durable_name=names.consumer, ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_DEADLINE,
+        deliver_policy=DeliverPolicy.ALL, filter_subject=names.stream, max_deliver=-1,
+    )
+
+
+class Consumer:
+    """One variant's consumer for one run: prepared (untimed), started, stopped, closed."""
+
+    def __init__(self, bench: Bench, names: Names, tally: Tally) -> None:
+        self.bench, self.names, self.tally = bench, names, tally
+
+    async def prepare(self) -> None:
+        await self.bench.js.add_consumer(self.names.stream, consumer_config(self.names))
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    def check_alive(self) -> None:
+        """Raise if the consumer died before the backlog was drained."""
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        """Release connections (after stop, or after a failed prepare)."""
+
+    def check(self, total: int) -> None:
+        if self.tally.handled != total:
+            raise RuntimeError(f"the handler saw {self.tally.handled} messages, not {total}")
+
+
+class RawConsumer(Consumer):
+    """(a): fetch(100) → await the handler and ``msg.ack()`` for each → a flush at the end."""
+
+    def __init__(self, bench: Bench, names: Names, tally: Tally, total: int) -> None:
+        super().__init__(bench, names, tally)
+        self.total = total
+        self.client: NatsClient | None = None
+        self.pull: JetStreamContext.PullSubscription | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    async def prepare(self) -> None:
+        await super().prepare()
+        self.client = await nats.connect(self.bench.url, name=self.names.connection)
+        self.pull = await self.client.jetstream().pull_subscribe_bind(
+            durable=self.names.consumer, stream=self.names.stream)
+
+    async def handle(self, msg: Any) -> None:
+        """The handler under test: does nothing but count."""
+        self.tally.handled += 1
+
+    async def loop(self) -> None:
+        assert self.client is not None and self.pull is not None
+        handled = 0
+        while handled < self.total:
+            try:
+                msgs = await self.pull.fetch(READ_COUNT, timeout=FETCH_TIMEOUT)
+            except nats.errors.TimeoutError:
+                continue
+            for msg in msgs:
+                await self.handle(msg)
+                await msg.ack()
+            handled += len(msgs)
+        await self.client.flush()
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.loop())
+
+    def check_alive(self) -> None:
+        if self.task is not None and self.task.done():
+            self.task.result()
+            if self.tally.handled < self.total:
+                raise RuntimeError("the raw loop stopped before the backlog drained")
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            await self.task
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+
+
+class FastStreamConsumer(Consumer):
+    """(b1)/(b2): FastStream's pull subscriber, bound to the run's durable consumer."""
+
+    def __init__(self, bench: Bench, names: Names, tally: Tally, *, batch: bool) -> None:
+        super().__init__(bench, names, tally)
+        # logger=None turns FastStream's per-message logging off (its docs' way; not in its types)
+        self.broker = NatsBroker(
+            bench.url, name=names.connection, logger=None)  # type: ignore[arg-type]
+
+        async def handle_one(body: Any) -> None:
+            """The handler under test: does nothing but count."""
+            tally.handled += 1
+
+        async def handle_batch(body: list[Any]) -> None:
+            """The handler under test (a list of bodies): does nothing but count."""
+            tally.handled += len(body)
+
+        self.broker.subscriber(  # type: ignore[call-overload]
+            names.stream,
+            stream=JStream(names.stream, declare=False),  # the benchmark made it
+            durable=names.consumer,
+            pull_sub=PullSub(batch_size=READ_COUNT, timeout=FETCH_TIMEOUT, batch=batch),
+        )(handle_batch if batch else handle_one)
+        self.started = False
+
+    async def prepare(self) -> None:
+        await super().prepare()
+        await self.broker.connect()
+
+    async def start(self) -> None:
+        self.started = True
+        await self.broker.start()
+
+    async def stop(self) -> None:
+        await self.broker.stop()
+        self.started = False
+
+    async def close(self) -> None:
+        await self.broker.stop()
+
+
+class SubscriberConsumer(Consumer):
+    """(c)/(d): our Subscriber on the NatsJetStreamAdapter, with or without dedup."""
+
+    def __init__(self, bench: Bench, names: Names, tally: Tally, *, dedup: bool) -> None:
+        super().__init__(bench, names, tally)
+        self.adapter = NatsJetStreamAdapter(bench.url, prefix=ADAPTER_PREFIX,
+                                            name=names.connection)
+        self.store = (RedisDedupStore(bench.redis_url, prefix=names.dedup_prefix)
+                      if dedup else None)
+        self.subscriber = Subscriber(self.adapter, dedup=self.store)
+
+        async def handle_message(message: Message) -> None:
+            """The handler under test: does nothing but count."""
+            tally.handled += 1
+
+        self.subscriber.handler(names.consumer)(handle_message)
+        self.task: asyncio.Task[None] | None = None
+
+    async def prepare(self) -> None:
+        await self.adapter.ensure_subscription(
+            self.names.stream, self.names.consumer, ack_deadline=ACK_DEADLINE, start="all")
+        if self.store is not None:
+            await self.store.client.ping()
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.subscriber.serve())
+
+    def check_alive(self) -> None:
+        if self.task is not None and self.task.done():
+            self.task.result()
+            raise RuntimeError("the Subscriber stopped before the backlog drained")
+
+    async def stop(self) -> None:
+        await self.subscriber.shutdown(SHUTDOWN_TIMEOUT)
+        if self.task is not None:
+            await self.task
+
+    async def close(self) -> None:
+        if self.subscriber.running:
+            await self.subscriber.shutdown(SHUTDOWN_TIMEOUT)
+        await self.adapter.close()
+        if self.store is not None:
+            await self.store.close()
+            await delete_keys(self.bench.redis, f"{self.names.dedup_prefix}:*")
+
+    def check(self, total: int) -> None:
+        super().check(total)
+        outcomes = dict(self.subscriber.stats.outcomes)
+        if outcomes != {Outcome.ACKED: total}:
+            raise RuntimeError(f"outcomes {outcomes}, expected {total} acked")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed run: wall, CPU and GC seconds; the consumer connection's messages in and out."""
+
+    seconds: float
+    cpu_seconds: float
+    gc_seconds: float
+    msgs_in: int
+    msgs_out: int
+
+
+@dataclass
+class Bench:
+    """What every run needs: the server, the control connection, Redis."""
+
+    url: str
+    monitor_port: int
+    control: NatsClient
+    js: JetStreamContext
+    redis: aioredis.Redis
+    redis_url: str
+
+    def consumer(self, variant: str, names: Names, tally: Tally, total: int) -> Consumer:
+        if variant == RAW:
+            return RawConsumer(self, names, tally, total)
+        if variant in (FS_ONE, FS_BATCH):
+            return FastStreamConsumer(self, names, tally, batch=variant == FS_BATCH)
+        return SubscriberConsumer(self, names, tally, dedup=variant == SUB_DEDUP)
+
+    async def publish_backlog(self, names: Names, total: int) -> None:
+        await self.js.add_stream(StreamConfig(
+            name=names.stream, subjects=[names.stream], storage=StorageType.FILE))
+        for start in range(0, total, PUBLISH_CHUNK):
+            futures = [await self.js.publish_async(names.stream, PAYLOAD, stream=names.stream)
+                       for _ in range(min(PUBLISH_CHUNK, total - start))]
+            await asyncio.gather(*futures)
+        stored = (await self.js.stream_info(names.stream)).state.messages
+        if stored != total:
+            raise RuntimeError(f"stream {names.stream} holds {stored} messages, not {total}")
+
+    async def wait_drained(self, consumer: Consumer, total: int, give_up_at: float) -> float:
+        """Poll until every message was handled and acked; ``time.perf_counter()`` then."""
+        while consumer.tally.handled < total:
+            consumer.check_alive()  # a consumer that died would otherwise look like a slow one
+            if time.perf_counter() > give_up_at:
+                raise TimeoutError(f"{consumer.tally.handled} of {total} handled in time")
+            await asyncio.sleep(POLL_INTERVAL)
+        names = consumer.names
+        while True:
+            info = await self.js.consumer_info(names.stream, names.consumer)
+            now = time.perf_counter()
+            if info.num_pending == 0 and info.num_ack_pending == 0:
+                return now
+            consumer.check_alive()
+            if now > give_up_at:
+                raise TimeoutError(f"{info.num_ack_pending} messages still unacked")
+            await asyncio.sleep(POLL_INTERVAL)
+
+    async def verify(self, names: Names, total: int) -> None:
+        """The server's view after the clock: all delivered once and acked."""
+        info = await self.js.consumer_info(names.stream, names.consumer)
+        seen = (info.delivered.stream_seq if info.delivered else None,
+                info.ack_floor.stream_seq if info.ack_floor else None,
+                info.num_redelivered, info.num_ack_pending, info.num_pending)
+        if seen != (total, total, 0, 0, 0):
+            raise RuntimeError(f"consumer {names.consumer}: delivered, ack floor, redelivered, "
+                               f"ack pending, pending = {seen}; expected {total}, {total}, 0, 0, 0")
+
+    async def run_once(self, variant: str, total: int, *,
+                       profiler: cProfile.Profile | None = None,
+                       counter: RoundTrips | None = None) -> Run:
+        """Consume a fresh ``total``-message backlog with ``variant``."""
+        names, tally = next_names(variant), Tally()
+        await self.publish_backlog(names, total)
+        consumer = self.consumer(variant, names, tally, total)
+        try:
+            await consumer.prepare()
+            if counter is not None and isinstance(consumer, SubscriberConsumer):
+                assert consumer.store is not None
+                counter.install(consumer.store.client)
+                counter.name_scripts(consumer.store)
+            msgs_in, msgs_out = connection_msgs(self.monitor_port, names.connection)
+            gc.collect()  # every run starts from the same heap, outside the clock
+            with GcTimer() as gc_timer:
+                if profiler is not None:
+                    profiler.enable()
+                started, cpu_started = time.perf_counter(), time.process_time()
+                try:
+                    await consumer.start()
+                    drained = await self.wait_drained(consumer, total, started + RUN_DEADLINE)
+                    cpu_seconds = time.process_time() - cpu_started
+                finally:
+                    if profiler is not None:
+                        profiler.disable()
+            sent, received = connection_msgs(self.monitor_port, names.connection)
+            await consumer.stop()
+            await self.verify(names, total)
+            consumer.check(total)
+        finally:
+            await consumer.close()
+            await self.js.delete_stream(names.stream)
+        return Run(drained - started, cpu_seconds, gc_timer.seconds,
+                   sent - msgs_in, received - msgs_out)
+
+
+class Throughput(_CommonThroughput[Run]):
+    """One variant's timed runs, with CPU time and the broker's message counts."""
+
+    @property
+    def cpu_micros_per_message(self) -> float:
+        return self.median_micros(run.cpu_seconds for run in self.runs)
+
+    @property
+    def in_per_message(self) -> float:
+        return statistics.median(run.msgs_in for run in self.runs) / self.messages
+
+    @property
+    def out_per_message(self) -> float:
+        return statistics.median(run.msgs_out for run in self.runs) / self.messages
+
+
+async def measure(bench: Bench, messages: int, repetitions: int,
+                  warmup: int) -> dict[str, Throughput]:
+    """Warm every variant up, then time them round-robin so drift hits all of them alike."""
+    for variant in VARIANTS:
+        await bench.run_once(variant, warmup)
+    results = {variant: Throughput(variant, messages) for variant in VARIANTS}
+    for repetition in range(1, repetitions + 1):
+        for variant in VARIANTS:
+            run = await bench.run_once(variant, messages)
+            results[variant].runs.append(run)
+            print(f"  run {repetition}/{repetitions}  {variant:<62} "
+                  f"{messages / run.seconds:>9,.0f} msg/s", file=sys.stderr)
+    return results
+
+
+async def profile_subscriber(bench: Bench, messages: int) -> None:
+    """(c) once under cProfile; its hottest functions to stderr."""
+    profiler = cProfile.Profile()
+    await bench.run_once(SUB, messages, profiler=profiler)
+    for order in ("tottime", "cumulative"):
+        print(f"\n(c) under cProfile, by {order}:", file=sys.stderr)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats(order).print_stats(30)
+
+
+# -- report ------------------------------------------------------------------------------------
+
+
+def table(results: dict[str, Throughput]) -> list[str]:
+    raw = results[RAW].median
+    lines = [
+        "| Variant | median msgs/s | min – max msgs/s | µs/msg | client CPU µs/msg "
+        "| of which GC µs/msg | client→server msgs / msg | server→client msgs / msg "
+        "| ratio to (a) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results.values():
+        lines.append(
+            f"| {r.variant} | {r.median:,.0f} | {min(r.rates):,.0f} – {max(r.rates):,.0f} | "
+            f"{r.micros_per_message:.1f} | {r.cpu_micros_per_message:.1f} | "
+            f"{r.gc_micros_per_message:.1f} | {r.in_per_message:.3f} | "
+            f"{r.out_per_message:.3f} | {r.median / raw:.2f}× |"
+        )
+    return lines
+
+
+def goal(name: str, ours: Throughput, theirs: Throughput, target: float) -> str:
+    """``verdict`` on the medians, and how the interleaved repetitions did one by one."""
+    paired = [a / b for a, b in zip(ours.rates, theirs.rates, strict=True)]
+    met = sum(ratio >= target for ratio in paired)
+    return (f"{verdict(name, ours.median / theirs.median, target)} (repetition by repetition "
+            f"{min(paired):.2f}–{max(paired):.2f}×, met in {met} of {len(paired)})")
+
+
+def redis_round_trips(counter: RoundTrips, messages: int) -> str:
+    kinds = ", ".join(f"{label} {count * 1000 / messages:,.1f}"
+                      for label, count in counter.round_trips.most_common())
+    return (f"{counter.round_trips.total() / messages:.4f} Redis round trips per message "
+            f"(per 1,000 messages: {kinds})")
+
+
+def versions(server: str, redis_server: str) -> str:
+    names = ("nats-py", "faststream", "redis")
+    found = ", ".join(f"{name} {metadata.version(name)}" for name in names)
+    return f"nats-server {server}, Redis {redis_server}; {found}"
+
+
+def report(results: dict[str, Throughput], counter: RoundTrips, command: str, messages: int,
+           repetitions: int, server_versions: str, load: float) -> str:
+    raw, sub, full = results[RAW], results[SUB], results[SUB_DEDUP]
+    lines = [
+        "## NATS JetStream: Subscriber vs. a raw nats-py pull loop and FastStream "
+        "(no-op async handler)",
+        "",
+        f"Command (from the repository root): `{command}`; measured "
+        f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, against a private "
+        f"`nats-server -js` (file store) and Redis on the same machine (localhost TCP); "
+        f"{server_versions}; 1-minute load average {load:.2f} at the start. {messages:,} "
+        f"messages per run, {repetitions} timed runs per variant (interleaved); median shown.",
+        "",
+        *table(results),
+        "",
+        "Goals from the issue:",
+        "",
+        goal("(c) / (a)", sub, raw, NO_DEDUP_MIN_RATIO),
+        goal("(c) / (b1) FastStream, one message per call", sub, results[FS_ONE], 1.0),
+        goal("(c) / (b2) FastStream, batch=True", sub, results[FS_BATCH], 1.0),
+        goal("(d) / (a)", full, raw, DEDUP_MIN_RATIO),
+        "",
+        f"By difference of medians, the Subscriber without dedup costs "
+        f"{sub.micros_per_message - raw.micros_per_message:.1f} µs/msg more than the raw loop, "
+        f"and the RedisDedupStore adds {full.micros_per_message - sub.micros_per_message:.1f} "
+        f"µs/msg on top; (d) made {redis_round_trips(counter, messages)} in one more, "
+        "instrumented run.",
+        "",
+        "Rows:",
+        "",
+        f"* **(a)**: `js.pull_subscribe_bind(durable=c, stream=s)` → `await sub.fetch("
+        f"{READ_COUNT}, timeout={FETCH_TIMEOUT:g})` → for each message `await handler(msg)` "
+        "and `await msg.ack()`, in one task, until the backlog is consumed; then "
+        "`await nc.flush()`. No lease, dedup, flow control, retries or concurrency.",
+        f"* **(b1)/(b2)**: `NatsBroker(url, logger=None)` with `@broker.subscriber(s, stream="
+        f"JStream(s, declare=False), durable=c, pull_sub=PullSub(batch_size={READ_COUNT}, "
+        f"timeout={FETCH_TIMEOUT:g}))`, without and with `batch=True`; default ack policy (acks "
+        "after the handler returns, `msg.ack()` per message, also in batch mode). FastStream "
+        "binds to the existing consumer; (b1) runs the handlers of a fetched batch concurrently "
+        "(an anyio task group), (b2) calls the handler once per batch of 100 with the list of "
+        "bodies. Started with `await broker.start()` inside the clock, stopped with "
+        "`await broker.stop()` after it.",
+        f"* **(c)**: `Subscriber(NatsJetStreamAdapter(url, prefix=...))` with default policies "
+        f"(at most 1000 messages in flight, receive batch {RECEIVE_BATCH}, batched acks — each "
+        "batch of `+ACK`s written at once and confirmed by one flush — lease manager "
+        f"running), consumer made by `adapter.ensure_subscription(s, c, ack_deadline="
+        f"{ACK_DEADLINE:g}, start=\"all\")`; run as `asyncio.create_task(sub.serve())` in the "
+        "same loop, stopped with `await sub.shutdown()` after the clock stops.",
+        "* **(d)**: the same with `dedup=RedisDedupStore(redis_url, prefix=...)` (a prefix per "
+        "run, its keys deleted afterwards): one claim script per received batch before the "
+        "handlers, the completions of each settled batch in one more call, before the acks.",
+        "* Each run: a fresh file-backed stream `s` (subject `s`) with the backlog of 64-byte "
+        "messages published by `js.publish_async` before the clock starts, and a fresh durable "
+        f"consumer `c` (explicit ack, `AckWait` {ACK_DEADLINE:g} s, deliver all, the server's "
+        "default `MaxAckPending` 1,000), both deleted after the run. The clock starts when the "
+        "consumer starts (connected, and for (a) subscribed) and stops when the handler has "
+        "seen every message and the consumer's info shows nothing pending and nothing awaiting "
+        f"an ack, polled every {POLL_INTERVAL * 1000:g} ms on the benchmark's own connection; "
+        "the info then must show every message delivered and acked once (ack floor = last "
+        "sequence, none redelivered), and the handler must have seen each once. µs/msg = "
+        "1 / median rate. *Client CPU* is this process's CPU time (`time.process_time()`) over "
+        "the run; the server runs on the same 2 cores. GC stays enabled; *of which GC* is the "
+        "time the cyclic collector ran.",
+        "* *client→server msgs / msg* and *server→client msgs / msg*: the consumer connection's "
+        "`in_msgs` and `out_msgs` in the server's `/connz`, read before the consumer starts and "
+        "after the clock stops (median over the runs, per message). JetStream has no batched "
+        "ack for an explicit-ack consumer: every message costs one `+ACK` message to the "
+        "server, and each fetch one pull request (two when the first, `no_wait`, request comes "
+        "back short); out are the deliveries and the status messages that end a fetch.",
+    ]
+    return "\n".join(lines)
+
+
+async def everything(args: argparse.Namespace, url: str, monitor_port: int) -> str:
+    control = await nats.connect(url, name=f"bench-nats-{RUN_ID}-control")
+    redis = aioredis.Redis.from_url(args.redis)
+    try:
+        await redis.ping()
+        js = control.jetstream(timeout=10.0)
+        bench = Bench(url, monitor_port, control, js, redis, args.redis)
+        server = monitor(monitor_port, "varz")["version"]
+        redis_server = (await redis.info("server"))["redis_version"]
+        load = os.getloadavg()[0]
+        results = await measure(bench, args.messages, args.repetitions, args.warmup)
+        counter = RoundTrips()
+        await bench.run_once(SUB_DEDUP, args.messages, counter=counter)
+        if args.profile:
+            await profile_subscriber(bench, args.messages)
+        return report(results, counter, args.command, args.messages, args.repetitions,
+                      versions(server, redis_server), load)
+    finally:
+        for bucket in (f"{ADAPTER_PREFIX}-subscriptions",):
+            try:
+                await control.jetstream().delete_key_value(bucket)
+            except nats.errors.Error:
+                pass
+        await control.close()
+        await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--redis", default=DEFAULT_REDIS,
+                        help=f"Redis URL for (d) (default {DEFAULT_REDIS})")
+    parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES,
+                        help="messages per run, a multiple of 100")
+    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smoke test: {QUICK_MESSAGES:,} messages, "
+                             f"{QUICK_REPETITIONS} repetitions")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile (c) once and print its hottest functions")
+    parser.add_argument("--write", action="store_true", help="write the README section")
+    args = parser.parse_args(argv)
+    args.warmup = WARMUP_MESSAGES
+    if args.quick:
+        args.messages, args.repetitions, args.warmup = (
+            QUICK_MESSAGES, QUICK_REPETITIONS, QUICK_WARMUP)
+    if args.messages % READ_COUNT:
+        # (b2) would wait out its batch timeout for the last, short batch
+        parser.error(f"--messages must be a multiple of {READ_COUNT}")
+    if shutil.which("nats-server") is None:
+        parser.error("nats-server is not on PATH (Debian package nats-server)")
+    args.command = shlex.join(
+        ["python", "-m", "benchmarks.nats", *(sys.argv[1:] if argv is None else argv)]
+    )  # never the interpreter's path: nothing of this machine goes into the README
+
+    from tests.nats_processes import NatsServer
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-nats-") as directory:
+        server = NatsServer(Path(directory))
+        server.start()
+        try:
+            section = asyncio.run(everything(args, server.url, server.monitor_port))
+        finally:
+            server.kill()
+    print(section)
+    print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    if args.write:
+        write_section(SECTION_NAME, section, append=True)
+        print("wrote benchmarks/README.md", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

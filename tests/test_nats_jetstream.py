@@ -1,0 +1,511 @@
+"""The NATS JetStream adapter beyond the shared suite: JetStream's own dedup window, stale acks,
+what other publishers send, bad input, and a consumer process SIGKILLed mid-flight.
+
+The conformance suite (tests/test_conformance.py) runs with publish dedup off; these tests use
+the adapter's defaults. All run on the session's private ``nats-server -js``
+(tests/conftest.py); the takeover tests also use the shared Redis for the dedup store and for
+counting effects outside the consumers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from reliable_sub import (
+    ConfigurationError,
+    DeadLetterPolicy,
+    LeasePolicy,
+    Message,
+    Outcome,
+    Subscriber,
+    UnknownSubscriptionError,
+    UnknownTopicError,
+)
+from reliable_sub.testing.services import redis_url
+from tests.nats_processes import NatsServer
+from tests.redis_processes import Child, free_port, poll_until
+
+nats = pytest.importorskip("nats", reason='the NATS tests need "reliable-sub[nats]"')
+from reliable_sub.adapters.nats_jetstream import (  # noqa: E402
+    ATTRIBUTES_HEADER,
+    CONNECT_TIMEOUT,
+    NatsJetStreamAdapter,
+)
+
+ACK_DEADLINE = 1.0
+# Bound on every wait for something that should take about one ack deadline.
+WITHIN = 10.0
+
+
+@pytest.fixture
+async def adapter(nats_server: NatsServer) -> AsyncIterator[NatsJetStreamAdapter]:
+    prefix = f"t-{uuid.uuid4().hex[:10]}"
+    made = NatsJetStreamAdapter(nats_server.url, prefix=prefix)
+    try:
+        yield made
+    finally:
+        await made.close()
+        await delete_streams(nats_server.url, prefix)
+
+
+async def delete_streams(url: str, fragment: str) -> None:
+    client = await nats.connect(url, max_reconnect_attempts=0)
+    try:
+        js = client.jetstream()
+        for info in await js.streams_info():
+            name = info.config.name or ""
+            if fragment in name:
+                await js.delete_stream(name)
+    finally:
+        await client.close()
+
+
+def names(adapter: NatsJetStreamAdapter) -> tuple[str, str]:
+    """A topic and a subscription named after the adapter's (unique) prefix."""
+    prefix = adapter.dedup_namespace("x").split(":")[1]
+    return f"{prefix}-orders", f"{prefix}-billing"
+
+
+async def stream_messages(adapter: NatsJetStreamAdapter, topic: str) -> int:
+    js = await adapter._js()
+    info = await js.stream_info(topic.replace(".", "_"))
+    return int(info.state.messages)
+
+
+# -- JetStream's dedup window ---------------------------------------------------------------------
+
+
+async def test_a_producer_retry_inside_the_window_never_reaches_a_consumer(
+    adapter: NatsJetStreamAdapter,
+) -> None:
+    topic, sub = names(adapter)
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    first = await adapter.publish(topic, b"charge 10 EUR", {"idempotency-key": "payment-42"})
+    retries = [await adapter.publish(topic, b"charge 10 EUR", {"idempotency-key": "payment-42"})
+               for _ in range(2)]
+    other = await adapter.publish(topic, b"charge 5 EUR", {"idempotency-key": "payment-43"})
+
+    assert retries == [first, first], "a retry gets the original's stream sequence"
+    assert other != first
+    assert await stream_messages(adapter, topic) == 2
+    assert adapter.stats["duplicate_publishes"] == 2
+    got = await adapter.receive(sub, 10, timeout=1.0)
+    assert sorted(d.message.attributes["idempotency-key"] for d in got) == [
+        "payment-42", "payment-43"]
+    assert await adapter.ack(got) == []
+
+
+async def test_a_replay_of_a_dead_letter_inside_the_window_is_not_taken_for_a_retry(
+    adapter: NatsJetStreamAdapter,
+) -> None:
+    """The dead-letter tools mark a replay with ``replayed-from``; two replays of one copy are
+    one publish (a retried replay), replays of different copies are two."""
+    topic, sub = names(adapter)
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    original = await adapter.publish(topic, b"ship", {"idempotency-key": "order-1"})
+    replay = {"idempotency-key": "order-1", "replayed-from": "7"}
+    replayed = await adapter.publish(topic, b"ship", replay)
+    retried_replay = await adapter.publish(topic, b"ship", replay)
+    second_replay = await adapter.publish(topic, b"ship", {**replay, "replayed-from": "9"})
+
+    assert len({original, replayed, second_replay}) == 3
+    assert retried_replay == replayed
+    assert await stream_messages(adapter, topic) == 3
+
+
+async def test_a_dead_letter_replayed_within_the_window_is_handled_again(
+    adapter: NatsJetStreamAdapter,
+) -> None:
+    from reliable_sub.dead_letters import DeadLetterQueue
+
+    topic, sub = names(adapter)
+    dlq_topic, dlq_sub = f"{topic}-dlq", f"{sub}-dlq"
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    await adapter.ensure_subscription(dlq_topic, dlq_sub, ack_deadline=ACK_DEADLINE)
+    fixed = threading.Event()
+    outcomes: list[Outcome] = []
+    runs: list[str] = []
+    subscriber = Subscriber(adapter, dead_letter=DeadLetterPolicy(dlq_topic,
+                                                                  max_delivery_attempts=1),
+                            on_outcome=lambda m, o: outcomes.append(o), receive_timeout=0.2)
+
+    @subscriber.handler(sub)
+    async def ship(message: Message) -> None:
+        runs.append(message.idempotency_key)
+        if not fixed.is_set():
+            raise ValueError("the warehouse is down")
+
+    task = asyncio.create_task(subscriber.serve())
+    try:
+        await adapter.publish(topic, b"ship order-1", {"idempotency-key": "order-1"})
+        await poll_until(lambda: Outcome.DEAD_LETTERED in outcomes, "the dead letter", WITHIN)
+        fixed.set()
+        report = await DeadLetterQueue(adapter, dlq_sub, wait=0.5).replay()
+        assert len(report.replayed) == 1, report
+        await poll_until(lambda: Outcome.ACKED in outcomes, "the replay handled", WITHIN)
+    finally:
+        await subscriber.shutdown(timeout=5)
+        await task
+    assert runs == ["order-1", "order-1"], "the replay ran, within the 2 min window"
+
+
+# -- leases and stale acks ------------------------------------------------------------------------
+
+
+async def test_a_stale_ack_is_refused_and_never_settles_the_peers_delivery(
+    adapter: NatsJetStreamAdapter, nats_server: NatsServer,
+) -> None:
+    """The server matches acks by stream sequence: had the stale ack been sent, it would have
+    acked the peer's delivery and the message would not come back."""
+    topic, sub = names(adapter)
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    peer = NatsJetStreamAdapter(nats_server.url, prefix=names(adapter)[0].rsplit("-", 1)[0])
+    try:
+        await adapter.publish(topic, b"once")
+        [late] = await adapter.receive(sub, 10, timeout=1.0)
+        [taken] = await peer.receive(sub, 10, timeout=3 * ACK_DEADLINE)  # after the deadline
+        assert taken.message.id == late.message.id and taken.message.delivery_attempt == 2
+
+        assert await adapter.ack([late]) == [late], "refused: its lease ran out"
+        assert await adapter.extend([late], ACK_DEADLINE) == [late]
+        await adapter.nack([late], 0.0)  # not sent either
+        assert adapter.stats["refused_as_stale"] == 3
+
+        [again] = await peer.receive(sub, 10, timeout=3 * ACK_DEADLINE)  # peer never acked
+        assert (again.message.id, again.message.delivery_attempt) == (late.message.id, 3)
+        assert await peer.ack([again]) == []
+        assert await peer.receive(sub, 10, timeout=2 * ACK_DEADLINE) == []
+    finally:
+        await peer.close()
+
+
+async def test_in_progress_acks_hold_a_message_past_its_deadline(
+    adapter: NatsJetStreamAdapter, nats_server: NatsServer,
+) -> None:
+    topic, sub = names(adapter)
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    peer = NatsJetStreamAdapter(nats_server.url, prefix=names(adapter)[0].rsplit("-", 1)[0])
+    try:
+        await adapter.publish(topic, b"long")
+        [held] = await adapter.receive(sub, 10, timeout=1.0)
+        until = time.monotonic() + 3 * ACK_DEADLINE
+        while time.monotonic() < until:
+            assert await adapter.extend([held], 10 * ACK_DEADLINE) == []
+            assert await peer.receive(sub, 10, timeout=0.5 * ACK_DEADLINE) == []
+        assert await adapter.ack([held]) == []
+        assert await peer.receive(sub, 10, timeout=2 * ACK_DEADLINE) == []
+    finally:
+        await peer.close()
+
+
+# -- what other publishers send, and bad input ----------------------------------------------------
+
+
+async def test_plain_headers_are_attributes_and_a_broken_attributes_header_is_malformed(
+    adapter: NatsJetStreamAdapter,
+) -> None:
+    topic, sub = names(adapter)
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    js = await adapter._js()
+    await js.publish(topic, b"from a Go service", headers={"traceparent": "00-abc-def-01",
+                                                          "Nats-Msg-Id": "go-1"})
+    await js.publish(topic, b"broken", headers={ATTRIBUTES_HEADER: "{not json"})
+    await js.publish(topic, b"not strings", headers={ATTRIBUTES_HEADER: '{"n": 1}'})
+
+    got = await adapter.receive(sub, 10, timeout=1.0)
+    by_data = {d.message.data: d for d in got}
+    assert by_data[b"from a Go service"].message.attributes == {"traceparent": "00-abc-def-01"}
+    assert by_data[b"from a Go service"].malformed is None
+    assert "not JSON" in (by_data[b"broken"].malformed or "")
+    assert "'n' is a int" in (by_data[b"not strings"].malformed or "")
+    await adapter.ack(got)
+
+
+async def test_a_malformed_message_is_dead_lettered_and_the_consumer_goes_on(
+    adapter: NatsJetStreamAdapter,
+) -> None:
+    topic, sub = names(adapter)
+    dlq_topic, dlq_sub = f"{topic}-dlq", f"{sub}-dlq"
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    await adapter.ensure_subscription(dlq_topic, dlq_sub, ack_deadline=ACK_DEADLINE)
+    outcomes: list[tuple[bytes, Outcome]] = []
+    subscriber = Subscriber(adapter, dead_letter=DeadLetterPolicy(dlq_topic),
+                            on_outcome=lambda m, o: outcomes.append((m.data, o)),
+                            receive_timeout=0.2)
+    handled: list[bytes] = []
+
+    @subscriber.handler(sub)
+    async def handle(message: Message) -> None:
+        handled.append(message.data)
+
+    js = await adapter._js()
+    await js.publish(topic, b"poison", headers={ATTRIBUTES_HEADER: "[1, 2]"})
+    await adapter.publish(topic, b"fine")
+    async with subscriber:
+        await poll_until(lambda: len(outcomes) == 2, "both settled", WITHIN)
+    assert sorted(outcomes) == [(b"fine", Outcome.ACKED), (b"poison", Outcome.DEAD_LETTERED)]
+    assert handled == [b"fine"]
+    [letter] = await adapter.receive(dlq_sub, 10, timeout=1.0)
+    assert letter.message.data == b"poison"
+    assert "a JSON list, not an object" in letter.message.attributes["error-message"]
+
+
+@pytest.mark.parametrize("topic", ["orders.*", "orders >", "", "a..b", "orders/eu"])
+async def test_a_topic_that_is_no_plain_subject_is_refused_by_name(
+    adapter: NatsJetStreamAdapter, topic: str,
+) -> None:
+    with pytest.raises(ConfigurationError, match="NATS topic"):
+        await adapter.ensure_subscription(topic, "billing")
+
+
+async def test_bad_settings_are_refused_with_what_is_wrong(
+    adapter: NatsJetStreamAdapter,
+) -> None:
+    topic, sub = names(adapter)
+    with pytest.raises(ConfigurationError, match="unknown options"):
+        await adapter.ensure_subscription(topic, sub, ordering=True)
+    with pytest.raises(ConfigurationError, match="ack_deadline"):
+        await adapter.ensure_subscription(topic, sub, ack_deadline=0)
+    with pytest.raises(ConfigurationError, match="max_deliver"):
+        await adapter.ensure_subscription(topic, sub, max_deliver=0)
+    with pytest.raises(ConfigurationError, match="subscription name"):
+        await adapter.ensure_subscription(topic, "bill.ing")
+    with pytest.raises(ConfigurationError, match="stream_options"):
+        NatsJetStreamAdapter(stream_options={"subjects": ["x"]})
+    with pytest.raises(ConfigurationError, match="max_agee"):
+        NatsJetStreamAdapter(stream_options={"max_agee": 3600})
+
+
+async def test_a_subscription_name_belongs_to_one_topic(adapter: NatsJetStreamAdapter) -> None:
+    topic, sub = names(adapter)
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)  # idempotent
+    with pytest.raises(ConfigurationError) as refused:
+        await adapter.ensure_subscription(f"{topic}.eu", sub)
+    assert topic in str(refused.value) and f"{topic}.eu" in str(refused.value)
+    assert await adapter.subscription_topic(sub) == topic
+    assert await adapter.subscription_ack_deadline(sub) == ACK_DEADLINE
+
+
+async def test_unknown_topics_and_subscriptions_are_named(adapter: NatsJetStreamAdapter) -> None:
+    topic, sub = names(adapter)
+    with pytest.raises(UnknownTopicError, match=topic):
+        await adapter.publish(topic, b"nowhere")
+    assert not await adapter.topic_exists(topic)
+    with pytest.raises(UnknownSubscriptionError, match=sub):
+        await adapter.receive(sub, 1, timeout=0.1)
+    await adapter.ensure_topic(f"{topic}.created")
+    assert await adapter.topic_exists(f"{topic}.created")
+    with pytest.raises(ConfigurationError, match="does not capture"):
+        await adapter.ensure_topic(f"{topic}_created")  # the same stream name
+
+
+async def test_an_unreachable_server_fails_within_the_connect_timeout_naming_it() -> None:
+    url = f"nats://127.0.0.1:{free_port()}"
+    adapter = NatsJetStreamAdapter(url)
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match=url):
+        await adapter.ensure_subscription("orders", "billing")
+    assert time.monotonic() - started < CONNECT_TIMEOUT + 2.0
+    await adapter.close()
+
+
+def test_the_blocking_twins_work_from_threads_without_a_loop(nats_server: NatsServer) -> None:
+    prefix = f"t-{uuid.uuid4().hex[:10]}"
+    adapter = NatsJetStreamAdapter(nats_server.url, prefix=prefix)
+    topic, sub = f"{prefix}-orders", f"{prefix}-billing"
+    try:
+        adapter.ensure_subscription_sync(topic, sub, ack_deadline=ACK_DEADLINE)
+        ids: list[str] = []
+        threads = [threading.Thread(target=lambda n=n: ids.append(
+            adapter.publish_sync(topic, f"m{n}".encode(), {"n": str(n)}))) for n in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(WITHIN)
+
+        async def receive_all() -> list[str]:
+            got = await adapter.receive(sub, 10, timeout=1.0)
+            await adapter.ack(got)
+            await adapter.close()
+            return sorted(d.message.id for d in got)
+
+        assert asyncio.run(receive_all()) == sorted(ids) and len(ids) == 4
+    finally:
+        adapter.close_sync()
+        asyncio.run(delete_streams(nats_server.url, prefix))
+
+
+# -- a consumer process SIGKILLed mid-flight ------------------------------------------------------
+
+LEASE = LeasePolicy(min_extension=0.5, max_extension=ACK_DEADLINE)
+
+# The consumer that gets killed. argv[1]: its settings as JSON. It prints
+#   STARTED <id> <attempt>  when its handler starts (mode "mid-handler": then blocks forever);
+#   ACKING <ids>            when the Subscriber acks (mode "after-effect": then blocks forever,
+#                           after the dedup completion was written and the effect made).
+CHILD = textwrap.dedent(
+    """
+    import asyncio, json, sys, threading
+
+    import redis
+
+    from reliable_sub import LeasePolicy, Subscriber
+    from reliable_sub.adapters.nats_jetstream import NatsJetStreamAdapter
+    from reliable_sub.idempotency.redis_store import RedisDedupStore
+
+    cfg = json.loads(sys.argv[1])
+    effects = redis.Redis.from_url(cfg["redis"])
+
+
+    class AckNeverReturns(NatsJetStreamAdapter):
+        async def ack(self, deliveries):
+            print("ACKING", " ".join(d.message.id for d in deliveries), flush=True)
+            await asyncio.Event().wait()  # never set: the kill lands here, before the ack
+
+
+    async def main():
+        kind = AckNeverReturns if cfg["mode"] == "after-effect" else NatsJetStreamAdapter
+        adapter = kind(cfg["nats"], prefix=cfg["prefix"])
+        store = RedisDedupStore(cfg["redis"], prefix=cfg["dedup_prefix"], owner="doomed")
+        sub = Subscriber(adapter, dedup=store, lease=LeasePolicy(
+            min_extension=cfg["min_extension"], max_extension=cfg["max_extension"]))
+
+        @sub.handler(cfg["subscription"])
+        def handle(message):
+            if cfg["mode"] == "mid-handler":
+                print("STARTED", message.id, message.delivery_attempt, flush=True)
+                threading.Event().wait()  # never set: the kill lands here
+            effects.rpush(cfg["effects"], f"{message.id} doomed")
+            return {"effect": message.id}
+
+        await sub.serve()
+
+
+    asyncio.run(main())
+    """
+)
+
+
+@dataclass
+class Scene:
+    nats_url: str
+    redis: str
+    tmp_path: Path
+    prefix: str = field(default_factory=lambda: f"crash-{uuid.uuid4().hex[:10]}")
+    children: list[Child] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        import redis.asyncio as aioredis
+
+        self.topic, self.subscription = f"{self.prefix}-orders", f"{self.prefix}-billing"
+        self.effects = f"{self.prefix}:effects"
+        self.dedup_prefix = f"{self.prefix}:dedup"
+        self.adapter = NatsJetStreamAdapter(self.nats_url, prefix=self.prefix)
+        self.raw = aioredis.Redis.from_url(self.redis)
+
+    def spawn(self, mode: str) -> Child:
+        script = self.tmp_path / "consumer.py"
+        script.write_text(CHILD)
+        settings = {"nats": self.nats_url, "redis": self.redis, "mode": mode,
+                    "prefix": self.prefix, "dedup_prefix": self.dedup_prefix,
+                    "subscription": self.subscription, "effects": self.effects,
+                    "min_extension": LEASE.min_extension, "max_extension": LEASE.max_extension}
+        child = Child(script, json.dumps(settings))
+        self.children.append(child)
+        return child
+
+    async def effect_list(self) -> list[str]:
+        return [item.decode() for item in await self.raw.lrange(self.effects, 0, -1)]
+
+    async def cleanup(self) -> None:
+        for child in self.children:
+            child.kill()
+        keys = [key async for key in self.raw.scan_iter(match=f"{self.prefix}*", count=1000)]
+        if keys:
+            await self.raw.delete(*keys)
+        await self.raw.aclose()
+        await self.adapter.close()
+        await delete_streams(self.nats_url, self.prefix)
+
+
+@pytest.fixture
+async def scene(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Scene]:
+    made = Scene(nats_server.url, redis_url(), tmp_path)
+    await made.adapter.ensure_subscription(made.topic, made.subscription,
+                                           ack_deadline=ACK_DEADLINE)
+    try:
+        yield made
+    finally:
+        await made.cleanup()
+
+
+@asynccontextmanager
+async def survivor(scene: Scene) -> AsyncIterator[list[tuple[str, int, Outcome]]]:
+    """A second consumer of the subscription in this loop, serving until the block ends."""
+    from reliable_sub.idempotency.redis_store import RedisDedupStore
+
+    store = RedisDedupStore(scene.redis, prefix=scene.dedup_prefix, owner="survivor")
+    outcomes: list[tuple[str, int, Outcome]] = []
+    sub = Subscriber(scene.adapter, dedup=store, lease=LEASE,
+                     on_outcome=lambda m, o: outcomes.append((m.id, m.delivery_attempt, o)))
+
+    @sub.handler(scene.subscription)
+    async def handle(message: Message) -> dict[str, str]:
+        await scene.raw.rpush(scene.effects, f"{message.id} survivor")
+        return {"effect": message.id}
+
+    async with sub:
+        yield outcomes
+    await store.close()
+
+
+def killed(child: Child) -> None:
+    status = child.kill()
+    assert status == -signal.SIGKILL, f"child ended with {status}, not by SIGKILL:\n{child.output}"
+
+
+async def test_a_consumer_killed_mid_handler_leaves_its_message_to_a_peer(scene: Scene) -> None:
+    child = scene.spawn("mid-handler")
+    message_id = await scene.adapter.publish(scene.topic, b"order-1")
+    assert await child.line("STARTED") == f"STARTED {message_id} 1", child.output
+    killed(child)
+    assert await scene.effect_list() == [], "the killed handler had no effect"
+
+    async with survivor(scene) as outcomes:
+        await poll_until(lambda: any(o is Outcome.ACKED for _, _, o in outcomes),
+                         "the survivor to handle it", WITHIN)
+    acked = [(i, attempt) for i, attempt, o in outcomes if o is Outcome.ACKED]
+    deferred = [o for _, _, o in outcomes if o is Outcome.DEFERRED]
+    # the dead claim may outlive the broker's AckWait by a moment: a takeover inside that
+    # window is deferred once (and counted as a delivery by the server)
+    assert acked == [(message_id, 2 + len(deferred))], outcomes
+    assert len(outcomes) == len(acked) + len(deferred), outcomes
+    assert await scene.effect_list() == [f"{message_id} survivor"], "exactly one effect"
+
+
+async def test_a_consumer_killed_between_completion_and_ack_is_deduplicated(
+    scene: Scene,
+) -> None:
+    child = scene.spawn("after-effect")
+    message_id = await scene.adapter.publish(scene.topic, b"order-1")
+    assert await child.line("ACKING") == f"ACKING {message_id}", child.output
+    killed(child)
+    assert await scene.effect_list() == [f"{message_id} doomed"]
+
+    async with survivor(scene) as outcomes:
+        await poll_until(lambda: len(outcomes) >= 1, "the survivor to settle it", WITHIN)
+    assert outcomes == [(message_id, 2, Outcome.DUPLICATE)]
+    assert await scene.effect_list() == [f"{message_id} doomed"], "still exactly one effect"
