@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import datetime
 import gc
@@ -257,9 +258,8 @@ class FastStreamConsumer(Consumer):
 
     def __init__(self, bench: Bench, names: Names, tally: Tally, *, batch: bool) -> None:
         super().__init__(bench, names, tally)
-        # logger=None turns FastStream's per-message logging off (its docs' way; not in its types)
-        self.broker = NatsBroker(
-            bench.url, name=names.connection, logger=None)  # type: ignore[arg-type]
+        # logger=None turns FastStream's per-message logging off
+        self.broker = NatsBroker(bench.url, name=names.connection, logger=None)
 
         async def handle_one(body: Any) -> None:
             """The handler under test: does nothing but count."""
@@ -269,7 +269,7 @@ class FastStreamConsumer(Consumer):
             """The handler under test (a list of bodies): does nothing but count."""
             tally.handled += len(body)
 
-        self.broker.subscriber(  # type: ignore[call-overload]
+        self.broker.subscriber(
             names.stream,
             stream=JStream(names.stream, declare=False),  # the benchmark made it
             durable=names.consumer,
@@ -424,7 +424,9 @@ class Bench:
             await consumer.prepare()
             if counter is not None and isinstance(consumer, SubscriberConsumer):
                 assert consumer.store is not None
-                counter.install(consumer.store.client)
+                client = consumer.store.client
+                assert isinstance(client, aioredis.Redis)  # a URL of one server, not a cluster
+                counter.install(client)
                 counter.name_scripts(consumer.store)
             msgs_in, msgs_out = connection_msgs(self.monitor_port, names.connection)
             gc.collect()  # every run starts from the same heap, outside the clock
@@ -624,11 +626,8 @@ async def everything(args: argparse.Namespace, url: str, monitor_port: int) -> s
         return report(results, counter, args.command, args.messages, args.repetitions,
                       versions(server, redis_server), load)
     finally:
-        for bucket in (f"{ADAPTER_PREFIX}-subscriptions",):
-            try:
-                await control.jetstream().delete_key_value(bucket)
-            except nats.errors.Error:
-                pass
+        with contextlib.suppress(nats.errors.Error):  # gone with the server's store anyway
+            await control.jetstream().delete_key_value(f"{ADAPTER_PREFIX}-subscriptions")
         await control.close()
         await redis.aclose()
 
