@@ -46,6 +46,7 @@ from typing import Any
 from reliable_sub.dead_letters import REPLAYED_FROM_ATTRIBUTE
 from reliable_sub.errors import (
     ConfigurationError,
+    InvalidMessageError,
     MissingExtraError,
     UnknownSubscriptionError,
     UnknownTopicError,
@@ -85,6 +86,7 @@ DEFAULT_DUPLICATE_WINDOW = 120.0
 ATTRIBUTES_HEADER = "Reliable-Sub-Attributes"
 ORDERING_KEY_HEADER = "Reliable-Sub-Ordering-Key"
 MSG_ID_HEADER = "Nats-Msg-Id"
+EXPECTED_STREAM_HEADER = "Nats-Expected-Stream"
 # Seconds to reach the server before a call gives up (nats-py would otherwise retry for minutes).
 CONNECT_TIMEOUT = 5.0
 # Seconds a JetStream API call, a publish's PubAck or a flush may take.
@@ -145,8 +147,14 @@ class _Connection:
     closing: bool = False
 
     async def jetstream(self) -> JetStreamContext:
-        if self.js is None:
+        if self.js is None or (self.client is not None and self.client.is_closed):
             async with self.lock:
+                if self.client is not None and self.client.is_closed:
+                    # closed for good (the server closed it, or reconnecting gave up): anew
+                    logger.warning("NATS connection to %s was closed; connecting again",
+                                   self.url)
+                    self.client, self.js, self.kv = None, None, None
+                    self.pulls.clear()
                 if self.js is None:
                     self.client = await _connect(self)
                     self.js = self.client.jetstream(timeout=REQUEST_TIMEOUT)
@@ -510,10 +518,13 @@ class NatsJetStreamAdapter:
 
     async def _publish(self, topic: str, payload: bytes, headers: dict[str, str]) -> str:
         _check_topic(topic)
-        js = await self._js()
+        connection = self._connections.get()
+        js = await connection.jetstream()
+        # the stream the topic must land in (the server refuses the message otherwise)
+        headers = {**headers, EXPECTED_STREAM_HEADER: stream_name(topic)}
+        _check_size(payload, headers, (await connection.nats()).max_payload)
         try:
-            ack = await js.publish(topic, payload, headers=headers or None,
-                                   stream=stream_name(topic))
+            ack = await js.publish(topic, payload, headers=headers)
         except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
             raise UnknownTopicError(
                 f"topic {topic!r} has no stream; create it with ensure_topic or "
@@ -675,6 +686,20 @@ class NatsJetStreamAdapter:
 
 
 _OUR_HEADERS = frozenset({ATTRIBUTES_HEADER, ORDERING_KEY_HEADER})
+# "NATS/1.0\r\n" before the headers and "\r\n" after them
+_HEADER_FRAMING = 12
+
+
+def _check_size(payload: bytes, headers: dict[str, str], max_payload: int) -> None:
+    """Refuse, before sending, a message over the server's ``max_payload`` (data and headers
+    together): the server would close the connection on it, failing every call in flight."""
+    header_bytes = sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
+    size = len(payload) + (header_bytes + _HEADER_FRAMING if headers else 0)
+    if size > max_payload:
+        raise InvalidMessageError(
+            f"publish: the message is {size} bytes (data and headers), over the NATS server's "
+            f"max_payload of {max_payload} bytes; raise max_payload in the server's "
+            "configuration, or publish a reference to the data instead")
 
 
 def _msg_id(attributes: dict[str, str]) -> str | None:

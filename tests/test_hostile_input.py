@@ -5,8 +5,9 @@ handled (the consumer stays healthy, other messages keep flowing), and checks th
 message's outcome exactly: acked, retried, dead-lettered with an error naming the problem, or
 refused at publish with a named exception.
 
-Payloads, attributes and idempotency keys run on all three adapters: the in-memory broker (on a
-ManualClock), Redis Streams (real Redis) and the Pub/Sub emulator. Each adapter gets one running
+Payloads, attributes and idempotency keys run on all four adapters: the in-memory broker (on a
+ManualClock), Redis Streams (real Redis), the Pub/Sub emulator and NATS JetStream (a private
+nats-server). Each adapter gets one running
 Subscriber for the whole module (a ``world``): the hostile messages of one test after another go
 through the same consumer, which must still be healthy after all of them. Its dead-letter policy
 allows 2 handler failures, so a poison message is ``retried`` once, then ``dead_lettered``.
@@ -68,7 +69,13 @@ from reliable_sub import (
 )
 from reliable_sub.outcome import DeliveryEvent
 from reliable_sub.ports import Adapter
-from reliable_sub.testing.harness import Harness, memory_harness, pubsub_harness, redis_harness
+from reliable_sub.testing.harness import (
+    Harness,
+    memory_harness,
+    nats_harness,
+    pubsub_harness,
+    redis_harness,
+)
 from reliable_sub.testing.services import missing_service
 from reliable_sub.testing.timing import drive_until
 from tests.memory_world import serving, setup
@@ -76,11 +83,11 @@ from tests.memory_world import serving, setup
 # One event loop for the module: the worlds (a running Subscriber per adapter) outlive a test.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-ADAPTERS = ["memory", "redis", "pubsub"]
+ADAPTERS = ["memory", "redis", "pubsub", "nats"]
 # Handler failures after which the worlds dead-letter a message: retried once, then dead.
 MAX_ATTEMPTS = 2
 # How long a world may take to settle a message: clock seconds (virtual on memory).
-WITHIN = {"memory": 300.0, "redis": 20.0, "pubsub": 30.0}
+WITHIN = {"memory": 300.0, "redis": 20.0, "pubsub": 30.0, "nats": 20.0}
 
 MIB = 1024 * 1024
 # "10 MB": 10 MiB on memory and Redis. Pub/Sub's limit is 10,000,000 bytes per publish request
@@ -91,6 +98,8 @@ TEN_MB = 10 * MIB
 PUBSUB_REQUEST_LIMIT = 10_000_000
 PUBSUB_LARGEST_DATA = PUBSUB_REQUEST_LIMIT - 1000
 # Pub/Sub's attribute limits (the emulator does not enforce them; the adapter does, at publish).
+# A NATS server's default max_payload (data and headers together), which the test server keeps.
+NATS_MAX_PAYLOAD = MIB
 PUBSUB_KEY_BYTES = 256
 PUBSUB_VALUE_BYTES = 1024
 
@@ -172,7 +181,7 @@ class World:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=ADAPTERS)
 async def running(request: pytest.FixtureRequest) -> AsyncIterator[World]:
-    harness = _harness(request.param)
+    harness = _harness(request.param, request)
     adapter = await harness.adapter()
     try:
         topic, subscription = await harness.topic_and_subscription()
@@ -205,11 +214,15 @@ async def running(request: pytest.FixtureRequest) -> AsyncIterator[World]:
         await harness.close()
 
 
-def _harness(name: str) -> Harness:
+def _harness(name: str, request: pytest.FixtureRequest) -> Harness:
     if name == "memory":
         return memory_harness()
     if name == "redis":
         return redis_harness()  # skips without Redis (fails under CI=true)
+    if name == "nats":
+        if importlib.util.find_spec("nats") is None:
+            missing_service('the NATS tests need pip install "reliable-sub[nats]"')
+        return nats_harness(request.getfixturevalue("nats_server").url)
     if importlib.util.find_spec("google.cloud.pubsub_v1") is None:
         missing_service('the Pub/Sub tests need pip install "reliable-sub[pubsub]"')
     return pubsub_harness()  # starts the emulator; skips without it (fails under CI=true)
@@ -264,13 +277,19 @@ async def test_an_empty_payload_with_an_attribute_is_delivered(world: World) -> 
 
 async def test_a_10_mb_payload(world: World) -> None:
     """10 MiB is delivered whole by memory and Redis; Pub/Sub refuses it at publish (over its
-    10,000,000-byte request limit) and delivers the largest it takes. Receiving that one needs
+    10,000,000-byte request limit) and delivers the largest it takes; NATS refuses it before
+    sending (over the server's max_payload, 1 MiB by default) and delivers the
+    largest it takes (1 KB below it, for the headers). Receiving that one needs
     a channel without gRPC's 4 MiB receive limit: before, every pull failed while it waited."""
     payload = bytes(range(256)) * (TEN_MB // 256)
     if world.name == "pubsub":
         with pytest.raises(InvalidMessageError, match="over Pub/Sub's limit of 10 MB"):
             await world.publish(payload)
         payload = payload[:PUBSUB_LARGEST_DATA]
+    if world.name == "nats":
+        with pytest.raises(InvalidMessageError, match="over the NATS server's max_payload"):
+            await world.publish(payload)
+        payload = payload[:NATS_MAX_PAYLOAD - 1000]  # room for the headers
     hostile, canary = await publish_beside_canary(world, payload)
     assert isinstance(hostile, str), hostile
     await world.settled({hostile: [Outcome.ACKED], canary: [Outcome.ACKED]})

@@ -26,6 +26,7 @@ import pytest
 from reliable_sub import (
     ConfigurationError,
     DeadLetterPolicy,
+    InvalidMessageError,
     LeasePolicy,
     Message,
     Outcome,
@@ -260,6 +261,35 @@ async def test_a_malformed_message_is_dead_lettered_and_the_consumer_goes_on(
     [letter] = await adapter.receive(dlq_sub, 10, timeout=1.0)
     assert letter.message.data == b"poison"
     assert "a JSON list, not an object" in letter.message.attributes["error-message"]
+
+
+async def test_a_message_over_max_payload_by_its_headers_is_refused_before_sending(
+    adapter: NatsJetStreamAdapter,
+) -> None:
+    """The server closes a connection that sends more than its max_payload (data and headers
+    together): every call in flight on it would fail. The adapter refuses such a message."""
+    topic, sub = names(adapter)
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    client = await adapter._connections.get().nats()
+    data = b"x" * (client.max_payload - 100)
+    with pytest.raises(InvalidMessageError, match="max_payload"):
+        await adapter.publish(topic, data, {"note": "y" * 200})
+    assert not client.is_closed
+    message_id = await adapter.publish(topic, data)
+    [got] = await adapter.receive(sub, 10, timeout=1.0)
+    assert (got.message.id, len(got.message.data)) == (message_id, len(data))
+    await adapter.ack([got])
+
+
+async def test_a_connection_closed_for_good_is_replaced_on_the_next_call(
+    adapter: NatsJetStreamAdapter,
+) -> None:
+    topic, sub = names(adapter)
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    await (await adapter._connections.get().nats()).close()  # as the server closing it would
+    await adapter.publish(topic, b"after")
+    [got] = await adapter.receive(sub, 10, timeout=1.0)
+    assert got.message.data == b"after" and await adapter.ack([got]) == []
 
 
 @pytest.mark.parametrize("topic", ["orders.*", "orders >", "", "a..b", "orders/eu"])
