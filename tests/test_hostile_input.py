@@ -7,10 +7,10 @@ refused at publish with a named exception.
 
 Payloads, attributes and idempotency keys run on all four adapters: the in-memory broker (on a
 ManualClock), Redis Streams (real Redis), the Pub/Sub emulator and NATS JetStream (a private
-nats-server). Each adapter gets one running
-Subscriber for the whole module (a ``world``): the hostile messages of one test after another go
-through the same consumer, which must still be healthy after all of them. Its dead-letter policy
-allows 2 handler failures, so a poison message is ``retried`` once, then ``dead_lettered``.
+nats-server). Each adapter gets one running Subscriber for the whole module (a ``world``): the
+hostile messages of one test after another go through the same consumer, which must still be
+healthy after all of them. Its dead-letter policy allows 2 handler failures, so a poison message is
+``retried`` once, then ``dead_lettered``.
 
 Handler behaviour (never returns, raises ``KeyboardInterrupt``/``SystemExit``/``CancelledError``,
 blocks the loop) runs on the in-memory broker only, where a ManualClock moves the time.
