@@ -94,6 +94,8 @@ REQUEST_TIMEOUT = 5.0
 FLUSH_TIMEOUT = 5  # nats-py takes whole seconds
 # A fetch needs a positive timeout; a receive with timeout 0 waits this long at most.
 MIN_FETCH_TIMEOUT = 0.01
+# After an empty fetch, check at most this often (seconds) that the consumer still exists.
+CONSUMER_CHECK_INTERVAL = 5.0
 # The local lease ends this much before the ack deadline, for the trip from the server.
 STALE_MARGIN_FRACTION = 0.05
 STALE_MARGIN_MAX = 0.5
@@ -121,6 +123,9 @@ class _Subscription:
     name: str
     topic: str
     ack_deadline: float
+    max_ack_pending: int | None = None
+    max_deliver: int | None = None
+    next_check: float = 0.0
 
     @property
     def stream(self) -> str:
@@ -363,7 +368,9 @@ class NatsJetStreamAdapter:
                 raise ConfigurationError(
                     f"ensure_subscription: {option} must be an int >= 1, got {value!r}")
         bucket = await self._settings_bucket()
-        settings = json.dumps({"topic": topic, "ack_deadline": ack_deadline}).encode()
+        settings = json.dumps({"topic": topic, "ack_deadline": ack_deadline,
+                               "max_ack_pending": max_ack_pending,
+                               "max_deliver": max_deliver}).encode()
         with contextlib.suppress(KeyWrongLastSequenceError):  # recorded before: kept
             await bucket.create(subscription, settings)
         recorded = json.loads((await bucket.get(subscription)).value or b"{}")
@@ -373,26 +380,45 @@ class NatsJetStreamAdapter:
                 f"{recorded.get('topic')!r}, not {topic!r}; a subscription (durable consumer) "
                 "name belongs to one topic: choose another name")
         await self.ensure_topic(topic)
-        sub = _Subscription(subscription, topic, float(recorded["ack_deadline"]))
-        await self._ensure_consumer(sub, start, max_ack_pending, max_deliver)
+        sub = _subscription_of(subscription, recorded)
+        await self._ensure_consumer(sub, start)
         self._subscriptions[subscription] = sub
 
-    async def _ensure_consumer(
-        self, sub: _Subscription, start: str, max_ack_pending: int | None,
-        max_deliver: int | None,
-    ) -> None:
+    async def _ensure_consumer(self, sub: _Subscription, start: str) -> bool:
+        """Create the consumer unless it exists; True if it was created."""
         js = await self._js()
         try:
             await js.consumer_info(sub.stream, sub.name)
-            return
+            return False
         except NotFoundError:
             pass
         config = ConsumerConfig(
             durable_name=sub.name, ack_policy=AckPolicy.EXPLICIT, ack_wait=sub.ack_deadline,
             deliver_policy=DeliverPolicy.NEW if start == "new" else DeliverPolicy.ALL,
-            filter_subject=sub.topic, max_deliver=max_deliver or -1,
-            max_ack_pending=max_ack_pending)
+            filter_subject=sub.topic, max_deliver=sub.max_deliver or -1,
+            max_ack_pending=sub.max_ack_pending)
         await js.add_consumer(sub.stream, config)
+        return True
+
+    async def _recreate_if_gone(self, sub: _Subscription, connection: _Connection) -> None:
+        """After an empty fetch, now and then: a consumer (or stream) deleted by hand, or lost
+        with a server's disk, is created again from the recorded settings. A fetch from a
+        missing consumer just comes back empty: without this, the Subscriber would wait for
+        ever. The consumer starts at the beginning of the stream (what it holds may never have
+        been delivered; what was, the dedup store catches)."""
+        now = asyncio.get_running_loop().time()
+        if now < sub.next_check:
+            return
+        sub.next_check = now + CONSUMER_CHECK_INTERVAL
+        await self.ensure_topic(sub.topic)
+        if await self._ensure_consumer(sub, "all"):
+            logger.warning("consumer %r of stream %r was gone (deleted, or the server lost its "
+                           "store); created it again from the start of the stream", sub.name,
+                           sub.stream)
+            pull = connection.pulls.pop(sub.name, None)
+            if pull is not None:
+                with contextlib.suppress(nats.errors.Error):
+                    await pull.unsubscribe()
 
     def ensure_subscription_sync(self, topic: str, subscription: str, **options: Any) -> None:
         """Blocking twin of :meth:`ensure_subscription`."""
@@ -455,9 +481,7 @@ class NatsJetStreamAdapter:
             raise UnknownSubscriptionError(
                 f"subscription {name!r} does not exist; create it with ensure_subscription"
             ) from None
-        settings = json.loads(entry.value or b"{}")
-        sub = self._subscriptions[name] = _Subscription(
-            name, settings["topic"], float(settings["ack_deadline"]))
+        sub = self._subscriptions[name] = _subscription_of(name, json.loads(entry.value or b"{}"))
         return sub
 
     async def subscription_stats(self, subscription: str) -> SubscriptionStats:
@@ -572,7 +596,10 @@ class NatsJetStreamAdapter:
             try:
                 msgs = await pull.fetch(max_messages, timeout=max(MIN_FETCH_TIMEOUT, timeout))
             except asyncio.TimeoutError:  # nats.errors.TimeoutError: nothing came
-                return []
+                msgs = []
+        if not msgs:
+            await self._recreate_if_gone(sub, connection)
+            return []
         now = asyncio.get_running_loop().time()
         self._prune(now)
         deliveries = [self._delivery(sub, msg) for msg in msgs]
@@ -683,6 +710,11 @@ class NatsJetStreamAdapter:
     def close_sync(self) -> None:
         """Close the blocking twins' connection (on the adapter's background loop)."""
         self._background.run(self.close())
+
+
+def _subscription_of(name: str, settings: dict[str, Any]) -> _Subscription:
+    return _Subscription(name, settings["topic"], float(settings["ack_deadline"]),
+                         settings.get("max_ack_pending"), settings.get("max_deliver"))
 
 
 _OUR_HEADERS = frozenset({ATTRIBUTES_HEADER, ORDERING_KEY_HEADER})

@@ -582,10 +582,14 @@ def report(results: dict[str, Throughput], counter: RoundTrips, command: str, me
         "batch of `+ACK`s written at once and confirmed by one flush — lease manager "
         f"running), consumer made by `adapter.ensure_subscription(s, c, ack_deadline="
         f"{ACK_DEADLINE:g}, start=\"all\")`; run as `asyncio.create_task(sub.serve())` in the "
-        "same loop, stopped with `await sub.shutdown()` after the clock stops.",
+        f"same loop, stopped with `await sub.shutdown({SHUTDOWN_TIMEOUT:g})` after the clock "
+        "stops (the adapter's fetch is not cancel-safe, so a stop waits that long for the idle "
+        "fetch in flight before cancelling it; with the default it would wait out the 5 s "
+        "receive timeout).",
         "* **(d)**: the same with `dedup=RedisDedupStore(redis_url, prefix=...)` (a prefix per "
         "run, its keys deleted afterwards): one claim script per received batch before the "
-        "handlers, the completions of each settled batch in one more call, before the acks.",
+        "handlers, the completions of each settled batch in one more call, before the acks "
+        "(the `GET`s are the dedup epoch cache's periodic reads).",
         "* Each run: a fresh file-backed stream `s` (subject `s`) with the backlog of 64-byte "
         "messages published by `js.publish_async` before the clock starts, and a fresh durable "
         f"consumer `c` (explicit ack, `AckWait` {ACK_DEADLINE:g} s, deliver all, the server's "

@@ -42,6 +42,7 @@ nats = pytest.importorskip("nats", reason='the NATS tests need "reliable-sub[nat
 from reliable_sub.adapters.nats_jetstream import (  # noqa: E402
     ATTRIBUTES_HEADER,
     CONNECT_TIMEOUT,
+    CONSUMER_CHECK_INTERVAL,
     NatsJetStreamAdapter,
 )
 
@@ -209,6 +210,43 @@ async def test_in_progress_acks_hold_a_message_past_its_deadline(
         assert await peer.receive(sub, 10, timeout=2 * ACK_DEADLINE) == []
     finally:
         await peer.close()
+
+
+async def test_a_deleted_consumer_or_stream_is_created_again_and_nothing_stored_is_lost(
+    adapter: NatsJetStreamAdapter,
+) -> None:
+    """A fetch from a missing consumer only comes back empty: without a check, the consumer
+    would wait for ever. Its unacked messages are delivered from the recreated consumer."""
+    topic, sub = names(adapter)
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    before = await adapter.publish(topic, b"before")
+    js = await adapter._js()
+    assert await adapter.receive(sub, 10, timeout=0.1) != []  # taken, never acked
+    await js.delete_consumer(topic, sub)
+
+    got = await receive_within(adapter, sub, 2 * CONSUMER_CHECK_INTERVAL)
+    assert [d.message.id for d in got] == [before]
+    assert await adapter.ack(got) == []
+
+    await js.delete_stream(topic)  # the server lost its store, say
+    async def stream_back() -> bool:
+        assert await adapter.receive(sub, 10, timeout=0.1) == []
+        return await adapter.topic_exists(topic)
+
+    await poll_until(stream_back, "the stream made again by a receiving consumer", WITHIN)
+    after = await adapter.publish(topic, b"after")
+    got = await receive_within(adapter, sub, 2 * CONSUMER_CHECK_INTERVAL)
+    assert [d.message.id for d in got] == [after]
+    await adapter.ack(got)
+
+
+async def receive_within(adapter: NatsJetStreamAdapter, sub: str, seconds: float) -> list:
+    give_up = time.monotonic() + seconds
+    while time.monotonic() < give_up:
+        got = await adapter.receive(sub, 10, timeout=0.2)
+        if got:
+            return got
+    raise AssertionError(f"nothing received from {sub!r} within {seconds}s")
 
 
 # -- what other publishers send, and bad input ----------------------------------------------------
