@@ -38,7 +38,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -139,17 +139,17 @@ class _Subscription:
 
 @dataclass(eq=False)
 class _Connection:
-    """One event loop's connection, made on first use, and its pull subscriptions."""
+    """One event loop's connection, made on first use."""
 
     url: str
     name: str
     client: NatsClient | None = None
     js: JetStreamContext | None = None
-    pulls: dict[str, JetStreamContext.PullSubscription] = field(default_factory=dict)
     fetching: dict[str, asyncio.Lock] = field(default_factory=dict)
     kv: KeyValue | None = None
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     closing: bool = False
+    erring: bool = False
 
     async def jetstream(self) -> JetStreamContext:
         if self.js is None or (self.client is not None and self.client.is_closed):
@@ -159,7 +159,6 @@ class _Connection:
                     logger.warning("NATS connection to %s was closed; connecting again",
                                    self.url)
                     self.client, self.js, self.kv = None, None, None
-                    self.pulls.clear()
                 if self.js is None:
                     self.client = await _connect(self)
                     self.js = self.client.jetstream(timeout=REQUEST_TIMEOUT)
@@ -170,13 +169,20 @@ class _Connection:
         assert self.client is not None
         return self.client
 
-    async def pull(self, sub: _Subscription) -> JetStreamContext.PullSubscription:
-        pull = self.pulls.get(sub.name)
-        if pull is None:
-            js = await self.jetstream()
-            pull = self.pulls[sub.name] = await js.pull_subscribe_bind(
-                durable=sub.name, stream=sub.stream)
-        return pull
+    @contextlib.asynccontextmanager
+    async def pull(self, sub: _Subscription) -> AsyncIterator[JetStreamContext.PullSubscription]:
+        """A pull subscription on a fresh inbox for one fetch, unsubscribed after it: a message
+        the server sends after the fetch returned (the server's pull request can outlive the
+        client's by a trip, and a cancelled fetch's lives on) reaches no one and comes back
+        after AckWait. Kept in the inbox, it would be handed to a later fetch with a lease
+        that had long been running."""
+        js = await self.jetstream()
+        pull = await js.pull_subscribe_bind(durable=sub.name, stream=sub.stream)
+        try:
+            yield pull
+        finally:
+            with contextlib.suppress(nats.errors.Error):
+                await pull.unsubscribe()
 
     def fetch_lock(self, subscription: str) -> asyncio.Lock:
         # one fetch at a time per pull subscription: concurrent fetches steal each other's
@@ -186,7 +192,6 @@ class _Connection:
     async def close(self) -> None:
         self.closing = True
         client, self.client, self.js, self.kv = self.client, None, None, None
-        self.pulls.clear()
         if client is not None and not client.is_closed:
             try:
                 await asyncio.wait_for(client.close(), REQUEST_TIMEOUT)
@@ -198,14 +203,17 @@ async def _connect(connection: _Connection) -> NatsClient:
     url = connection.url
 
     async def on_error(error: Exception) -> None:
-        if not connection.closing:
-            logger.warning("NATS connection to %s: %r", url, error)
+        # once per outage at WARNING: a reconnect attempt fails every half second
+        level = logging.DEBUG if connection.closing or connection.erring else logging.WARNING
+        connection.erring = True
+        logger.log(level, "NATS connection to %s: %r", url, error)
 
     async def on_disconnect() -> None:
         if not connection.closing:
             logger.warning("NATS connection to %s lost; reconnecting", url)
 
     async def on_reconnect() -> None:
+        connection.erring = False
         logger.info("NATS connection to %s is back", url)
 
     try:
@@ -415,10 +423,6 @@ class NatsJetStreamAdapter:
             logger.warning("consumer %r of stream %r was gone (deleted, or the server lost its "
                            "store); created it again from the start of the stream", sub.name,
                            sub.stream)
-            pull = connection.pulls.pop(sub.name, None)
-            if pull is not None:
-                with contextlib.suppress(nats.errors.Error):
-                    await pull.unsubscribe()
 
     def ensure_subscription_sync(self, topic: str, subscription: str, **options: Any) -> None:
         """Blocking twin of :meth:`ensure_subscription`."""
@@ -591,8 +595,7 @@ class NatsJetStreamAdapter:
             raise ValueError(f"receive: max_messages must be >= 1, got {max_messages}")
         sub = await self._subscription(subscription)
         connection = self._connections.get()
-        pull = await connection.pull(sub)
-        async with connection.fetch_lock(sub.name):
+        async with connection.fetch_lock(sub.name), connection.pull(sub) as pull:
             try:
                 msgs = await pull.fetch(max_messages, timeout=max(MIN_FETCH_TIMEOUT, timeout))
             except asyncio.TimeoutError:  # nats.errors.TimeoutError: nothing came
