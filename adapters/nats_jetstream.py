@@ -9,10 +9,10 @@ deadline) are kept in the JetStream key-value bucket ``{prefix}-subscriptions``,
 consumer agrees on them and ``subscription_topic`` works from the name alone.
 
 A message carries its attributes as one JSON header (``Reliable-Sub-Attributes``: a header can
-hold neither every attribute name nor a value with a line break) and its ordering key in
-``Reliable-Sub-Ordering-Key``. Plain headers from other publishers are read as attributes too.
-The message id is the stream sequence, ``delivery_attempt`` the server's delivery count
-(``num_delivered``), the publish time the time the stream stored the message.
+hold neither every attribute name nor a value with a line break) and its ordering key as a JSON
+string in ``Reliable-Sub-Ordering-Key``. Plain headers from other publishers are read as
+attributes too. The message id is the stream sequence, ``delivery_attempt`` the server's
+delivery count (``num_delivered``), the publish time the time the stream stored the message.
 
 Leasing. ``extend`` sends in-progress acks (``+WPI``), which restart the consumer's ``AckWait``:
 an extension is limited to the ack deadline, as on Redis. ``nack(delay)`` is a ``-NAK`` with
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -87,6 +88,9 @@ ATTRIBUTES_HEADER = "Reliable-Sub-Attributes"
 ORDERING_KEY_HEADER = "Reliable-Sub-Ordering-Key"
 MSG_ID_HEADER = "Nats-Msg-Id"
 EXPECTED_STREAM_HEADER = "Nats-Expected-Stream"
+# A longer idempotency key is sent in Nats-Msg-Id as its SHA-256 (the header is kept per message
+# for the duplicate window).
+MAX_PLAIN_MSG_ID = 128
 # Seconds to reach the server before a call gives up (nats-py would otherwise retry for minutes).
 CONNECT_TIMEOUT = 5.0
 # Seconds a JetStream API call, a publish's PubAck or a flush may take.
@@ -524,10 +528,7 @@ class NatsJetStreamAdapter:
         if checked:
             headers[ATTRIBUTES_HEADER] = json.dumps(checked, separators=(",", ":"))
         if ordering_key:
-            if "\r" in ordering_key or "\n" in ordering_key:
-                raise ValueError(f"publish: an ordering key cannot hold a line break: "
-                                 f"{ordering_key!r}")
-            headers[ORDERING_KEY_HEADER] = ordering_key
+            headers[ORDERING_KEY_HEADER] = json.dumps(ordering_key)  # ASCII, one line
         msg_id = _msg_id(checked) if self._deduplicate_publishes else None
         if msg_id is not None:
             headers[MSG_ID_HEADER] = msg_id
@@ -622,13 +623,23 @@ class NatsJetStreamAdapter:
                 attributes.update(_attributes(raw))
             except ValueError as error:
                 problem = f"{ATTRIBUTES_HEADER} header: {error}"
+        ordering_key = None
+        raw_key = headers.get(ORDERING_KEY_HEADER)
+        if raw_key:
+            try:
+                ordering_key = json.loads(raw_key)
+            except ValueError:
+                ordering_key = None
+            if not isinstance(ordering_key, str):
+                ordering_key = None
+                problem = f"{ORDERING_KEY_HEADER} header is not a JSON string: {raw_key[:100]!r}"
         message = Message(
             id=str(metadata.sequence.stream),
             data=msg.data,
             attributes=attributes,
             delivery_attempt=metadata.num_delivered,
             publish_time=metadata.timestamp,
-            ordering_key=headers.get(ORDERING_KEY_HEADER) or None,
+            ordering_key=ordering_key,
             subscription=sub.name,
         )
         if problem is not None:
@@ -739,13 +750,17 @@ def _check_size(payload: bytes, headers: dict[str, str], max_payload: int) -> No
 
 def _msg_id(attributes: dict[str, str]) -> str | None:
     """The ``Nats-Msg-Id`` of a message with these attributes: its idempotency key, and for a
-    replayed dead letter the copy it replays (a replay is a new publish, not a retry)."""
+    replayed dead letter the copy it replays (a replay is a new publish, not a retry). A key a
+    header cannot carry as it is (a line break, control or non-ASCII characters, over
+    ``MAX_PLAIN_MSG_ID`` bytes) is sent as its SHA-256."""
     key = attributes.get(IDEMPOTENCY_KEY_ATTRIBUTE)
     if not key:
         return None
     replayed_from = attributes.get(REPLAYED_FROM_ATTRIBUTE)
     msg_id = key if not replayed_from else f"{key} replayed-from {replayed_from}"
-    return msg_id if "\r" not in msg_id and "\n" not in msg_id else json.dumps(msg_id)
+    if len(msg_id) <= MAX_PLAIN_MSG_ID and msg_id.isascii() and msg_id.isprintable():
+        return msg_id
+    return "sha256:" + hashlib.sha256(msg_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _attributes(raw: str) -> dict[str, str]:

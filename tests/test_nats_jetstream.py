@@ -109,6 +109,49 @@ async def test_a_producer_retry_inside_the_window_never_reaches_a_consumer(
     assert await adapter.ack(got) == []
 
 
+HOSTILE_KEYS = {
+    "newline": "order\n42", "nul": "order\x0042", "lone surrogate": "order-\udc80",
+    "nfc": "caf\u00e9", "nfd": "cafe\u0301", "10 KB": "k" * 10_240, "10 KB, last differs":
+    "k" * 10_239 + "j", "colon and star": "order:*:42", "emoji": "order-\U0001f4b8",
+}
+
+
+async def test_hostile_idempotency_keys_deduplicate_at_the_stream_and_are_never_confused(
+    adapter: NatsJetStreamAdapter,
+) -> None:
+    """Keys a header cannot carry as they are go as their SHA-256: each publish succeeds, its
+    retry is dropped, and no two keys are taken for one (NFC and NFD stay apart)."""
+    topic, sub = names(adapter)
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    first = {name: await adapter.publish(topic, name.encode(), {"idempotency-key": key})
+             for name, key in HOSTILE_KEYS.items()}
+    again = {name: await adapter.publish(topic, name.encode(), {"idempotency-key": key})
+             for name, key in HOSTILE_KEYS.items()}
+    assert again == first
+    assert len(set(first.values())) == len(HOSTILE_KEYS)
+    got: list = []
+    while len(got) < len(HOSTILE_KEYS):
+        batch = await adapter.receive(sub, 100, timeout=1.0)
+        assert batch, "messages went missing"
+        got.extend(batch)
+    assert {d.message.data.decode(): d.message.attributes["idempotency-key"] for d in got} == (
+        HOSTILE_KEYS)
+    await adapter.ack(got)
+
+
+async def test_an_ordering_key_of_any_text_arrives_unchanged(
+    adapter: NatsJetStreamAdapter,
+) -> None:
+    topic, sub = names(adapter)
+    await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
+    keys = ["line\nbreak", "caf\u00e9", "order-\udc80", " spaced "]
+    for key in keys:
+        await adapter.publish(topic, b"x", ordering_key=key)
+    got = await adapter.receive(sub, 10, timeout=1.0)
+    assert sorted(d.message.ordering_key or "" for d in got) == sorted(keys)
+    await adapter.ack(got)
+
+
 async def test_a_replay_of_a_dead_letter_inside_the_window_is_not_taken_for_a_retry(
     adapter: NatsJetStreamAdapter,
 ) -> None:
