@@ -189,8 +189,8 @@ class _Connection:
                 await pull.unsubscribe()
 
     def fetch_lock(self, subscription: str) -> asyncio.Lock:
-        # one fetch at a time per pull subscription: concurrent fetches steal each other's
-        # messages from its shared inbox
+        # one fetch at a time per subscription on this connection, so that a nak without delay
+        # can go between two fetches (see nack)
         return self.fetching.setdefault(subscription, asyncio.Lock())
 
     async def close(self) -> None:
