@@ -65,6 +65,7 @@ from reliable_sub.ports import (
     Outgoing,
     Snapshot,
     SubscriptionStats,
+    attributes_from_json,
     checked_message,
 )
 from reliable_sub.replay import check_target
@@ -601,7 +602,7 @@ class RedisStreamsAdapter:
         milliseconds = int(entry_id.split("-", 1)[0])
         problem = None
         try:
-            attributes = _attributes(fields.get(b"attributes"))
+            attributes = attributes_from_json(fields.get(b"attributes"))
         except ValueError as error:
             attributes, problem = {}, f"attributes field: {error}"
         ordering_key = None
@@ -784,22 +785,6 @@ def _check_same_topic(group: str, topic: str, recorded: bytes | None) -> None:
             f"subscription {group!r} already exists on topic {existing!r}, not {topic!r}; "
             "a subscription (consumer group) name belongs to one stream: choose another name"
         )
-
-
-def _attributes(raw: bytes | None) -> dict[str, str]:
-    """The attributes field as a dict of str, or ValueError naming what is wrong."""
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except (UnicodeDecodeError, ValueError) as error:
-        raise ValueError(f"not JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"a JSON {type(value).__name__}, not an object")
-    for name, item in value.items():
-        if not isinstance(item, str):
-            raise ValueError(f"attribute {name!r} is a {type(item).__name__}, not a string")
-    return value
 
 
 def _raise_unless_group_exists(error: ResponseError) -> None:

@@ -29,6 +29,7 @@ where the broker allows it.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -96,6 +97,24 @@ def checked_message(
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"publish: attributes must map str to str, got {key!r}: {value!r}")
     return bytes(data), checked
+
+
+def attributes_from_json(raw: str | bytes | None) -> dict[str, str]:
+    """Attributes an adapter stored as one JSON object of strings (a Redis field, a NATS
+    header), read back; empty for None or empty. Raises ValueError naming what is wrong, for
+    the adapter to deliver the message marked malformed."""
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except (UnicodeDecodeError, ValueError) as error:
+        raise ValueError(f"not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON {type(value).__name__}, not an object")
+    for name, item in value.items():
+        if not isinstance(item, str):
+            raise ValueError(f"attribute {name!r} is a {type(item).__name__}, not a string")
+    return value
 
 
 @runtime_checkable

@@ -289,20 +289,26 @@ def nats_harness(url: str) -> Harness:
         return NatsJetStreamAdapter(url, prefix=prefix, deduplicate_publishes=False)
 
     async def cleanup() -> None:
-        import nats
-
-        client = await nats.connect(url, max_reconnect_attempts=0)
-        try:
-            js = client.jetstream()
-            for info in await js.streams_info():
-                name = info.config.name or ""
-                if prefix in name:
-                    await js.delete_stream(name)
-        finally:
-            await client.close()
+        await delete_nats_streams(url, prefix)
 
     return Harness(name="nats", clock=SystemClock(), ack_deadline=1.0, tick=0.1,
                    new_adapter=new_adapter, prefix=prefix, cleanup=cleanup)
+
+
+async def delete_nats_streams(url: str, fragment: str) -> None:
+    """Delete the streams (and so the consumers and key-value buckets) of the NATS server at
+    ``url`` whose names hold ``fragment``."""
+    import nats
+
+    client = await nats.connect(url, max_reconnect_attempts=0)
+    try:
+        js = client.jetstream()
+        for info in await js.streams_info():
+            name = info.config.name or ""
+            if fragment in name:
+                await js.delete_stream(name)
+    finally:
+        await client.close()
 
 
 class Recorder:
