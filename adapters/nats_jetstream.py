@@ -332,11 +332,11 @@ class NatsJetStreamAdapter:
         connection = self._connections.get()
         if connection.kv is None:
             js = await connection.jetstream()
-            config = KeyValueConfig(bucket=self._bucket, history=1, storage=StorageType.FILE)
             try:
                 connection.kv = await js.key_value(self._bucket)
             except nats.js.errors.BucketNotFoundError:
-                connection.kv = await js.create_key_value(config)
+                connection.kv = await js.create_key_value(
+                    KeyValueConfig(bucket=self._bucket, history=1, storage=StorageType.FILE))
         return connection.kv
 
     async def ensure_subscription(
@@ -420,7 +420,7 @@ class NatsJetStreamAdapter:
         await js.add_consumer(sub.stream, config)
         return True
 
-    async def _recreate_if_gone(self, sub: _Subscription, connection: _Connection) -> None:
+    async def _recreate_if_gone(self, sub: _Subscription) -> None:
         """After an empty fetch, now and then: a consumer (or stream) deleted by hand, or lost
         with a server's disk, is created again from the recorded settings. A fetch from a
         missing consumer just comes back empty: without this, the Subscriber would wait for
@@ -515,9 +515,9 @@ class NatsJetStreamAdapter:
         backlog = (info.num_pending or 0) + in_flight
         age = None
         if backlog:
-            floor = info.ack_floor.stream_seq if info.ack_floor else 0
+            floor = (info.ack_floor.stream_seq if info.ack_floor else None) or 0
             try:
-                oldest = await js.get_msg(sub.stream, seq=(floor or 0) + 1, next=True,
+                oldest = await js.get_msg(sub.stream, seq=floor + 1, next=True,
                                           subject=sub.topic)
             except NotFoundError:
                 oldest = None
@@ -610,7 +610,7 @@ class NatsJetStreamAdapter:
             except asyncio.TimeoutError:  # nats.errors.TimeoutError: nothing came
                 msgs = []
         if not msgs:
-            await self._recreate_if_gone(sub, connection)
+            await self._recreate_if_gone(sub)
             return []
         now = asyncio.get_running_loop().time()
         self._prune(now)
@@ -634,10 +634,8 @@ class NatsJetStreamAdapter:
         ordering_key = None
         raw_key = headers.get(ORDERING_KEY_HEADER)
         if raw_key:
-            try:
+            with contextlib.suppress(ValueError):
                 ordering_key = json.loads(raw_key)
-            except ValueError:
-                ordering_key = None
             if not isinstance(ordering_key, str):
                 ordering_key = None
                 problem = f"{ORDERING_KEY_HEADER} header is not a JSON string: {raw_key[:100]!r}"

@@ -63,9 +63,14 @@ async def adapter(nats_server: NatsServer) -> AsyncIterator[NatsJetStreamAdapter
         await delete_nats_streams(nats_server.url, prefix)
 
 
+def prefix_of(adapter: NatsJetStreamAdapter) -> str:
+    """The adapter's (unique) prefix, as its dedup namespaces show it."""
+    return adapter.dedup_namespace("x").split(":")[1]
+
+
 def names(adapter: NatsJetStreamAdapter) -> tuple[str, str]:
-    """A topic and a subscription named after the adapter's (unique) prefix."""
-    prefix = adapter.dedup_namespace("x").split(":")[1]
+    """A topic and a subscription named after the adapter's prefix."""
+    prefix = prefix_of(adapter)
     return f"{prefix}-orders", f"{prefix}-billing"
 
 
@@ -211,7 +216,7 @@ async def test_a_stale_ack_is_refused_and_never_settles_the_peers_delivery(
     acked the peer's delivery and the message would not come back."""
     topic, sub = names(adapter)
     await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
-    peer = NatsJetStreamAdapter(nats_server.url, prefix=names(adapter)[0].rsplit("-", 1)[0])
+    peer = NatsJetStreamAdapter(nats_server.url, prefix=prefix_of(adapter))
     try:
         await adapter.publish(topic, b"once")
         [late] = await adapter.receive(sub, 10, timeout=1.0)
@@ -265,7 +270,7 @@ async def test_in_progress_acks_hold_a_message_past_its_deadline(
 ) -> None:
     topic, sub = names(adapter)
     await adapter.ensure_subscription(topic, sub, ack_deadline=ACK_DEADLINE)
-    peer = NatsJetStreamAdapter(nats_server.url, prefix=names(adapter)[0].rsplit("-", 1)[0])
+    peer = NatsJetStreamAdapter(nats_server.url, prefix=prefix_of(adapter))
     try:
         await adapter.publish(topic, b"long")
         [held] = await adapter.receive(sub, 10, timeout=1.0)
