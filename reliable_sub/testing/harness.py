@@ -280,7 +280,6 @@ def nats_harness(url: str) -> Harness:
     no ``Nats-Msg-Id``: the suite's duplicate copies must reach the consumers, as they do when
     they come outside JetStream's duplicate window."""
     from reliable_sub.adapters.nats_jetstream import NatsJetStreamAdapter
-    from reliable_sub.clock import SystemClock
 
     run = uuid.uuid4().hex[:10]
     prefix = f"conf-{run}"
