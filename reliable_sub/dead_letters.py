@@ -26,13 +26,15 @@ from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from .errors import ReliableSubError
+from ._checks import check_methods
+from .errors import ConfigurationError, ReliableSubError
 from .message import Delivery
 from .middleware.dead_letter import (
     DEAD_LETTER_ATTRIBUTES,
     PUBLISHER_ATTRIBUTE_PREFIX,
     named_like_ours,
 )
+from .policy import check_seconds
 from .ports import Adapter, Outgoing
 
 # Seconds an empty receive waits before a tool concludes the queue has nothing more.
@@ -134,9 +136,17 @@ class DeadLetterQueue:
     """
 
     def __init__(self, adapter: Adapter, subscription: str, *, wait: float = DEFAULT_WAIT) -> None:
+        check_methods("DeadLetterQueue(adapter)", adapter,
+                      ("receive", "ack", "nack", "publish", "subscription_topic"),
+                      "a broker adapter", "pass the adapter the Subscriber uses")
+        if not isinstance(subscription, str) or not subscription:
+            raise ConfigurationError(
+                f"DeadLetterQueue(subscription) must be the name of a subscription on the "
+                f"dead-letter topic (a non-empty str), got {subscription!r}"
+            )
         self.adapter = adapter
         self.subscription = subscription
-        self.wait = wait
+        self.wait = check_seconds("DeadLetterQueue", "wait", wait)
 
     async def peek(self, limit: int = 100) -> list[DeadLetter]:
         """Up to ``limit`` dead letters, oldest first; they stay in the queue."""

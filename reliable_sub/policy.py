@@ -26,10 +26,15 @@ def _check_range(
     *,
     low_inclusive: bool = True,
 ) -> None:
+    bracket = "[" if low_inclusive else "("
+    upper = "inf)" if math.isinf(high) else f"{high:g}]"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigurationError(
+            f"{owner}.{name} must be a number in {bracket}{low:g}, {upper}, got {value!r} "
+            f"(a {type(value).__name__})"
+        )
     ok_low = value >= low if low_inclusive else value > low
     if not (ok_low and value <= high) or math.isnan(value):
-        bracket = "[" if low_inclusive else "("
-        upper = "inf)" if math.isinf(high) else f"{high:g}]"
         raise ConfigurationError(
             f"{owner}.{name} must be in {bracket}{low:g}, {upper}, got {value!r}"
         )

@@ -8,6 +8,7 @@ consumer. The real-process cases (SIGKILL, SIGSTOP) are in test_transactional_pr
 from __future__ import annotations
 
 import asyncio
+import functools
 import subprocess
 import sys
 import threading
@@ -244,6 +245,57 @@ async def test_claim_lost_error_is_not_a_handler_failure_even_through_middleware
     assert len(seen) == 1 and message_id in str(seen[0])
     assert sub.stats.handler_errors == 0
     assert await world.rows() == []
+
+
+async def test_a_sync_decorator_around_an_async_transactional_handler_commits_once(
+    world: World,
+) -> None:
+    """A ``functools.wraps`` wrapper around ``async def`` is run as the coroutine it returns,
+    on an async connection: the write and the record commit once (#24: before, the
+    coroutine was never awaited and the message acked with nothing written)."""
+    sub = world.subscriber()
+
+    async def charge(message: Message, connection: Any) -> str:
+        await connection.execute(_insert(world, message, "wrapped"))
+        return "charged"
+
+    @functools.wraps(charge)
+    def logged(*args: Any) -> Any:
+        return charge(*args)
+
+    sub.handler("billing", transactional=True)(logged)
+    message_id = await world.broker.publish("orders", b"pay")
+    await world.served(sub, lambda: len(world.outcomes) == 1, "the delivery to settle")
+
+    assert world.outcomes == [(message_id, Outcome.ACKED)]
+    assert await world.rows() == [(message_id, "wrapped")]
+    record = await world.record(message_id)
+    assert isinstance(record, Completed) and record.result == "charged"
+
+
+async def test_a_sync_transactional_handler_returning_a_coroutine_is_a_failed_attempt(
+    world: World,
+) -> None:
+    """A sync callable that hands back a coroutine cannot run it inside its transaction on its
+    thread: the attempt fails and rolls back (never acked as done), and says why."""
+    events: list[Any] = []
+    sub = world.subscriber(retry=RetryPolicy(min_backoff=60, max_backoff=60),
+                           on_event=events.append)
+    calls: list[str] = []
+
+    async def charge(message: Message, connection: Any) -> str:
+        calls.append(message.id)  # never reached: the coroutine is closed unrun
+        return "charged"
+
+    sub.handler("billing", transactional=True)(lambda message, connection: charge(
+        message, connection))
+    message_id = await world.broker.publish("orders", b"pay")
+    await world.served(sub, lambda: len(world.outcomes) == 1, "the delivery to settle")
+
+    assert world.outcomes == [(message_id, Outcome.RETRY)]
+    assert calls == [] and await world.rows() == []
+    assert "returned an awaitable from a sync call" in str(events[0].error)
+    assert not isinstance(await world.record(message_id), Completed)
 
 
 def test_transactional_needs_a_store_that_commits_in_the_handlers_transaction() -> None:

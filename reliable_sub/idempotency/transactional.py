@@ -18,10 +18,12 @@ so a crash can never leave one without the other. The Subscriber then only acks.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
+from .._callables import settled_result, unawaitable_result_error
 from ..errors import ClaimLostError
 from ..message import Message
 from ..ports import Claimed
@@ -74,6 +76,8 @@ def transactional_handler(
     """Wrap ``handler(message, connection)`` as a one-argument handler that runs it and its
     completion in one transaction and returns :class:`Committed` (sync or async, as given)."""
 
+    name = getattr(handler, "__qualname__", None) or repr(handler)
+
     def claim_for(message: Message) -> Claimed:
         claim = claim_of()
         if claim is None:  # the Subscriber always claims first; this is a bug guard
@@ -91,7 +95,9 @@ def transactional_handler(
         async def run_async(message: Message) -> Committed:
             claim = claim_for(message)
             async with store.begin() as connection:
-                result = await handler(message, connection)
+                result = handler(message, connection)
+                if result is not None:
+                    result = await settled_result(result, name)
                 result_json = encode(result, message)
                 if not await store.complete_in(connection, claim, result_json, retention):
                     raise lost(message, claim)  # leaving the block rolls back
@@ -103,12 +109,30 @@ def transactional_handler(
         claim = claim_for(message)
         with store.begin_sync() as connection:
             result = handler(message, connection)
+            if result is not None:
+                _check_settled(result, name)
             result_json = encode(result, message)
             if not store.complete_in_sync(connection, claim, result_json, retention):
                 raise lost(message, claim)
         return Committed(result)
 
     return run_sync
+
+
+def _check_settled(result: Any, name: str) -> None:
+    """Refuse (rolling the transaction back) what a sync transactional handler returned unrun:
+    an awaitable cannot be awaited on its thread, inside its transaction."""
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()
+        raise TypeError(
+            f"transactional handler {name} returned an awaitable from a sync call, so its work "
+            "never ran in the transaction (rolled back); declare it 'async def' (or return "
+            "the result itself)"
+        )
+    error = unawaitable_result_error(result, name)
+    if error is not None:
+        raise error
 
 
 __all__ = ["Committed", "TransactionalStore", "transactional_handler"]

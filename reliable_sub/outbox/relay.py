@@ -45,6 +45,7 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
+from .._checks import check_clock, check_with
 from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, MissingExtraError
 from ..lifecycle import Service
@@ -160,6 +161,13 @@ class OutboxRelay(Service):
         if not callable(getattr(adapter, "publish", None)):
             raise ConfigurationError(f"OutboxRelay needs an adapter with publish(), got "
                                      f"{adapter!r}")
+        check_clock("OutboxRelay(clock=)", clock)
+        check_with("OutboxRelay(rng=)", rng, "uniform", "a random.Random",
+                   "pass random.Random(seed), or None")
+        check_with("OutboxRelay(tracer_provider=)", tracer_provider, "get_tracer",
+                   "an OpenTelemetry TracerProvider", "pass the SDK's TracerProvider(), or None")
+        check_with("OutboxRelay(meter_provider=)", meter_provider, "get_meter",
+                   "an OpenTelemetry MeterProvider", "pass the SDK's MeterProvider(), or None")
         self.outbox = outbox
         self.adapter = adapter
         self.batch_size = batch_size

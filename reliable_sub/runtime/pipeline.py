@@ -37,6 +37,7 @@ from typing import Any, cast
 from opentelemetry import context as otel_context
 from tenacity import AsyncRetrying, retry_if_exception, wait_random_exponential
 
+from .._callables import settled_result
 from ..clock import Clock
 from ..dedup import Claimed, Completed, DedupStore, InProgress, encode_result
 from ..errors import (
@@ -612,16 +613,20 @@ class Runtime:
         handler, message = lane.handler, item.delivery.message
         if lane.route.is_async:
             result = handler(message)
-            if inspect.isawaitable(result):
+            if inspect.iscoroutine(result):
                 result = await result
-            return result
-        future = self.workers.run(handler, message)
-        item.thread_running = True
-        ok, value = await future  # if this task is cancelled, the thread still runs
-        item.thread_running = False
-        if not ok:
-            raise value
-        return value
+        else:
+            future = self.workers.run(handler, message)
+            item.thread_running = True
+            ok, result = await future  # if this task is cancelled, the thread still runs
+            item.thread_running = False
+            if not ok:
+                raise result
+        if result is not None:
+            # a sync wrapper's coroutine, a returned task: awaited here, in the loop (never
+            # acked unrun); a generator: refused
+            result = await settled_result(result, lane.route.name)
+        return result
 
     def _succeeded(self, lane: Lane, item: InFlight, result: Any) -> None:
         if isinstance(result, Committed):  # recorded in the handler's transaction: only ack

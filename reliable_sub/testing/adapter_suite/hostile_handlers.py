@@ -7,6 +7,7 @@ afterwards (a message published later is handled): a handler must never be able 
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
 from collections import Counter
 from collections.abc import Callable
@@ -245,6 +246,73 @@ async def test_a_result_nested_too_deeply_is_stored_as_null_and_not_rerun(
     found = await store.claim(DedupKey(adapter.dedup_namespace(sub), "deep-1"), 10)
     assert isinstance(found, Completed) and found.result is None
     assert await drain(harness, sub) == []
+
+
+def _logged(function: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain sync decorator, as logging and tracing libraries write them."""
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+class _CallableObject:
+    def __init__(self, function: Callable[..., Any]) -> None:
+        self.function = function
+
+    def __call__(self, message: Message) -> Any:  # sync, returning the coroutine
+        return self.function(message)
+
+
+AWAITABLE_RETURNERS: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] = {
+    "functools.wraps wrapper": _logged,
+    "lambda returning a coroutine": lambda charge: (lambda message: charge(message)),
+    "callable object returning a coroutine": _CallableObject,
+    "partial of a wrapper": lambda charge: functools.partial(_logged(charge)),
+    "async def returning a coroutine": lambda charge: _returning(charge),
+}
+
+
+def _returning(function: Callable[..., Any]) -> Callable[..., Any]:
+    async def forgot_to_await(message: Message) -> Any:
+        return function(message)
+
+    return forgot_to_await
+
+
+@pytest.mark.parametrize("shape", sorted(AWAITABLE_RETURNERS))
+async def test_an_awaitable_a_handler_returns_is_run_once_before_the_ack(
+    harness: Harness, shape: str
+) -> None:
+    """A handler whose call returns an awaitable (a sync decorator around ``async def``, a
+    lambda) is acked only after that awaitable ran; its value is the stored result, and a
+    duplicate does not run it again."""
+    harness.needs("subscriber_logic")
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    recorder = Recorder()
+    store = MemoryDedupStore(clock=harness.clock)
+    subscriber = harness.subscriber(adapter, on_outcome=recorder, dedup=store)
+    effects: list[bytes] = []
+
+    async def charge(message: Message) -> dict[str, str]:
+        await asyncio.sleep(0)
+        effects.append(message.data)
+        return {"charged": message.data.decode()}
+
+    subscriber.handler(sub)(AWAITABLE_RETURNERS[shape](charge))
+    for _ in range(2):
+        await adapter.publish(topic, b"order-1", {"idempotency-key": "pay-1"})
+    async with harness.serving(subscriber):
+        await harness.wait_until(
+            lambda: recorder.count(Outcome.ACKED) + recorder.count(Outcome.DUPLICATE) == 2,
+            3 * harness.ack_deadline, "both copies settled")
+    assert effects == [b"order-1"]
+    assert recorder.count(Outcome.ACKED) == 1 and subscriber.stats.handler_errors == 0
+    found = await store.claim(DedupKey(adapter.dedup_namespace(sub), "pay-1"), 10)
+    assert isinstance(found, Completed) and found.result == {"charged": "order-1"}
 
 
 async def test_handlers_that_never_wait_do_not_starve_the_event_loop(

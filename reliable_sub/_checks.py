@@ -1,0 +1,125 @@
+"""Constructor arguments checked against what they must be, at construction.
+
+A wrong object passed where an adapter, a store, a policy or a clock belongs must fail where it
+was passed, with a :class:`ConfigurationError` naming the argument, what was given and the fix
+-- not at ``start()`` with a bare ``AttributeError``, and never by starting and backing every
+message off for ever.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ._text import safe_repr
+from .errors import ConfigurationError
+
+# What the Subscriber calls on an adapter and on a dedup store.
+ADAPTER_METHODS = (
+    "capabilities", "receive", "ack", "nack", "extend", "subscription_ack_deadline",
+    "subscription_topic", "dedup_namespace", "topic_exists", "publish", "close",
+)
+DEDUP_STORE_METHODS = ("claim_many", "renew", "complete_many", "release_many", "close")
+CLOCK_METHODS = ("now", "wall", "sleep")
+
+# A URL given where an object belongs: what to build from it.
+_ADAPTER_FOR_SCHEME = {
+    "redis": "RedisStreamsAdapter(url)", "rediss": "RedisStreamsAdapter(url)",
+    "redis+cluster": "RedisStreamsAdapter(url)", "unix": "RedisStreamsAdapter(url)",
+    "nats": "NatsJetStreamAdapter(url)", "tls": "NatsJetStreamAdapter(url)",
+}
+_STORE_FOR_SCHEME = {
+    "redis": "RedisDedupStore(url)", "rediss": "RedisDedupStore(url)",
+    "redis+cluster": "RedisDedupStore(url)", "unix": "RedisDedupStore(url)",
+    "postgresql": "SqlDedupStore(url)", "postgres": "SqlDedupStore(url)",
+    "sqlite": "SqlDedupStore(url)", "mysql": "SqlDedupStore(url)",
+    "mariadb": "SqlDedupStore(url)",
+}
+
+
+def _described(value: Any) -> str:
+    return f"{safe_repr(value, 80)} (a {type(value).__name__})"
+
+
+def _scheme(value: object) -> str:
+    if isinstance(value, str) and "://" in value:
+        return value.split("://", 1)[0].split("+psycopg")[0].split("+asyncpg")[0].lower()
+    return ""
+
+
+def check_methods(
+    where: str, value: object, methods: Iterable[str], what: str, fix: str
+) -> None:
+    """Refuse ``value`` unless it has every one of ``methods``."""
+    if isinstance(value, type):
+        raise ConfigurationError(
+            f"{where} must be {what}, got the class {value.__qualname__} (a type); pass an "
+            f"instance: {value.__qualname__}(...)"
+        )
+    wanted = tuple(methods)
+    missing = [name for name in wanted if not hasattr(value, name)]
+    if missing:
+        lacks = "" if len(missing) == len(wanted) else f", which has no {', '.join(missing)}"
+        raise ConfigurationError(f"{where} must be {what}, got {_described(value)}{lacks}; {fix}")
+
+
+def check_adapter(where: str, value: object) -> None:
+    """Refuse anything but a broker adapter, naming the adapter a URL would need."""
+    suggestion = _ADAPTER_FOR_SCHEME.get(_scheme(value))
+    fix = (f"pass {suggestion} rather than the URL" if suggestion else
+           "pass an adapter such as MemoryAdapter(), RedisStreamsAdapter(url), "
+           "PubSubAdapter(project) or NatsJetStreamAdapter(url)")
+    check_methods(where, value, ADAPTER_METHODS, "a broker adapter", fix)
+
+
+def check_dedup_store(where: str, value: object) -> None:
+    """Refuse anything but None or a dedup store, naming the store a URL would need."""
+    if value is None:
+        return
+    suggestion = _STORE_FOR_SCHEME.get(_scheme(value))
+    fix = (f"pass {suggestion} rather than the URL" if suggestion else
+           "pass MemoryDedupStore(), RedisDedupStore(url) or SqlDedupStore(url), or None for "
+           "no dedup")
+    check_methods(where, value, DEDUP_STORE_METHODS, "a dedup store or None", fix)
+
+
+def check_instance(where: str, value: object, kind: type, fix: str,
+                   optional: bool = True) -> None:
+    """Refuse ``value`` unless it is a ``kind`` (or None when ``optional``)."""
+    if (value is None and optional) or isinstance(value, kind):
+        return
+    raise ConfigurationError(
+        f"{where} must be a {kind.__name__}{' or None' if optional else ''}, got "
+        f"{_described(value)}; {fix}"
+    )
+
+
+def check_callable(where: str, value: object, signature: str) -> None:
+    """Refuse ``value`` unless it is None or callable."""
+    if value is not None and not callable(value):
+        raise ConfigurationError(
+            f"{where} must be a callable {signature} or None, got {_described(value)}"
+        )
+
+
+def check_clock(where: str, value: object) -> None:
+    if value is not None:
+        check_methods(where, value, CLOCK_METHODS, "a Clock (now(), wall(), async sleep())",
+                      "pass SystemClock() or ManualClock(), or None for the system clock")
+
+
+def check_with(where: str, value: object, method: str, what: str, fix: str) -> None:
+    """Refuse a non-None ``value`` without ``method`` (a provider, a random source)."""
+    if value is not None:
+        check_methods(where, value, (method,), what, fix)
+
+
+__all__ = [
+    "check_adapter",
+    "check_callable",
+    "check_clock",
+    "check_dedup_store",
+    "check_instance",
+    "check_methods",
+    "check_with",
+]
