@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ._text import describe_error
 from .errors import ResultNotSerializableError, StoredResultError
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
@@ -16,8 +17,9 @@ def encode_result(result: Any) -> str:
         return "null"
     try:
         return _ENCODER.encode(result)
-    except (TypeError, ValueError, RecursionError) as error:
-        reason = "nested too deeply" if isinstance(error, RecursionError) else str(error)
+    except Exception as error:  # any: a lazy row whose items() raises is as unstorable
+        reason = ("nested too deeply" if isinstance(error, RecursionError)
+                  else describe_error(error, 300))
         raise ResultNotSerializableError(
             f"handler result of type {type(result).__name__} cannot be stored as JSON "
             f"({reason}); return None, a str, number, bool, list or dict"

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from ._checks import check_methods
+from ._text import describe_error
 from .errors import ConfigurationError, ReliableSubError
 from .message import Delivery
 from .middleware.dead_letter import (
@@ -198,7 +199,7 @@ class DeadLetterQueue:
                             await self._outgoing(DeadLetter.of(delivery), to_topic, topics))
                         sendable.append(delivery)
                     except ReliableSubError as error:  # no original subscription, or gone
-                        report.failed[delivery.message.id] = f"{type(error).__name__}: {error}"
+                        report.failed[delivery.message.id] = describe_error(error)
                         others[delivery.message.id] = delivery
                 results = await self._publish(outgoing) if outgoing else []
                 for delivery, result in zip(sendable, results, strict=True):

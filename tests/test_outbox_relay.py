@@ -167,6 +167,36 @@ async def test_a_failing_key_is_parked_and_blocks_only_itself(outbox: Outbox) ->
     assert [data for _, data, _, _ in recorder.published] == [b"good", b"bad-1", b"bad-2"]
 
 
+class _Unprintable(ConnectionError):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ failed")
+
+
+async def test_a_publish_error_that_cannot_be_printed_is_recorded_and_retried(
+    outbox: Outbox,
+) -> None:
+    """#24: the row's last_error was built with str(error); a raising __str__ failed the whole
+    round, which then retried for ever without counting the row's attempts."""
+
+    class Hostile(Recorder):
+        async def publish(self, *args: Any, **kwargs: Any) -> str:
+            raise _Unprintable()
+
+    clock = ManualClock(wall_offset=time.time())
+    relay = OutboxRelay(outbox, Hostile(), max_attempts=2, min_backoff=1, max_backoff=2,
+                        clock=clock)
+    await add(outbox, b"bad", ordering_key="k")
+    for _ in range(2):
+        await relay.relay_once()
+        clock.advance(2)
+    t = outbox.table
+    async with outbox.engine.connect() as connection:
+        row = (await connection.execute(sa.select(t.c.attempts, t.c.last_error))).one()
+    assert row.attempts == 2
+    assert row.last_error.startswith("_Unprintable: <unprintable _Unprintable")
+    assert (await relay.backlog()).parked == 1
+
+
 async def test_a_late_commit_ahead_of_a_parked_row_does_not_unblock_its_key(
     pg_outbox: Outbox,
 ) -> None:

@@ -315,3 +315,44 @@ async def test_a_broken_tracer_or_meter_fails_no_delivery_and_no_publish(
     assert warnings, "the failing telemetry is logged"
     assert any("span processor broke" in str(r.exc_info[1]) or "histogram broke" in
                str(r.exc_info[1]) for r in warnings if r.exc_info)
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ failed")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("__repr__ failed")
+
+
+async def test_an_error_that_cannot_be_printed_still_ends_its_span_and_every_log_line(
+    recorded: Recorded, caplog: pytest.LogCaptureFixture
+) -> None:
+    """#24: the SDK's record_exception calls str(error); when that raises, the span used to
+    be left unended (never exported), and log lines that formatted the error were lost."""
+    from reliable_sub import DeadLetterPolicy
+
+    clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 2),
+                               retry=RetryPolicy(in_process_attempts=2, min_backoff=1,
+                                                 max_backoff=2, retry_on=(_Unprintable,)))
+    broker.ensure_subscription_sync("orders-dlq", "dead")
+
+    @sub.handler("billing")
+    async def charge(message: Message) -> None:
+        raise _Unprintable()
+
+    broker.publish_sync("orders", b"x")
+    await run_until(clock, sub, lambda: sub.stats[Outcome.DEAD_LETTERED] == 1,
+                    "the dead letter")
+    spans = recorded.spans(SPAN)
+    assert [s.attributes["reliable_sub.outcome"] for s in spans] == ["retried",
+                                                                     "dead_lettered"]
+    for span in spans:
+        [exception] = [e for e in span.events if e.name == "exception"]
+        assert exception.attributes["exception.message"].startswith("<unprintable _Unprintable")
+        assert "_Unprintable" in exception.attributes["exception.stacktrace"]
+    retries = [e for s in spans for e in s.events if e.name == "reliable_sub.retry"]
+    assert retries and retries[0].attributes["exception.message"].startswith("<unprintable")
+    for record in caplog.records:
+        record.getMessage()  # raised for the lines that formatted the error, before
+    assert any("dead-lettered" in r.getMessage() for r in caplog.records)

@@ -6,6 +6,7 @@ import logging
 import random
 from typing import Any
 
+from .._text import describe_error, error_type, safe_str
 from ..message import Message
 from ..policy import DeadLetterPolicy, RetryPolicy
 from ..ports import Publisher
@@ -68,8 +69,8 @@ class DeadLetterOrBackoff:
             return await self.dead_letter(message, failures, error)
         delay = self._retry.backoff(failures, self._rng)
         logger.warning(
-            "message %s of %r failed (attempt %d: %s: %s); redelivering in %.1fs",
-            message.id, message.subscription, failures, type(error).__name__, error, delay,
+            "message %s of %r failed (attempt %d: %s); redelivering in %.1fs",
+            message.id, message.subscription, failures, describe_error(error, 500), delay,
             exc_info=error if failures == 1 else None,
             extra=log_fields(message, failures, "retried"),
         )
@@ -94,9 +95,9 @@ class DeadLetterOrBackoff:
             delay = self._retry.backoff(failures, self._rng)
             return Decision(Verdict.REDELIVER, error=error, delay=delay, failures=failures)
         logger.error(
-            "message %s of %r dead-lettered to %r after %d failed attempts (%s: %s)",
-            message.id, message.subscription, policy.topic, failures, type(error).__name__,
-            error, exc_info=error if failures <= 1 else None,
+            "message %s of %r dead-lettered to %r after %d failed attempts (%s)",
+            message.id, message.subscription, policy.topic, failures,
+            describe_error(error, 500), exc_info=error if failures <= 1 else None,
             extra=log_fields(message, failures, "dead_lettered"),
         )
         return Decision(Verdict.DEAD_LETTERED, error=error, failures=failures)
@@ -119,8 +120,8 @@ def dead_letter_attributes(
         "original-subscription": message.subscription,
         "delivery-attempts": str(message.delivery_attempt),
         "handler-failures": str(failures),
-        "error-type": f"{type(error).__module__}.{type(error).__qualname__}",
-        "error-message": _cut(str(error), ERROR_MESSAGE_LIMIT),
+        "error-type": error_type(error),
+        "error-message": _cut(safe_str(error), ERROR_MESSAGE_LIMIT),
     })
     return attributes
 

@@ -46,6 +46,7 @@ from opentelemetry.trace import TracerProvider
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
 from .._checks import check_clock, check_with
+from .._text import describe_error
 from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, MissingExtraError
 from ..lifecycle import Service
@@ -272,7 +273,7 @@ class OutboxRelay(Service):
             self.publish_errors += 1
             attempts = row.attempts + 1
             parked = attempts >= self.max_attempts
-            text = f"{type(error).__name__}: {error}"[:ERROR_LIMIT]
+            text = describe_error(error, ERROR_LIMIT)[:ERROR_LIMIT]
             await connection.execute(
                 sa.update(t).where(t.c.id == row.id).values(
                     attempts=attempts, last_error=text,
@@ -409,8 +410,8 @@ class OutboxRelay(Service):
         self.round_failures += 1
         self._failing = True
         error = state.outcome.exception() if state.outcome is not None else None
-        logger.warning("outbox relay round failed (%s: %s); retrying in %.2fs",
-                       type(error).__name__, error,
+        logger.warning("outbox relay round failed (%s); retrying in %.2fs",
+                       describe_error(error, 500) if error is not None else None,
                        state.next_action.sleep if state.next_action else 0.0,
                        exc_info=error if state.attempt_number == 1 else None)
 

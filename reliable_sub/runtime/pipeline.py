@@ -38,6 +38,7 @@ from opentelemetry import context as otel_context
 from tenacity import AsyncRetrying, retry_if_exception, wait_random_exponential
 
 from .._callables import settled_result
+from .._text import safe_repr, safe_str
 from ..clock import Clock
 from ..dedup import Claimed, Completed, DedupStore, InProgress, encode_result
 from ..errors import (
@@ -350,8 +351,9 @@ class Runtime:
         def log_failure(state: Any) -> None:
             self.stats.receive_errors += 1
             logger.warning(
-                "receive from %r failed (attempt %d): %r; retrying", subscription,
-                state.attempt_number, state.outcome.exception() if state.outcome else None,
+                "receive from %r failed (attempt %d): %s; retrying", subscription,
+                state.attempt_number,
+                safe_repr(state.outcome.exception(), 500) if state.outcome else None,
                 extra={"subscription": subscription},
             )
 
@@ -700,7 +702,7 @@ class Runtime:
         try:
             return encode_result(result)
         except ResultNotSerializableError as error:
-            logger.error("message %s: %s; storing null instead", message.id, error,
+            logger.error("message %s: %s; storing null instead", message.id, safe_str(error),
                          extra={"message_id": message.id, "subscription": message.subscription})
             return "null"
 

@@ -15,6 +15,8 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from .._text import describe_error
+
 logger = logging.getLogger("reliable_sub.subscriber")
 
 RESTART_WAIT_MIN = 0.1
@@ -126,8 +128,8 @@ class Supervisor:
                 self._failures += 1
                 wait = min(RESTART_WAIT_MAX, RESTART_WAIT_MIN * 2 ** (child.failures - 1))
                 self._logger.error(
-                    "%s failed (%s: %s); restarting it in %.1fs", child.name,
-                    type(error).__name__, error, wait, exc_info=error,
+                    "%s failed (%s); restarting it in %.1fs", child.name,
+                    describe_error(error, 500), wait, exc_info=error,
                     extra={"loop": child.name, "failures": child.failures},
                 )
                 child.healthy_since = self._now() + wait + HEALTHY_AFTER

@@ -36,11 +36,12 @@ from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer, TracerProvider
 
+from .._text import safe_str
 from ..outcome import Outcome
 from ..policy import TelemetryPolicy
 from ..ports import Claimed, ClaimResult, Completed
 from . import semconv as sc
-from .guard import never_raises, report
+from .guard import never_raises, record_error, report
 from .propagation import extract, producer_span_context
 from .providers import meter_of, tracer_of
 
@@ -315,7 +316,7 @@ class DeliveryTelemetry:
             event: dict[str, Any] = {sc.RETRY_ATTEMPT: attempt}
             if error is not None:
                 event["exception.type"] = error_type(error)
-                event["exception.message"] = str(error)[:1000]
+                event["exception.message"] = safe_str(error, 1000)
             span.add_event(sc.EVENT_RETRY, event)
 
     @never_raises
@@ -356,10 +357,10 @@ class DeliveryTelemetry:
                 span.set_attribute(sc.REDELIVERY_DELAY, delay)
             if failed:
                 assert item.error is not None
-                span.set_attribute(sc.ERROR_TYPE, error_type(item.error))
-                span.record_exception(item.error)
-                span.set_status(Status(StatusCode.ERROR, f"{outcome.value}: "
-                                                         f"{error_type(item.error)}"))
+                kind = error_type(item.error)
+                span.set_attribute(sc.ERROR_TYPE, kind)
+                record_error(span, item.error, kind)
+                span.set_status(Status(StatusCode.ERROR, f"{outcome.value}: {kind}"))
         span.end()
 
 

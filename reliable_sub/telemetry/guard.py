@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+from .._text import safe_str
 
 logger = logging.getLogger("reliable_sub.telemetry")
 
@@ -30,6 +33,20 @@ def report(step: str) -> None:
                    "step are logged at DEBUG)", step, exc_info=True)
 
 
+def record_error(span: Any, error: BaseException, error_type: str) -> None:
+    """``span.record_exception(error)``, or the same event built from safe text when the SDK
+    cannot format ``error`` (its ``__str__`` raises): the span still ends, with its event."""
+    try:
+        span.record_exception(error)
+    except Exception:
+        span.add_event("exception", {
+            "exception.type": error_type,
+            "exception.message": safe_str(error, 1000),
+            "exception.stacktrace": "".join(traceback.format_exception(
+                type(error), error, error.__traceback__)),
+        })
+
+
 def never_raises(method: F) -> F:
     """``method`` (returning None), with any exception it raises logged instead of raised."""
     step = method.__qualname__
@@ -44,4 +61,4 @@ def never_raises(method: F) -> F:
     return guarded  # type: ignore[return-value]
 
 
-__all__ = ["never_raises", "report"]
+__all__ = ["never_raises", "record_error", "report"]

@@ -22,7 +22,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from ..ports import Outgoing
 from . import semconv as sc
 from .consumer import error_type
-from .guard import report
+from .guard import record_error, report
 from .propagation import inject
 from .providers import tracer_of
 
@@ -136,7 +136,7 @@ def _failed(span: Span, error: BaseException) -> None:
     try:
         if span.is_recording():
             span.set_attribute(sc.ERROR_TYPE, error_type(error))
-            span.record_exception(error)
+            record_error(span, error, error_type(error))
             span.set_status(Status(StatusCode.ERROR, error_type(error)))
     except Exception:
         report("send span's error")
