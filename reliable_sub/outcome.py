@@ -64,7 +64,12 @@ class DeliveryEvent:
 
 @dataclass
 class SubscriberStats:
-    """Counts of outcomes and of errors the Subscriber recovered from."""
+    """Counts of outcomes and of errors the Subscriber recovered from.
+
+    Every counter reads the same way: ``stats["acked"]`` (or ``stats[Outcome.ACKED]``) for an
+    outcome, ``stats["store_errors"]`` for an error counter (also ``stats.store_errors``);
+    :meth:`as_dict` gives them all at once.
+    """
 
     outcomes: Counter[Outcome] = field(default_factory=Counter)
     handler_errors: int = 0
@@ -76,5 +81,26 @@ class SubscriberStats:
     malformed: int = 0
     purged_records: int = 0  # expired dedup records deleted by the periodic purge
 
-    def __getitem__(self, outcome: Outcome | str) -> int:
-        return self.outcomes[Outcome(outcome)]
+    def __getitem__(self, name: Outcome | str) -> int:
+        """The count of an outcome (``"acked"``) or of a counter (``"store_errors"``)."""
+        if isinstance(name, Outcome):
+            return self.outcomes[name]
+        if name in _OUTCOME_NAMES:
+            return self.outcomes[Outcome(name)]
+        if name in _COUNTERS:
+            value: int = getattr(self, name)
+            return value
+        raise KeyError(
+            f"{name!r} is neither an outcome nor a counter of SubscriberStats; outcomes: "
+            f"{', '.join(sorted(_OUTCOME_NAMES))}; counters: {', '.join(_COUNTERS)}"
+        )
+
+    def as_dict(self) -> dict[str, int]:
+        """Every outcome and counter by name (outcomes never seen count 0)."""
+        counts = {outcome.value: self.outcomes[outcome] for outcome in Outcome}
+        counts.update((name, getattr(self, name)) for name in _COUNTERS)
+        return counts
+
+
+_OUTCOME_NAMES = frozenset(outcome.value for outcome in Outcome)
+_COUNTERS = tuple(name for name in SubscriberStats.__dataclass_fields__ if name != "outcomes")

@@ -480,3 +480,21 @@ async def test_a_handler_calling_sys_exit_fails_like_any_error() -> None:
     await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 1, 60, what="ack")
     await stop(sub, task)
     assert sub.stats[Outcome.RETRY] == 1
+
+
+def test_every_counter_reads_the_same_way() -> None:
+    """#24: ``sub.stats["store_errors"]`` raised ValueError ('not a valid Outcome') right after
+    the README showed ``sub.stats["acked"]``."""
+    sub = Subscriber(MemoryAdapter())
+    sub.stats.outcomes[Outcome.ACKED] += 2
+    sub.stats.store_errors += 3
+    assert sub.stats["acked"] == sub.stats[Outcome.ACKED] == 2
+    assert sub.stats["store_errors"] == 3 and sub.stats["ack_errors"] == 0
+    assert sub.stats["dead_lettered"] == 0
+    counts = sub.stats.as_dict()
+    assert counts["acked"] == 2 and counts["store_errors"] == 3
+    assert set(counts) == {o.value for o in Outcome} | {
+        "handler_errors", "receive_errors", "ack_errors", "store_errors", "acks_refused",
+        "lost_claims", "malformed", "purged_records"}
+    with pytest.raises(KeyError, match=r"'acks' is neither an outcome nor a counter.*acks_refused"):
+        sub.stats["acks"]
