@@ -12,6 +12,8 @@
 * :class:`FaultInjector`, :class:`Faults`, :data:`DUPLICATE_DELIVERY` -- duplicates, lost acks,
   repeats, interruptions and store failures injected into your own tests
   (:mod:`reliable_sub.testing.faults`).
+* :class:`~reliable_sub.testing.tcp_proxy.TcpProxy` -- a TCP proxy that stalls on demand: a
+  connection that hangs without closing, between your consumer and a real broker or store.
 * :func:`run_recorded`, :func:`load_recorded` -- replay recorded messages through a handler and
   get its effects per message (:mod:`reliable_sub.testing.recorded`).
 

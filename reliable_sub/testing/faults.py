@@ -20,6 +20,9 @@ still happen once::
   recorded (a crash in the worst place); the message is redelivered;
 * ``fail_store``: a dedup store call (claim, renew, complete, release) raises.
 
+A connection that hangs without closing (a stalled broker or store) is made by
+:class:`reliable_sub.testing.tcp_proxy.TcpProxy`, between your consumer and a real server.
+
 :data:`DUPLICATE_DELIVERY` is the common case: every message handed to the handler twice.
 Injected failures raise :class:`InjectedFault`; :attr:`FaultInjector.injected` counts what was
 injected, so a test can check the faults happened. The same seed repeats the same faults only
