@@ -10,9 +10,13 @@ import asyncio
 import contextlib
 import heapq
 import itertools
+import sys
 import threading
 import time
-from typing import Protocol, runtime_checkable
+from collections.abc import Awaitable
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -134,3 +138,59 @@ async def sleep_or_event(clock: Clock, event: asyncio.Event, seconds: float) -> 
     finally:
         sleeper.cancel()
         waiter.cancel()
+
+
+class AbandonedCall(TimeoutError):
+    """A call that did not answer within its bound and was left to finish on its own (not
+    cancelled: some clients, SQLAlchemy's async drivers among them, do not survive a
+    cancellation mid-call). ``call`` is the call still running."""
+
+    def __init__(self, message: str, call: asyncio.Future[Any]) -> None:
+        super().__init__(message)
+        self.call = call
+
+
+async def within(
+    clock: Clock, awaitable: Awaitable[T], seconds: float, what: str, *, cancel: bool = True
+) -> T:
+    """``await awaitable`` for at most ``seconds`` of ``clock`` time: a broker or store whose
+    connection hangs (rather than refusing) then fails the call, like any other failure,
+    instead of holding its caller for ever.
+
+    Past the bound the call is cancelled and a TimeoutError naming ``what`` raised; with
+    ``cancel=False`` it is left running and :class:`AbandonedCall` (a TimeoutError) is raised.
+    """
+    message = f"{what} did not answer within {seconds:g}s"
+    if cancel and isinstance(clock, SystemClock) and sys.version_info >= (3, 11):
+        timeout = asyncio.timeout(max(0.0, seconds))  # no task of its own: the cheap way
+        try:
+            async with timeout:
+                return await awaitable
+        except TimeoutError:
+            if timeout.expired():
+                raise TimeoutError(message) from None
+            raise
+    call = asyncio.ensure_future(awaitable)
+    timer = None if isinstance(clock, SystemClock) else asyncio.ensure_future(clock.sleep(seconds))
+    try:
+        await asyncio.wait({call} if timer is None else {call, timer},
+                           timeout=max(0.0, seconds) if timer is None else None,
+                           return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        call.cancel()
+        raise
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if call.done():
+        return call.result()
+    call.add_done_callback(_retrieve)
+    if cancel:
+        call.cancel()  # not awaited: a call that ignores its cancellation must not hang us too
+        raise TimeoutError(message)
+    raise AbandonedCall(message, call)
+
+
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: no "exception was never retrieved" at garbage collection

@@ -69,6 +69,10 @@ DEFAULT_SYNC_WORKERS = 10
 DEFAULT_STOP_TIMEOUT = 30.0
 # Real seconds of event-loop lag after which the watchdog warns that a handler blocks the loop.
 DEFAULT_LOOP_LAG_WARNING = 1.0
+# Seconds a call the Subscriber depends on (receive, claim, ack, extend...) may keep failing,
+# with no success between, before healthy() turns False: long enough for a broker failover or a
+# restart (seconds), short enough for a readiness probe to act within a minute.
+DEFAULT_UNHEALTHY_AFTER = 30.0
 # Seconds between deletions of expired dedup records, for stores that keep them until deleted
 # (SqlDedupStore; Redis expires its keys itself). Every consumer purges; deletes are batched.
 DEFAULT_DEDUP_PURGE_INTERVAL = 300.0
@@ -112,6 +116,9 @@ class Subscriber(Service):
             :mod:`reliable_sub.telemetry`.
         telemetry: what the spans carry (:class:`~reliable_sub.policy.TelemetryPolicy`: link
             to or child of the producer's span; the idempotency key hashed, raw or not at all).
+        unhealthy_after: seconds a call the Subscriber depends on (receiving, claiming or
+            completing in the dedup store, acking, extending leases) may keep failing, with no
+            success between, before :meth:`healthy` turns False.
 
     The Subscriber closes ``adapter`` and ``dedup`` when a run ends; both reconnect if used
     again (by you, or by the next run).
@@ -141,10 +148,12 @@ class Subscriber(Service):
         tracer_provider: TracerProvider | None = None,
         meter_provider: MeterProvider | None = None,
         telemetry: TelemetryPolicy | None = None,
+        unhealthy_after: float = DEFAULT_UNHEALTHY_AFTER,
     ) -> None:
         _check_arguments(adapter, dedup, lease, retry, dead_letter, flow_control, clock, rng,
                          on_outcome, on_event, tracer_provider, meter_provider, telemetry)
         check_seconds("Subscriber", "dedup_ttl", dedup_ttl)
+        check_seconds("Subscriber", "unhealthy_after", unhealthy_after)
         check_seconds("Subscriber", "receive_timeout", receive_timeout)
         if loop_lag_warning is not None:
             check_seconds("Subscriber", "loop_lag_warning", loop_lag_warning)
@@ -172,6 +181,7 @@ class Subscriber(Service):
             on_event=on_event,
             middleware=_checked_middleware(middleware, "Subscriber.middleware"),
             telemetry=SubscriberTelemetry(tracer_provider, meter_provider, telemetry),
+            unhealthy_after=float(unhealthy_after),
         )
         self._check_dedup_window()
         self.stats = SubscriberStats()
@@ -288,15 +298,19 @@ class Subscriber(Service):
                              "are given up")
 
     def healthy(self) -> bool:
-        """True while running with every receive loop, lease manager and settler alive (for a
-        readiness probe); a loop that failed and is being restarted makes it False."""
+        """True while running and handling (for a readiness probe): False while a receive
+        loop, lease manager or settler failed and is being restarted, or while a call it
+        depends on (receiving, claiming or completing in the dedup store, acking, extending
+        leases) has kept failing for ``unhealthy_after`` seconds. :meth:`problems` says why."""
+        return self._runtime is not None and not self.problems()
+
+    def problems(self) -> list[str]:
+        """Why :meth:`healthy` is False, one line each with the last error (empty when
+        healthy); ``["not running"]`` when the Subscriber is not running."""
         runtime = self._runtime
         if runtime is None:
-            return False
-        problems = runtime.problems()
-        if problems:
-            logger.debug("not healthy: %s", "; ".join(problems))
-        return not problems
+            return ["not running"]
+        return runtime.problems()
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop gracefully, from any thread but the Subscriber's own loop.

@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Sequence
+
+import pytest
 
 from reliable_sub import Claimed, DedupKey, InProgress, LeasePolicy, MemoryDedupStore
 from reliable_sub.adapters.memory import MemoryAdapter
@@ -43,7 +47,8 @@ async def setup(policy: LeasePolicy | None = None, dedup: MemoryDedupStore | Non
     broker = RecordingBroker(clock)
     await broker.ensure_subscription("t", "s", ack_deadline=DEADLINE)
     lease = LeaseManager(broker, policy or LeasePolicy(), clock=clock,
-                         initial_deadline=DEADLINE, dedup=dedup, on_max_lease=on_max_lease)
+                         initial_deadline=DEADLINE, dedup=dedup, on_max_lease=on_max_lease,
+                         subscription="s")
     return clock, broker, lease
 
 
@@ -242,4 +247,137 @@ async def test_a_new_delivery_due_before_the_planned_wakeup_is_not_missed() -> N
 
     assert await broker.receive("s", 10, 0) == [], "the newcomer's deadline ran out"
     assert await broker.ack([long_job.delivery, newcomer.delivery]) == []
+    await lease.stop()
+
+
+# -- the tick never waits on anything unbounded, and logs an outage once (#24 items 8, 11, 13) --
+
+
+class HangingStore(MemoryDedupStore):
+    """A store whose renewals hang until ``unstall`` is set (a connection that stalls instead
+    of refusing)."""
+
+    renew_calls = 0
+
+    def __init__(self, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(**kwargs)
+        self.unstall = asyncio.Event()
+
+    async def renew(self, claims, lease_ttl):  # type: ignore[no-untyped-def]
+        self.renew_calls += 1
+        await self.unstall.wait()
+        return await super().renew(claims, lease_ttl)
+
+
+class HangingBroker(RecordingBroker):
+    hang_extends = 0
+
+    async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
+        if self.hang_extends:
+            self.hang_extends -= 1
+            await asyncio.Event().wait()
+        return await super().extend(deliveries, seconds)
+
+
+async def claimed_item(lease: LeaseManager, broker: RecordingBroker, clock: ManualClock,
+                       store: MemoryDedupStore) -> InFlight:
+    [item] = await receive(broker, clock, 1)
+    claim = await store.claim(DedupKey("n", item.delivery.message.id), lease.claim_ttl())
+    assert isinstance(claim, Claimed)
+    item.claim = claim
+    lease.add([item], lease.claim_ttl())
+    start(lease, item)
+    return item
+
+
+async def test_a_hung_store_never_delays_the_brokers_extensions() -> None:
+    clock = ManualClock()
+    broker = RecordingBroker(clock)
+    await broker.ensure_subscription("t", "s", ack_deadline=DEADLINE)
+    store = HangingStore(clock=clock)
+    lease = LeaseManager(broker, LeasePolicy(), clock=clock, initial_deadline=DEADLINE,
+                         dedup=store)
+    item = await claimed_item(lease, broker, clock, store)
+    lease.start()
+    await pass_time(clock, 120)
+    # extended every 6-8 s all along, as without a store: the renewal hangs beside the tick
+    assert len(broker.extend_calls) >= 120 / 8
+    assert item.deadline > clock.now()
+    # past its bound it counts as failed, and is left to finish rather than cancelled (store
+    # clients may not survive that); no second one piles up behind it meanwhile
+    assert (store.renew_calls, lease.stats.renew_errors) == (1, 1)
+    store.unstall.set()
+    await pass_time(clock, 20)
+    # tried again once the store answered: the claim had lapsed meanwhile (the broker's lease
+    # is what kept the message from a peer), and the store says so
+    assert store.renew_calls == 2 and lease.stats.lost_claims == 1
+    assert not item.claim_active and item.deadline > clock.now()
+    await lease.stop()
+
+
+async def test_a_hung_extend_call_is_bounded_and_tried_again() -> None:
+    clock = ManualClock()
+    broker = HangingBroker(clock)
+    await broker.ensure_subscription("t", "s", ack_deadline=DEADLINE)
+    lease = LeaseManager(broker, LeasePolicy(), clock=clock, initial_deadline=DEADLINE)
+    [item] = await receive(broker, clock, 1)
+    lease.add([item])
+    start(lease, item)
+    broker.hang_extends = 1
+    lease.start()
+    await pass_time(clock, 12)
+    assert lease.stats.extend_errors == 1
+    assert len(broker.extend_calls) == 1, "tried again within the lease"
+    assert item.deadline > clock.now()
+    await lease.stop()
+
+
+async def test_a_report_of_max_lease_that_hangs_does_not_hold_the_tick() -> None:
+    """Giving back may nack, and a nack may wait for the receive path (NATS): the report runs
+    beside the tick, which keeps extending the other deliveries."""
+    hung: list[list[InFlight]] = []
+
+    async def on_max_lease(items: list[InFlight]) -> None:
+        hung.append(items)
+        await asyncio.Event().wait()
+
+    clock, broker, lease = await setup(LeasePolicy(max_lease_duration=30),
+                                       on_max_lease=on_max_lease)
+    [old] = await receive(broker, clock, 1)
+    lease.add([old])
+    start(lease, old)
+    clock.advance(20)
+    [young] = await receive(broker, clock, 1)
+    lease.add([young])
+    start(lease, young)
+    lease.start()
+    await pass_time(clock, 25)  # t=45: the old one reported at 30, the young one due at 50
+    assert hung == [[old]]
+    assert young.deadline > clock.now(), "the young delivery stayed leased"
+    await lease.stop()
+
+
+async def test_an_outage_is_logged_once_and_summed_up_when_it_ends(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A broker down for a minute used to log a traceback on every failed extend (143 lines in
+    10 s from one consumer); now one WARNING when it starts and one line when it ends."""
+    clock, broker, lease = await setup()
+    [item] = await receive(broker, clock, 1)
+    lease.add([item])
+    start(lease, item)
+    broker.fail_extends = 1000
+    lease.start()
+    with caplog.at_level(logging.DEBUG, logger="reliable_sub"):
+        await pass_time(clock, 60)
+        failed = lease.stats.extend_errors
+        broker.fail_extends = 0
+        await pass_time(clock, 10)
+    assert failed >= 60 / (DEADLINE * 0.05) * 0.5  # retried every 0.5 s all along
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [r.getMessage().split(" (")[0] for r in warnings] == ["extending leases of 's' failed"]
+    assert warnings[0].exc_info is not None
+    [summary] = [r for r in caplog.records if "works again after" in r.getMessage()]
+    assert summary.levelno == logging.INFO
+    assert f"after {failed} failed tries over" in summary.getMessage()
     await lease.stop()

@@ -397,7 +397,8 @@ async def test_acks_are_batched() -> None:
 
 @pytest.mark.parametrize(
     ("delay", "expected"),
-    [(0, 0), (-1, 0), (12.34, 13), (187.5, 190), (0.123, 0.13), (600, 600), (5.0, 5.0)],
+    [(0, 0), (-1, 0), (12.34, 13), (187.5, 190), (0.123, 0.13), (600, 600), (5.0, 5.0),
+     (5e-324, 5e-324), (1e-7, 1e-7), (float("nan"), 0), (float("inf"), float("inf"))],
 )
 def test_nack_delays_are_rounded_up_to_two_significant_digits(delay, expected) -> None:
     assert quantize_delay(delay) == pytest.approx(expected)
@@ -498,3 +499,190 @@ def test_every_counter_reads_the_same_way() -> None:
         "lost_claims", "malformed", "purged_records"}
     with pytest.raises(KeyError, match=r"'acks' is neither an outcome nor a counter.*acks_refused"):
         sub.stats["acks"]
+
+
+async def test_healthy_means_handling_a_broker_failing_for_long_is_reported() -> None:
+    """#24: a consumer whose every receive (or ack) failed stayed healthy() while handling
+    nothing. A streak of failures lasting unhealthy_after makes it unhealthy, naming the call and
+    its last error; the next success makes it healthy again."""
+    clock = ManualClock()
+    broker = FlakyBroker(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock, unhealthy_after=30)
+    sub.handler("s")(lambda message: None)
+    task = await serve(sub, clock)
+    try:
+        broker.failures["receive"] = 10_000
+        await drive_until(clock, lambda: sub.stats.receive_errors >= 3, 60.0)
+        assert sub.healthy(), "a few failures are not an outage"
+        await drive_until(clock, lambda: not sub.healthy(), 60.0, what="unhealthy")
+        [problem] = sub.problems()
+        assert problem.startswith("receiving from 's' has failed")
+        assert "ConnectionError: receive: connection reset by broker" in problem
+        broker.failures["receive"] = 0
+        await drive_until(clock, sub.healthy, 60.0, what="healthy again")
+
+        broker.failures["ack"] = 10_000
+        broker.publish_sync("t", b"x")
+        await drive_until(clock, lambda: not sub.healthy(), 120.0, what="unhealthy acks")
+        assert sub.problems()[0].startswith("acking at the broker has failed")
+        broker.failures["ack"] = 0
+        await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 1 and sub.healthy(), 60.0)
+    finally:
+        await stop(sub, task)
+
+
+async def test_a_claim_slower_than_max_lease_duration_does_not_run_a_given_back_message() -> None:
+    """#24 item 14: the delivery was given back (max_lease_duration passed while its claim call
+    ran); when the late claim returned, the handler ran for a message the broker had been told
+    to redeliver. Now it is not run, and the late claim is released."""
+
+    class SlowFirstClaim(MemoryDedupStore):
+        slow = True
+
+        async def claim_many(self, keys, lease_ttl, tokens=None):  # type: ignore[no-untyped-def]
+            results = await super().claim_many(keys, lease_ttl, tokens)
+            if self.slow:  # the claim is taken; its reply comes late
+                self.slow = False
+                await clock.sleep(8)
+            return results
+
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "s")  # ack deadline 10 s: the claim's bound
+    outcomes: list[Outcome] = []
+    store = SlowFirstClaim(clock=clock)
+    sub = Subscriber(broker, clock=clock, dedup=store, lease=LeasePolicy(max_lease_duration=5),
+                     retry=RetryPolicy(min_backoff=1, max_backoff=2),
+                     on_outcome=lambda m, o: outcomes.append(o))
+    runs: list[int] = []
+    sub.handler("s")(lambda message: runs.append(message.delivery_attempt))
+    broker.publish_sync("t", b"x")
+    task = await serve(sub, clock)
+    try:
+        await drive_until(clock, lambda: Outcome.ACKED in outcomes, 120.0, what="the ack")
+    finally:
+        await stop(sub, task)
+    assert runs == [runs[0]] and runs[0] >= 2, "run once, on a redelivery"
+    assert Outcome.ACK_REFUSED not in outcomes and Outcome.DUPLICATE not in outcomes
+    assert outcomes[0] is Outcome.REQUEUED
+
+
+async def test_a_stop_gives_back_a_keys_queued_messages_only_after_the_running_one() -> None:
+    """#24 item 14: a stop nacked the messages queued behind a running one of the same ordering
+    key at once, so a peer could run them before the running one had finished. They now go back
+    after it is settled."""
+
+    class Recording(MemoryAdapter):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.calls: list[tuple[str, bytes]] = []
+
+        async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+            self.calls += [("ack", d.message.data) for d in deliveries]
+            return await super().ack(deliveries)
+
+        async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
+            self.calls += [("nack", d.message.data) for d in deliveries]
+            await super().nack(deliveries, delay)
+
+    clock = ManualClock()
+    broker = Recording(clock=clock)
+    # not ordered at the broker: it hands out both at once, as Pub/Sub may; the Subscriber
+    # runs them one at a time
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock)
+    first_running, finish = asyncio.Event(), asyncio.Event()
+
+    @sub.handler("s")
+    async def charge(message: Message) -> None:
+        if message.data == b"k1":
+            first_running.set()
+            await finish.wait()
+
+    broker.publish_sync("t", b"k1", ordering_key="k")
+    broker.publish_sync("t", b"k2", ordering_key="k")
+    task = await serve(sub, clock)
+    await drive_until(clock, first_running.is_set, 10.0)
+    stopping = asyncio.ensure_future(sub.shutdown(timeout=30))
+    await drive_until(clock, lambda: sub.stopping, 10.0)
+    await drive_until(clock, lambda: bool(broker.calls) or clock.now() > 5, 10.0)
+    assert broker.calls == [], "k2 went back while k1 still ran"
+    finish.set()
+    await stopping
+    await task
+    assert broker.calls == [("ack", b"k1"), ("nack", b"k2")]
+
+
+@pytest.mark.parametrize("returned", [
+    "subnormal delay", "NaN delay", "str delay", "inf delay", "None", "a dict"])
+async def test_whatever_a_middleware_returns_the_message_is_settled_and_nothing_leaks(
+    returned: str,
+) -> None:
+    """#24 item 14: a redelivery delay of 5e-324 divided by zero in the settler, outside its
+    retries: the batch's task died, its flow slots and leases were held for good (the message
+    extended for ever, never redelivered). A middleware may return anything."""
+    from reliable_sub.middleware import Decision, Verdict
+
+    answers: dict[str, Any] = {
+        "subnormal delay": Decision(Verdict.REDELIVER, delay=5e-324, failures=1),
+        "NaN delay": Decision(Verdict.REDELIVER, delay=float("nan"), failures=1),
+        "str delay": Decision(Verdict.REDELIVER, delay="5", failures=1),  # type: ignore[arg-type]
+        "inf delay": Decision(Verdict.REDELIVER, delay=float("inf"), failures=1),
+        "None": None,
+        "a dict": {"verdict": "redeliver"},
+    }
+    calls: list[int] = []
+
+    async def odd(context: Any, call_next: Any) -> Any:
+        calls.append(context.message.delivery_attempt)
+        if len(calls) == 1:
+            return answers[returned]
+        return await call_next(context)
+
+    clock = ManualClock()
+    broker = MemoryAdapter(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock, middleware=[odd], flow_control=FlowControl(1),
+                     retry=RetryPolicy(min_backoff=1, max_backoff=2))
+    sub.handler("s")(lambda message: None)
+    broker.publish_sync("t", b"x")
+    broker.publish_sync("t", b"y")
+    task = await serve(sub, clock)
+    try:
+        await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 2, 60.0, what="both acks")
+    finally:
+        await stop(sub, task)
+    assert sub.stats[Outcome.RETRY] == 1
+    assert len(calls) == 3
+
+
+async def test_a_settle_batch_that_fails_unexpectedly_lets_its_deliveries_go() -> None:
+    """A bug in settling (here an adapter whose ack returns None rather than a list) used to
+    kill the batch's task with its deliveries' flow slots and leases held for good."""
+
+    class OddAck(MemoryAdapter):
+        odd = True
+
+        async def ack(self, deliveries: Sequence[Delivery]) -> Any:
+            refused = await super().ack(deliveries)
+            if self.odd:
+                self.odd = False
+                return None
+            return refused
+
+    clock = ManualClock()
+    broker = OddAck(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock, flow_control=FlowControl(1))
+    handled: list[bytes] = []
+    sub.handler("s")(lambda message: handled.append(message.data))
+    broker.publish_sync("t", b"x")
+    broker.publish_sync("t", b"y")
+    task = await serve(sub, clock)
+    try:
+        await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 1, 60.0, what="y's ack")
+        assert sub.stats[Outcome.STOPPED] == 1 and handled == [b"x", b"y"]
+        assert len(sub.lease_manager("s")) == 0
+    finally:
+        await stop(sub, task)

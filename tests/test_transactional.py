@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from reliable_sub import (
     ClaimLostError,
     ConfigurationError,
+    LeasePolicy,
     MemoryDedupStore,
     Message,
     Outcome,
@@ -296,6 +297,40 @@ async def test_a_sync_transactional_handler_returning_a_coroutine_is_a_failed_at
     assert calls == [] and await world.rows() == []
     assert "returned an awaitable from a sync call" in str(events[0].error)
     assert not isinstance(await world.record(message_id), Completed)
+
+
+async def test_a_renewal_blocked_by_the_handlers_open_transaction_does_not_let_leases_lapse(
+    tmp_path: Path,
+) -> None:
+    """#24 item 14: on SQLite a transactional handler's first write takes the database's write
+    lock until its commit, so its claim's renewal waits on its own transaction. The lease tick
+    used to wait with it: the broker lease lapsed and the message came back (a duplicate at
+    best). Renewals now run beside the tick, bounded; the broker lease is extended meanwhile."""
+    store = SqlDedupStore(f"sqlite:///{tmp_path}/dedup.db", table="processed")
+    payments = _payments_table(store.metadata, "payments")
+    await store.create_schema()
+    broker = MemoryAdapter()
+    await broker.ensure_subscription("orders", "billing", ack_deadline=1.0)
+    outcomes: list[Outcome] = []
+    sub = Subscriber(broker, dedup=store, lease=LeasePolicy(min_extension=0.5,
+                                                            max_extension=1.0),
+                     on_outcome=lambda m, o: outcomes.append(o))
+    runs: list[str] = []
+
+    @sub.handler("billing", transactional=True)
+    async def charge(message: Message, connection: Any) -> None:
+        runs.append(message.id)
+        await connection.execute(sa.insert(payments).values(message_id=message.id,
+                                                            note="held"))
+        await asyncio.sleep(3.0)  # the handler's own slow work, inside its transaction
+
+    try:
+        await broker.publish("orders", b"pay")
+        await serve_until(sub, lambda: bool(outcomes), "the delivery to settle", WITHIN)
+    finally:
+        await store.close()
+        store.close_sync()
+    assert outcomes == [Outcome.ACKED] and len(runs) == 1
 
 
 def test_transactional_needs_a_store_that_commits_in_the_handlers_transaction() -> None:

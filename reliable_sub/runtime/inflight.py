@@ -59,6 +59,7 @@ class InFlight:
         "leased",
         "length",
         "not_before",
+        "renew_after",
         "route",
         "span",
         "stage",
@@ -91,6 +92,8 @@ class InFlight:
         self.claim_active = False
         self.claim_deadline = math.inf
         self.claim_length = 0.0
+        self.renew_after = -math.inf  # inf while a renewal is in flight; after a failed one:
+        # retry from then (apart from not_before: a store's trouble never delays the broker's)
 
     @property
     def message_id(self) -> str:

@@ -18,6 +18,14 @@ lifetime p99 of whole seconds):
   failed attempt, once per further ``max_lease_duration``;
 * an ``extend`` the broker refuses (a stale ack id) stops the lease of that delivery; nothing
   crashes, and the handler's eventual ack is refused harmlessly.
+
+The tick never waits on anything unbounded, and never on the store: claim renewals and the
+``on_max_lease`` report (which may nack, and a nack may wait for the receive path) run beside it
+as tasks of their own, and every call has a bound on the Subscriber's clock (a connection that
+hangs instead of refusing fails the call, which is retried). So a hung dedup store or a busy
+receive path cannot let a running delivery's broker lease lapse -- which would hand the message
+to a peer while its handler still runs. A run of failed calls is logged once, when it starts,
+and summed up when it ends.
 """
 
 from __future__ import annotations
@@ -26,13 +34,14 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
-from ..clock import Clock, sleep_or_event
+from ..clock import AbandonedCall, Clock, sleep_or_event, within
 from ..policy import LeasePolicy
 from ..ports import Adapter, Claimed
+from .health import Health
 from .histogram import SlidingHistogram
 from .inflight import InFlight, Stage
 
@@ -49,6 +58,13 @@ BATCH_FRACTION = 0.2
 RETRY_FRACTION = 0.05
 # The loop never spins faster than this, whatever the leases say (a guard, not a schedule).
 MIN_TICK_INTERVAL = 0.01
+# An extend or renew call gets until the earliest lease (or claim) in it runs out, but at least
+# this long (seconds): past the lease the call is moot; a shorter bound would cut off a broker
+# that is merely slow. Then it counts as failed and is tried again shortly.
+MIN_CALL_BOUND = 1.0
+# The names of the calls in the log and in health reports.
+EXTEND_CALL = "extending leases of {subscription!r}"
+RENEW_CALL = "renewing dedup claims of {subscription!r}"
 
 
 class ClaimRenewer(Protocol):
@@ -87,6 +103,8 @@ class LeaseManager:
         on_extended: called with the deliveries an extension call moved, its seconds, and the
             observed percentile it came from (None before anything was observed): telemetry.
         histogram: processing-time histogram (default: a fresh sliding one).
+        health: where failed and succeeded calls are reported (default: a log of its own).
+        subscription: the subscription's name, for the log.
     """
 
     def __init__(
@@ -97,9 +115,11 @@ class LeaseManager:
         clock: Clock,
         initial_deadline: float,
         dedup: ClaimRenewer | None = None,
-        on_max_lease: Callable[[list[InFlight]], Awaitable[None]] | None = None,
+        on_max_lease: Callable[[list[InFlight]], Coroutine[Any, Any, None]] | None = None,
         on_extended: Callable[[list[InFlight], float, float | None], None] | None = None,
         histogram: SlidingHistogram | None = None,
+        health: Health | None = None,
+        subscription: str = "",
     ) -> None:
         self._adapter = adapter
         self._policy = policy
@@ -116,6 +136,13 @@ class LeaseManager:
         self._idle = True
         self._planned_wake = math.inf
         self._task: asyncio.Task[None] | None = None
+        self._health = health or Health(clock.now, math.inf)
+        self._extend_call = EXTEND_CALL.format(subscription=subscription)
+        self._renew_call = RENEW_CALL.format(subscription=subscription)
+        self._beside: set[asyncio.Task[None]] = set()  # renewals and max-lease reports
+        # a renewal past its bound, left to finish (store clients may not survive a
+        # cancellation mid-call): no other is started until it ends
+        self._stuck_renewal: asyncio.Future[object] | None = None
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -208,7 +235,15 @@ class LeaseManager:
             self._task = None
 
     async def run(self) -> None:
-        """Tick whenever a lease falls due, until cancelled."""
+        """Tick whenever a lease falls due, until cancelled (which cancels the renewals and
+        reports running beside it)."""
+        try:
+            await self._run()
+        finally:
+            for task in list(self._beside):
+                task.cancel()
+
+    async def _run(self) -> None:
         while True:
             next_due = await self.tick()
             if next_due is None or math.isinf(next_due):  # nothing to extend or renew
@@ -233,8 +268,9 @@ class LeaseManager:
     async def tick(self) -> float | None:
         """Extend what is due, renew due claims, report leases at their maximum duration.
 
-        Returns the clock time of the next due lease (inf when the remaining leases need
-        nothing until they settle), or None when nothing is leased.
+        Only the broker's extensions are awaited (each call bounded); renewals and reports
+        are started beside the tick. Returns the clock time of the next due lease (inf when
+        the remaining leases need nothing until they settle), or None when nothing is leased.
         """
         now = self._clock.now()
         to_extend: list[InFlight] = []
@@ -242,32 +278,48 @@ class LeaseManager:
         claims: list[InFlight] = []
         window = SAFETY_FRACTION + BATCH_FRACTION
         for item in self._leases:
-            if item.not_before > now:
-                continue
-            if item.held:
-                horizon = now + item.length * window
-                if item.deadline <= horizon:
-                    if item.expires_at <= horizon:
-                        expired.append(item)
-                    else:
-                        to_extend.append(item)
-            elif item.stage is Stage.RUNNING and item.expires_at <= now:
-                expired.append(item)  # a handler that runs on: another max_lease_duration
-            if item.claim_active and item.claim_deadline <= now + item.claim_length * window:
+            if item.not_before <= now:
+                if item.held:
+                    horizon = now + item.length * window
+                    if item.deadline <= horizon:
+                        if item.expires_at <= horizon:
+                            expired.append(item)
+                        else:
+                            to_extend.append(item)
+                elif item.stage is Stage.RUNNING and item.expires_at <= now:
+                    expired.append(item)  # a handler that runs on: another max_lease_duration
+            if (item.claim_active and item.renew_after <= now
+                    and item.claim_deadline <= now + item.claim_length * window):
                 claims.append(item)
         if expired:
-            await self._expire(expired)
+            self._expire(expired)
         # the percentile sorts the histogram: only worth it when something is due
         extension = self.extension() if (to_extend or claims) else 0.0
+        if claims and self._dedup is not None:
+            stuck = self._stuck_renewal
+            if stuck is None or stuck.done():
+                self._beside_the_tick(
+                    self._renew_claims(claims, max(extension, self.claim_ttl()), now))
+            else:  # one hung renewal at a time: look again shortly
+                for item in claims:
+                    item.renew_after = now + item.claim_length * RETRY_FRACTION
         if to_extend:
             await self._extend(to_extend, extension, now)
-        if claims and self._dedup is not None:
-            await self._renew_claims(claims, max(extension, self.claim_ttl()), now)
         if not self._leases:
             return None
         return min(_due_at(item) for item in self._leases)
 
-    async def _expire(self, items: list[InFlight]) -> None:
+    def _beside_the_tick(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._beside.add(task)
+        task.add_done_callback(self._beside_done)
+
+    def _beside_done(self, task: asyncio.Task[None]) -> None:
+        self._beside.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("a lease manager task failed unexpectedly", exc_info=task.exception())
+
+    def _expire(self, items: list[InFlight]) -> None:
         self.stats.max_lease_reached += len(items)
         for item in items:
             item.held = False
@@ -281,7 +333,8 @@ class LeaseManager:
             extra={"message_ids": [item.message_id for item in items[:20]]},
         )
         if self._on_max_lease is not None:
-            await self._on_max_lease(items)
+            # beside the tick: giving back may nack, and a nack may wait for the receive path
+            self._beside_the_tick(self._on_max_lease(items))
 
     async def _extend(self, items: list[InFlight], extension: float, now: float) -> None:
         groups: dict[float, list[InFlight]] = {}
@@ -291,16 +344,18 @@ class LeaseManager:
             groups.setdefault(seconds, []).append(item)
         for seconds, group in groups.items():
             deliveries = [item.delivery for item in group]
+            bound = max(MIN_CALL_BOUND, min(item.deadline for item in group) - now)
             try:
-                refused = await self._adapter.extend(deliveries, seconds)
-            except Exception:
+                refused = await within(self._clock, self._adapter.extend(deliveries, seconds),
+                                       bound, f"extend of {len(deliveries)} deliveries")
+            except Exception as error:
                 self.stats.extend_errors += 1
-                logger.warning(
-                    "extending %d deliveries failed; retrying shortly", len(group), exc_info=True
-                )
+                self._health.failed(self._extend_call, error)
+                retry_at = self._clock.now()
                 for item in group:
-                    item.not_before = now + item.length * RETRY_FRACTION
+                    item.not_before = retry_at + item.length * RETRY_FRACTION
                 continue
+            self._health.ok(self._extend_call)
             self.stats.extend_calls += 1
             self.stats.extended_ack_ids += len(deliveries)
             refused_ids = {d.ack_id for d in refused}
@@ -324,17 +379,39 @@ class LeaseManager:
         )
 
     async def _renew_claims(self, items: list[InFlight], seconds: float, now: float) -> None:
+        """Renew the claims of ``items`` (one call, bounded), beside the tick."""
+        assert self._dedup is not None
+        for item in items:
+            item.renew_after = math.inf  # in flight: the tick does not take them again
+        try:
+            await self._renew(items, seconds, now)
+        finally:
+            earliest = math.inf
+            for item in items:
+                if item.renew_after == math.inf:
+                    item.renew_after = -math.inf
+                if item.claim_active:
+                    earliest = min(earliest, _claim_due(item))
+            if earliest < math.inf:
+                self._schedule(earliest)
+
+    async def _renew(self, items: list[InFlight], seconds: float, now: float) -> None:
         assert self._dedup is not None
         claims = [item.claim for item in items if item.claim is not None]
+        bound = max(MIN_CALL_BOUND, min(item.claim_deadline for item in items) - now)
         try:
-            lost = await self._dedup.renew(claims, seconds)
-        except Exception:
+            lost = await within(self._clock, self._dedup.renew(claims, seconds), bound,
+                                f"renewal of {len(claims)} dedup claims", cancel=False)
+        except Exception as error:
+            if isinstance(error, AbandonedCall):
+                self._stuck_renewal = error.call
             self.stats.renew_errors += 1
-            logger.warning("renewing %d dedup claims failed; retrying shortly", len(claims),
-                           exc_info=True)
+            self._health.failed(self._renew_call, error)
+            retry_at = self._clock.now()
             for item in items:
-                item.not_before = now + item.claim_length * RETRY_FRACTION
+                item.renew_after = retry_at + item.claim_length * RETRY_FRACTION
             return
+        self._health.ok(self._renew_call)
         self.stats.claim_renew_calls += 1
         self.stats.renewed_claims += len(claims) - len(lost)
         lost_tokens = {claim.token for claim in lost}
@@ -358,6 +435,11 @@ def _due_at(item: InFlight) -> float:
         due = item.deadline - item.length * SAFETY_FRACTION
     elif item.stage is Stage.RUNNING:
         due = item.expires_at
+    due = max(due, item.not_before)
     if item.claim_active:
-        due = min(due, item.claim_deadline - item.claim_length * SAFETY_FRACTION)
-    return max(due, item.not_before)
+        due = min(due, _claim_due(item))
+    return due
+
+
+def _claim_due(item: InFlight) -> float:
+    return max(item.claim_deadline - item.claim_length * SAFETY_FRACTION, item.renew_after)

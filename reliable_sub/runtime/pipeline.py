@@ -39,7 +39,7 @@ from tenacity import AsyncRetrying, retry_if_exception, wait_random_exponential
 
 from .._callables import settled_result
 from .._text import safe_repr, safe_str
-from ..clock import Clock
+from ..clock import Clock, within
 from ..dedup import Claimed, Completed, DedupStore, InProgress, encode_result
 from ..errors import (
     ClaimLostError,
@@ -59,6 +59,7 @@ from ..policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
 from ..ports import Adapter
 from ..telemetry.consumer import DeliveryTelemetry, RouteTelemetry, SubscriberTelemetry
 from .flow import FlowGate
+from .health import Health
 from .inflight import CancelReason, InFlight, Stage
 from .lease import LeaseManager
 from .settler import Settle, Settler
@@ -84,6 +85,10 @@ RECEIVE_GRACE = 1.0
 # Queued acks and nacks get at least this long (real seconds) after the handlers are done,
 # even when the stop timeout has already passed.
 FLUSH_GRACE = 5.0
+# A claim call gets as long as the claims it takes last (the first lease), but at least this
+# long (seconds): a store whose connection hangs fails the call, and the batch is redelivered.
+MIN_STORE_CALL_BOUND = 1.0
+CLAIM_CALL = "claiming in the dedup store"
 # Outcomes after which the next message of the same ordering key may run.
 _DONE = frozenset({Outcome.ACKED, Outcome.DUPLICATE, Outcome.DEAD_LETTERED})
 
@@ -124,6 +129,7 @@ class Config:
     on_event: Callable[[DeliveryEvent], None] | None
     middleware: tuple[Middleware, ...]
     telemetry: SubscriberTelemetry
+    unhealthy_after: float
 
 
 @dataclass(eq=False)
@@ -162,6 +168,8 @@ class Lane:
     keys: dict[str, deque[InFlight]] = field(default_factory=dict)
     # its span name and attributes, while telemetry is on
     telemetry: RouteTelemetry | None = None
+    # the receive call's name in the log and in health reports
+    receive_name: str = ""
 
 
 class Runtime:
@@ -174,11 +182,12 @@ class Runtime:
         self.lanes: dict[str, Lane] = {}
         self.claims = Claims(config.dedup, config.dedup_ttl)
         self.flow = FlowGate(config.flow_control)
+        self.health = Health(config.clock.now, config.unhealthy_after)
         self.workers = WorkerThreads(config.sync_workers)
         self.items: set[InFlight] = set()
         self.settler = Settler(
             config.adapter, claims=self.claims, stats=stats,
-            on_settled=self._on_settled, sleep=config.clock.sleep,
+            on_settled=self._on_settled, clock=config.clock, health=self.health,
         )
         self.supervisor = Supervisor(config.clock.sleep, config.clock.now)
         self.failure = DeadLetterOrBackoff(config.retry, config.dead_letter, config.adapter,
@@ -213,6 +222,7 @@ class Runtime:
                 adapter, config.lease, clock=config.clock, initial_deadline=deadline,
                 dedup=self.claims if config.dedup is not None else None,
                 on_max_lease=self._max_lease_reached, on_extended=on_extended,
+                health=self.health, subscription=route.subscription,
             )
             self.lanes[route.subscription] = Lane(
                 route=route,
@@ -222,6 +232,7 @@ class Runtime:
                 call=self._chain_of(route),
                 handler=self._handler_of(route),
                 telemetry=route_telemetry,
+                receive_name=f"receiving from {route.subscription!r}",
             )
         self.receiving = self.accepting = True
         self.supervisor.spawn("settler", self.settler.run)
@@ -297,8 +308,9 @@ class Runtime:
         return self.accepting
 
     def problems(self) -> list[str]:
-        """What is wrong with this run's loops (empty when healthy)."""
-        return self.supervisor.problems()
+        """What is wrong with this run (empty when healthy): loops being restarted, and calls
+        that have kept failing for ``unhealthy_after`` seconds."""
+        return self.supervisor.problems() + self.health.problems()
 
     # -- receiving -----------------------------------------------------------------------------
 
@@ -347,15 +359,11 @@ class Runtime:
     async def _receive(self, lane: Lane, max_messages: int) -> list[Delivery]:
         """One receive call, retried with jittered exponential backoff while the broker fails."""
         subscription = lane.route.subscription
+        call = lane.receive_name
 
         def log_failure(state: Any) -> None:
             self.stats.receive_errors += 1
-            logger.warning(
-                "receive from %r failed (attempt %d): %s; retrying", subscription,
-                state.attempt_number,
-                safe_repr(state.outcome.exception(), 500) if state.outcome else None,
-                extra={"subscription": subscription},
-            )
+            self.health.failed(call, state.outcome.exception() if state.outcome else None)
 
         def retryable(error: BaseException) -> bool:
             # Some clients turn a cancellation into a connection error: never retry once closing.
@@ -368,9 +376,11 @@ class Runtime:
             sleep=self.config.clock.sleep,
         ):
             with attempt:
-                return await self.config.adapter.receive(
+                deliveries = await self.config.adapter.receive(
                     subscription, max_messages, self.config.receive_timeout
                 )
+                self.health.ok(call)
+                return deliveries
         return []  # the retry loop ended because the Subscriber is closing
 
     async def _admit(self, lane: Lane, deliveries: list[Delivery]) -> None:
@@ -404,21 +414,31 @@ class Runtime:
                 self._dispatch(lane, item)
             return
         try:
-            verdicts = await self.claims.claim(lane.namespace, good, ttl)
+            # bounded: a store that hangs must not hold this receive loop (and its batch) for
+            # ever; past the claims' ttl they are moot anyway
+            verdicts = await within(self.config.clock, self.claims.claim(lane.namespace, good, ttl),
+                                    max(MIN_STORE_CALL_BOUND, ttl), "dedup claim", cancel=False)
         except asyncio.CancelledError:
             for item in good:  # claims taken by the cancelled call lapse with their TTL
                 self._settle(item, Outcome.STOPPED, ack=False)
             raise
-        except Exception:
+        except Exception as error:
             self.stats.store_errors += 1
-            logger.warning("dedup claim of %d messages of %r failed; redelivering them later",
-                           len(good), lane.route.subscription, exc_info=True)
+            self.health.failed(CLAIM_CALL, error)
             delay = self._defer_delay(self.config.retry.backoff(1, self.config.rng))
             for item in good:
-                self._settle(item, Outcome.RETRY, ack=False, delay=delay)
+                if item.stage is Stage.WAITING:  # not given back meanwhile (max_lease_duration)
+                    self._settle(item, Outcome.RETRY, ack=False, delay=delay)
             return
+        self.health.ok(CLAIM_CALL)
         blocked: set[str] = set()  # ordering keys with a message that must not be overtaken
         for item, verdict in zip(good, verdicts, strict=True):
+            if item.stage is not Stage.WAITING:
+                # given back while the claim call ran (it outlasted max_lease_duration): not
+                # to be run now; a claim it took is ended, so the redelivery need not wait
+                if isinstance(verdict, Claimed):
+                    self._track(self._release_late(item, verdict))
+                continue
             if telemetry is not None:
                 telemetry.dedup_verdict(item, verdict)
             key = item.delivery.message.ordering_key if lane.ordered else None
@@ -435,6 +455,16 @@ class Runtime:
                 self._settle(item, Outcome.STOPPED, ack=False, release=self.claims.release(item))
             else:
                 self._dispatch(lane, item)
+
+    async def _release_late(self, item: InFlight, claim: Claimed) -> None:
+        item.claim = None
+        try:
+            await within(self.config.clock, self.claims.release_many([claim]),
+                         max(MIN_STORE_CALL_BOUND, item.route.lease.claim_ttl()), "dedup release",
+                         cancel=False)
+        except Exception as error:  # it lapses with its ttl
+            self.stats.store_errors += 1
+            self.health.failed("releasing dedup claims", error)
 
     def _in_progress_elsewhere(self, item: InFlight, verdict: InProgress) -> None:
         policy = self.config.dead_letter
@@ -537,14 +567,15 @@ class Runtime:
         """Re-claim a claim that lapsed while ``item`` waited to start; False if not ours."""
         ttl = lane.lease.claim_ttl()
         try:
-            verdict = await self.claims.refresh(item, ttl)
-        except Exception:
+            verdict = await within(self.config.clock, self.claims.refresh(item, ttl),
+                                   max(MIN_STORE_CALL_BOUND, ttl), "dedup claim", cancel=False)
+        except Exception as error:
             self.stats.store_errors += 1
-            logger.warning("refreshing the dedup claim of message %s failed; redelivering it "
-                           "later", item.message_id, exc_info=True)
+            self.health.failed(CLAIM_CALL, error)
             self._settle(item, Outcome.RETRY, ack=False, delay=self._defer_delay(0.0),
                          release=self.claims.release(item))
             return False
+        self.health.ok(CLAIM_CALL)
         if self.telemetry is not None:
             self.telemetry.dedup_verdict(item, verdict)
         if isinstance(verdict, Claimed):
@@ -595,6 +626,10 @@ class Runtime:
                 decision = await self.failure.after_failure(message, item.failures, error)
             finally:
                 _current_item.reset(item_token)
+            if type(decision) is not Decision:  # a middleware of the user's returned that
+                decision = await self.failure.after_failure(message, item.failures, TypeError(
+                    f"the middleware of {lane.route.name} returned {safe_repr(decision, 100)}, "
+                    "not a Decision; return what call_next(context) returned, or a Decision"))
             item.duration = lane.lease.finished(item)
             self._apply(item, decision)
         finally:
@@ -662,8 +697,18 @@ class Runtime:
             self._settle(item, Outcome.DEAD_LETTERED, ack=True,
                          release=self.claims.release_dead_lettered(item))
         else:
-            self._settle(item, Outcome.RETRY, ack=False, delay=decision.delay,
+            self._settle(item, Outcome.RETRY, ack=False, delay=self._redelivery_delay(decision),
                          release=self.claims.release(item))
+
+    def _redelivery_delay(self, decision: Decision) -> float:
+        """``decision.delay`` as seconds the broker can take: a middleware of the user's may
+        return anything (NaN, inf, a str), which must not fail the nack of the batch."""
+        delay = decision.delay
+        if isinstance(delay, int | float) and not isinstance(delay, bool) and delay >= 0:
+            return min(float(delay), self.config.retry.max_backoff)
+        logger.warning("a middleware's redelivery delay %s is not a number of seconds >= 0; "
+                       "using the RetryPolicy's backoff", safe_repr(delay, 100))
+        return self.config.retry.backoff(max(1, decision.failures), self.config.rng)
 
     def _claim_lost(self, lane: Lane, item: InFlight, error: ClaimLostError) -> None:
         """A transactional handler's claim was taken over: rolled back; the peer has it."""
@@ -925,12 +970,8 @@ class Runtime:
                 lane.receive_call.cancel()
 
     def _give_back_unstarted(self) -> None:
-        for lane in self.lanes.values():
-            queues, lane.keys = lane.keys, {}
-            for queue in queues.values():
-                for item in queue:
-                    self._settle(item, Outcome.STOPPED, ack=False,
-                                 release=self.claims.release(item))
+        # Messages queued behind a running one of their ordering key stay queued: they go back
+        # when it is settled (_next_of_key), so no peer can run them before it has finished.
         for item in list(self.items):
             if item.stage is Stage.WAITING:
                 self._cancel(item, CancelReason.STOP)
@@ -971,6 +1012,12 @@ class Runtime:
         for item in list(self.items):
             if item.task in pending and item.stage is not Stage.SETTLING:
                 self._settle(item, Outcome.STOPPED, ack=False)
+        for lane in self.lanes.values():  # behind a handler left running (a forced stop)
+            queues, lane.keys = lane.keys, {}
+            for queue in queues.values():
+                for item in queue:
+                    self._settle(item, Outcome.STOPPED, ack=False,
+                                 release=self.claims.release(item))
 
     async def _wait_side_tasks(self, deadline: float, force: asyncio.Event) -> None:
         if self._side_tasks:

@@ -21,11 +21,13 @@ import math
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from ..clock import Clock, SystemClock, within
 from ..errors import ConfigurationError
 from ..idempotency.claims import Claims
 from ..message import Delivery
 from ..outcome import Outcome, SubscriberStats
 from ..ports import AcksWithCompletions, Adapter, Claimed, Completion
+from .health import Health
 from .inflight import InFlight, Stage
 
 logger = logging.getLogger(__name__)
@@ -35,16 +37,24 @@ T = TypeVar("T")
 # Waits between tries of a failed call: from 0.1 s, doubling, at most 5 s.
 RETRY_WAIT_MIN = 0.1
 RETRY_WAIT_MAX = 5.0
-# A call that keeps failing is logged on its first failure and then every this many tries.
-LOG_EVERY = 10
 # Batches sent at once; more wait and grow meanwhile.
 MAX_CALLS_IN_FLIGHT = 4
+# Seconds one store or broker call of a batch may take before it counts as failed and is tried
+# again (on a fresh connection, for clients that drop a cancelled one): a connection that hangs
+# instead of refusing must not hold a batch, its leases and flow slots for ever. Generous: a
+# batch of hundreds of completions on a loaded database is slow, not hung.
+CALL_BOUND = 30.0
+# Delays below this are not rounded (10 ** (exponent - 1) would underflow for subnormals).
+MIN_QUANTIZED = 1e-6
 
 
 def quantize_delay(delay: float) -> float:
-    """Round a nack delay up to two significant digits so jittered delays can share a call."""
-    if delay <= 0:
+    """Round a nack delay up to two significant digits so jittered delays can share a call
+    (a delay too small to round, under a microsecond, is kept as it is)."""
+    if not delay > 0:  # NaN too
         return 0.0
+    if delay < MIN_QUANTIZED or math.isinf(delay):
+        return delay
     step = 10.0 ** (math.floor(math.log10(delay)) - 1)
     return math.ceil(delay / step - 1e-9) * step
 
@@ -98,7 +108,8 @@ class Settler:
         dedup_ttl: retention of completed records and failure counts.
         stats: counters of store and broker errors and refused acks.
         on_settled: called with each settle and whether the broker refused its ack.
-        sleep: waits between retries (the Subscriber's clock).
+        clock: waits between retries and bounds each call (the Subscriber's clock).
+        health: where failed and succeeded calls are reported.
     """
 
     def __init__(
@@ -108,13 +119,15 @@ class Settler:
         claims: Claims,
         stats: SubscriberStats,
         on_settled: Callable[[Settle, bool], None],
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Clock | None = None,
+        health: Health | None = None,
     ) -> None:
         self._adapter = adapter
         self._claims = claims
         self._stats = stats
         self._on_settled = on_settled
-        self._sleep = sleep
+        self._clock: Clock = clock or SystemClock()
+        self._health = health or Health(self._clock.now, math.inf)
         self._queue: list[Settle] = []
         self._queued = asyncio.Event()
         self._slot_free = asyncio.Event()
@@ -175,10 +188,22 @@ class Settler:
     def _call_done(self, task: asyncio.Task[None]) -> None:
         self._calls.discard(task)
         self._slot_free.set()
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("settling a batch failed unexpectedly", exc_info=task.exception())
 
     async def _send(self, batch: list[Settle]) -> None:
+        try:
+            await self._settle(batch)
+        except Exception:
+            # A bug of ours (a settle the calls could not take): let go of what is left of the
+            # batch, or its flow slots and leases would be held for good; unacked, its messages
+            # come back after their ack deadline.
+            left = [settle for settle in batch if settle.item.stage is not Stage.DONE]
+            logger.exception("settling a batch of %d deliveries failed unexpectedly; %d of them "
+                             "come back after their ack deadline", len(batch), len(left))
+            for settle in left:
+                settle.outcome = Outcome.STOPPED
+                self._on_settled(settle, False)
+
+    async def _settle(self, batch: list[Settle]) -> None:
         acks = [s for s in batch if s.ack]
         nacks = [s for s in batch if not s.ack]
         try:
@@ -207,17 +232,18 @@ class Settler:
         if completions and self._combined is not None:
             assert self._claims.store is not None
             refused, lost = await self._retry(
-                "recording completions and acking", len(acks), _BOTH,
+                "recording completions and acking at the broker", len(acks), _BOTH,
                 self._combined.ack_with_completions, deliveries, self._claims.store,
                 completions, self._claims.retention,
             )
             self._report_lost(lost)
         else:
             if completions:
-                lost = await self._retry("recording completions", len(completions), _STORE,
+                lost = await self._retry("recording completions in the dedup store",
+                                         len(completions), _STORE,
                                          self._claims.complete_many, completions)
                 self._report_lost(lost)
-            refused = await self._retry("ack", len(deliveries), _BROKER,
+            refused = await self._retry("acking at the broker", len(deliveries), _BROKER,
                                         self._adapter.ack, deliveries)
         if refused:
             self._stats.acks_refused += len(refused)
@@ -233,7 +259,7 @@ class Settler:
         for settle in nacks:
             by_delay.setdefault(quantize_delay(settle.delay), []).append(settle.item.delivery)
         for delay, deliveries in by_delay.items():
-            await self._retry("nack", len(deliveries), _BROKER, self._adapter.nack,
+            await self._retry("nacking at the broker", len(deliveries), _BROKER, self._adapter.nack,
                               deliveries, delay)
 
     async def _release(self, releases: list[Claimed]) -> None:
@@ -257,25 +283,31 @@ class Settler:
         tries = 0
         while True:
             try:
-                return await call(*args)
+                # a store call is left to finish past its bound rather than cancelled (store
+                # clients may not survive a cancellation mid-call); a broker call is cancelled
+                result = await within(self._clock, call(*args), CALL_BOUND,
+                                      f"{what} for {count} deliveries",
+                                      cancel=Party.STORE not in parties)
             except ConfigurationError:
                 raise  # a bug, not an outage: retrying cannot help
-            except Exception:
+            except Exception as error:
                 tries += 1
                 if Party.STORE in parties:
                     self._stats.store_errors += 1
                 if Party.BROKER in parties:
                     self._stats.ack_errors += 1
-                if tries == 1 or tries % LOG_EVERY == 0:
-                    logger.warning("%s for %d deliveries failed (try %d); retrying", what,
-                                   count, tries, exc_info=True)
+                self._health.failed(what, error)
                 if self._give_up_at is not None and (
                     asyncio.get_running_loop().time() >= self._give_up_at
                 ):
                     logger.error("%s for %d deliveries failed %d times and the Subscriber is "
                                  "stopping: giving up", what, count, tries)
                     raise _GiveUp() from None
-                await self._sleep(min(RETRY_WAIT_MAX, RETRY_WAIT_MIN * 2 ** (tries - 1)))
+                await self._clock.sleep(
+                    min(RETRY_WAIT_MAX, RETRY_WAIT_MIN * 2 ** (tries - 1)))
+                continue
+            self._health.ok(what)
+            return result
 
     def _abandon(self, settles: list[Settle], verb: str) -> None:
         unrecorded = [s for s in settles if s.completion is not None]
