@@ -497,6 +497,10 @@ class NatsJetStreamAdapter:
         """Blocking twin of :meth:`ensure_subscription`."""
         self._background.run(self.ensure_subscription(topic, subscription, **options))
 
+    def ensure_topic_sync(self, topic: str) -> None:
+        """Blocking twin of :meth:`ensure_topic`."""
+        self._background.run(self.ensure_topic(topic))
+
     async def ensure_topic(self, topic: str) -> None:
         """Create the stream of ``topic`` if it does not exist (a stream you made, capturing
         the topic's subject, is used as it is)."""
