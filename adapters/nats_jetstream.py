@@ -39,10 +39,10 @@ import json
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from reliable_sub.adapters._nats_liveness import Retirer, reader_stopped
 from reliable_sub.dead_letters import REPLAYED_FROM_ATTRIBUTE
@@ -85,6 +85,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
     raise MissingExtraError("NatsJetStreamAdapter", "nats", "nats-py") from error
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 DEFAULT_ACK_DEADLINE = 30.0
@@ -380,6 +381,11 @@ class NatsJetStreamAdapter:
     def capabilities(self) -> Capabilities:
         return CAPABILITIES
 
+    def _run_blocking(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        # for a blocking twin, on the background loop; the loop closes this adapter's
+        # connection there at exit (a script need not call close_sync)
+        return self._background.run(coroutine, store=self)
+
     # -- administration -------------------------------------------------------------------
 
     async def _js(self) -> JetStreamContext:
@@ -495,11 +501,11 @@ class NatsJetStreamAdapter:
 
     def ensure_subscription_sync(self, topic: str, subscription: str, **options: Any) -> None:
         """Blocking twin of :meth:`ensure_subscription`."""
-        self._background.run(self.ensure_subscription(topic, subscription, **options))
+        self._run_blocking(self.ensure_subscription(topic, subscription, **options))
 
     def ensure_topic_sync(self, topic: str) -> None:
         """Blocking twin of :meth:`ensure_topic`."""
-        self._background.run(self.ensure_topic(topic))
+        self._run_blocking(self.ensure_topic(topic))
 
     async def ensure_topic(self, topic: str) -> None:
         """Create the stream of ``topic`` if it does not exist (a stream you made, capturing
@@ -654,7 +660,7 @@ class NatsJetStreamAdapter:
         ordering_key: str | None = None,
     ) -> str:
         """Blocking twin of :meth:`publish` (runs it on this adapter's background loop)."""
-        return self._background.run(self.publish(topic, data, attributes, ordering_key))
+        return self._run_blocking(self.publish(topic, data, attributes, ordering_key))
 
     # -- consuming -------------------------------------------------------------------------
 
