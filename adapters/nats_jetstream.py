@@ -45,6 +45,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from reliable_sub.adapters._nats_liveness import Retirer, reader_stopped
+from reliable_sub.adapters._nats_urls import servers_of
 from reliable_sub.dead_letters import REPLAYED_FROM_ATTRIBUTE
 from reliable_sub.errors import (
     ConfigurationError,
@@ -285,7 +286,8 @@ async def _connect(connection: _Connection) -> NatsClient:
 
     try:
         client = await asyncio.wait_for(
-            nats.connect(url, name=connection.name, connect_timeout=CONNECT_TIMEOUT / 2,
+            nats.connect(servers_of(url), name=connection.name,
+                         connect_timeout=CONNECT_TIMEOUT / 2,
                          allow_reconnect=True, max_reconnect_attempts=-1,
                          reconnect_time_wait=0.5, error_cb=on_error,
                          disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
@@ -327,7 +329,8 @@ class NatsJetStreamAdapter:
     """NATS JetStream streams and durable pull consumers behind the Adapter contract.
 
     Args:
-        url: the server (``nats://host:port``; several comma-separated for a cluster). A
+        url: the server (``nats://host:port``, ``tls://``, ``ws://`` or ``wss://``; several
+            comma-separated for a cluster; another scheme is a ConfigurationError at once). A
             connection is made per event loop on first use; it reconnects on its own after the
             server restarts.
         prefix: prefix of the key-value bucket that keeps subscription settings, and of this
@@ -351,6 +354,7 @@ class NatsJetStreamAdapter:
         stream_options: dict[str, Any] | None = None,
         name: str = "reliable-sub",
     ) -> None:
+        servers_of(url)  # a URL it cannot serve fails here, not at the first call
         self.url = url
         self._prefix = _check_name("prefix", prefix)
         if not duplicate_window >= 0:
