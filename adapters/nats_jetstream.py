@@ -39,11 +39,13 @@ import json
 import logging
 import math
 import re
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
+from reliable_sub.adapters._nats_liveness import Retirer, reader_stopped
+from reliable_sub.adapters._nats_urls import servers_of
 from reliable_sub.dead_letters import REPLAYED_FROM_ATTRIBUTE
 from reliable_sub.errors import (
     ConfigurationError,
@@ -84,6 +86,7 @@ except ImportError as error:  # pragma: no cover - exercised in a subprocess tes
     raise MissingExtraError("NatsJetStreamAdapter", "nats", "nats-py") from error
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 DEFAULT_URL = "nats://127.0.0.1:4222"
 DEFAULT_ACK_DEADLINE = 30.0
@@ -162,15 +165,23 @@ class _Connection:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     closing: bool = False
     erring: bool = False
+    # the client found dead (a flush got no PONG) and why; replaced on next use
+    dead: tuple[NatsClient, str] | None = None
+    retirer: Retirer = field(default_factory=Retirer)
 
     async def jetstream(self) -> JetStreamContext:
-        if self.js is None or (self.client is not None and self.client.is_closed):
+        if self.js is None or (self.client is not None and self._unusable(self.client)):
             async with self.lock:
-                if self.client is not None and self.client.is_closed:
+                client = self.client
+                if client is not None and client.is_closed:
                     # closed for good (the server closed it, or reconnecting gave up): anew
                     logger.warning("NATS connection to %s was closed; connecting again",
                                    self.url)
                     self.client, self.js, self.kv = None, None, None
+                elif client is not None and (reason := self._why_dead(client)):
+                    # open by nats-py's account, but nothing it is sent is read: anew
+                    self.retirer.retire(client, self.url, reason)
+                    self.client, self.js, self.kv, self.dead = None, None, None, None
                 if self.js is None:
                     self.client = await _connect(self)
                     self.js = self.client.jetstream(timeout=REQUEST_TIMEOUT)
@@ -180,6 +191,46 @@ class _Connection:
         await self.jetstream()
         assert self.client is not None
         return self.client
+
+    def _unusable(self, client: NatsClient) -> bool:
+        return client.is_closed or self._why_dead(client) is not None
+
+    def _why_dead(self, client: NatsClient) -> str | None:
+        if self.dead is not None and self.dead[0] is client:
+            return self.dead[1]
+        if reader_stopped(client):
+            return "its read loop ended"
+        return None
+
+    def mark_dead(self, client: NatsClient, reason: str) -> None:
+        """Count ``client`` as dead: the next use connects anew."""
+        if client is self.client:
+            self.dead = (client, reason)
+
+    def raise_if_dead(self) -> None:
+        """Raise ConnectionError if this connection's client is known dead (an empty fetch
+        from it is a failure, not "nothing came")."""
+        client = self.client
+        reason = None if client is None else self._why_dead(client)
+        if reason is not None:
+            raise ConnectionError(f"NATS connection to {self.url} is dead ({reason}); the "
+                                  "next call connects again")
+
+    async def flush(self, client: NatsClient) -> None:
+        """One PING and its PONG: when it returns, the server has what was written before.
+        No PONG within FLUSH_TIMEOUT: the connection is dead (ConnectionError); its
+        replacement is made on next use."""
+        try:
+            await client.flush(timeout=FLUSH_TIMEOUT)
+        except nats.errors.FlushTimeoutError as error:
+            reason = f"no PONG within {FLUSH_TIMEOUT}s"
+            self.mark_dead(client, reason)
+            raise ConnectionError(f"NATS connection to {self.url} is dead ({reason}); the "
+                                  "next call connects again") from error
+        # with its read loop gone, nats-py's flush returns without a PING: nothing is confirmed
+        if reader_stopped(client):
+            self.mark_dead(client, "its read loop ended")
+            self.raise_if_dead()
 
     @contextlib.asynccontextmanager
     async def pull(self, sub: _Subscription) -> AsyncIterator[JetStreamContext.PullSubscription]:
@@ -209,19 +260,24 @@ class _Connection:
                 await asyncio.wait_for(client.close(), REQUEST_TIMEOUT)
             except (asyncio.TimeoutError, nats.errors.Error):
                 logger.warning("closing the NATS connection to %s timed out", self.url)
+        await self.retirer.wait()
 
 
 async def _connect(connection: _Connection) -> NatsClient:
     url = connection.url
+    made: list[NatsClient] = []
+
+    def retired() -> bool:  # closed by the adapter, or replaced as dead: nothing to report
+        return connection.closing or (bool(made) and made[0] is not connection.client)
 
     async def on_error(error: Exception) -> None:
         # once per outage at WARNING: a reconnect attempt fails every half second
-        level = logging.DEBUG if connection.closing or connection.erring else logging.WARNING
+        level = logging.DEBUG if retired() or connection.erring else logging.WARNING
         connection.erring = True
         logger.log(level, "NATS connection to %s: %r", url, error)
 
     async def on_disconnect() -> None:
-        if not connection.closing:
+        if not retired():
             logger.warning("NATS connection to %s lost; reconnecting", url)
 
     async def on_reconnect() -> None:
@@ -229,8 +285,9 @@ async def _connect(connection: _Connection) -> NatsClient:
         logger.info("NATS connection to %s is back", url)
 
     try:
-        return await asyncio.wait_for(
-            nats.connect(url, name=connection.name, connect_timeout=CONNECT_TIMEOUT / 2,
+        client = await asyncio.wait_for(
+            nats.connect(servers_of(url), name=connection.name,
+                         connect_timeout=CONNECT_TIMEOUT / 2,
                          allow_reconnect=True, max_reconnect_attempts=-1,
                          reconnect_time_wait=0.5, error_cb=on_error,
                          disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
@@ -238,6 +295,9 @@ async def _connect(connection: _Connection) -> NatsClient:
     except (asyncio.TimeoutError, OSError, nats.errors.Error) as error:
         raise ConnectionError(
             f"cannot reach NATS at {url} within {CONNECT_TIMEOUT:g}s: {error!r}") from error
+    made.append(client)
+    connection.erring = False  # the next outage is reported again
+    return client
 
 
 def stream_name(topic: str) -> str:
@@ -269,7 +329,8 @@ class NatsJetStreamAdapter:
     """NATS JetStream streams and durable pull consumers behind the Adapter contract.
 
     Args:
-        url: the server (``nats://host:port``; several comma-separated for a cluster). A
+        url: the server (``nats://host:port``, ``tls://``, ``ws://`` or ``wss://``; several
+            comma-separated for a cluster; another scheme is a ConfigurationError at once). A
             connection is made per event loop on first use; it reconnects on its own after the
             server restarts.
         prefix: prefix of the key-value bucket that keeps subscription settings, and of this
@@ -293,6 +354,7 @@ class NatsJetStreamAdapter:
         stream_options: dict[str, Any] | None = None,
         name: str = "reliable-sub",
     ) -> None:
+        servers_of(url)  # a URL it cannot serve fails here, not at the first call
         self.url = url
         self._prefix = _check_name("prefix", prefix)
         if not duplicate_window >= 0:
@@ -322,6 +384,11 @@ class NatsJetStreamAdapter:
     @property
     def capabilities(self) -> Capabilities:
         return CAPABILITIES
+
+    def _run_blocking(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        # for a blocking twin, on the background loop; the loop closes this adapter's
+        # connection there at exit (a script need not call close_sync)
+        return self._background.run(coroutine, store=self)
 
     # -- administration -------------------------------------------------------------------
 
@@ -438,7 +505,11 @@ class NatsJetStreamAdapter:
 
     def ensure_subscription_sync(self, topic: str, subscription: str, **options: Any) -> None:
         """Blocking twin of :meth:`ensure_subscription`."""
-        self._background.run(self.ensure_subscription(topic, subscription, **options))
+        self._run_blocking(self.ensure_subscription(topic, subscription, **options))
+
+    def ensure_topic_sync(self, topic: str) -> None:
+        """Blocking twin of :meth:`ensure_topic`."""
+        self._run_blocking(self.ensure_topic(topic))
 
     async def ensure_topic(self, topic: str) -> None:
         """Create the stream of ``topic`` if it does not exist (a stream you made, capturing
@@ -593,7 +664,7 @@ class NatsJetStreamAdapter:
         ordering_key: str | None = None,
     ) -> str:
         """Blocking twin of :meth:`publish` (runs it on this adapter's background loop)."""
-        return self._background.run(self.publish(topic, data, attributes, ordering_key))
+        return self._run_blocking(self.publish(topic, data, attributes, ordering_key))
 
     # -- consuming -------------------------------------------------------------------------
 
@@ -610,6 +681,7 @@ class NatsJetStreamAdapter:
             except asyncio.TimeoutError:  # nats.errors.TimeoutError: nothing came
                 msgs = []
         if not msgs:
+            connection.raise_if_dead()
             await self._recreate_if_gone(sub)
             return []
         now = asyncio.get_running_loop().time()
@@ -679,10 +751,11 @@ class NatsJetStreamAdapter:
         when it returns, the server has them."""
         if not deliveries:
             return
-        client = await self._connections.get().nats()
+        connection = self._connections.get()
+        client = await connection.nats()
         for delivery in deliveries:
             await client.publish(delivery.ack_id, payload)
-        await client.flush(timeout=FLUSH_TIMEOUT)
+        await connection.flush(client)
 
     async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         live, stale = self._live(deliveries)

@@ -222,6 +222,10 @@ class Admin(Protocol):
         """Create ``topic`` if missing (a dead-letter topic, say); a no-op when it exists."""
         ...
 
+    def ensure_topic_sync(self, topic: str) -> None:
+        """Blocking twin of :meth:`ensure_topic`."""
+        ...
+
     async def topic_exists(self, topic: str) -> bool:
         """Whether ``topic`` exists (the Subscriber checks its dead-letter topic at start)."""
         ...

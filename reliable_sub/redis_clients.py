@@ -42,6 +42,8 @@ CONNECT_RETRIES = 3
 CONNECT_RETRY_CAP = 1.0
 # A URL of one of these schemes names a Redis Cluster (any node of it).
 CLUSTER_SCHEMES = ("redis+cluster://", "rediss+cluster://")
+# Every scheme a URL may have: redis-py's (one server) and ours (a cluster).
+URL_SCHEMES = ("redis://", "rediss://", "unix://", *CLUSTER_SCHEMES)
 
 AsyncClient = aioredis.Redis | AsyncRedisCluster
 SyncClient = redis.Redis | SyncRedisCluster
@@ -73,15 +75,21 @@ class RedisClients:
         self._sync_lock = threading.Lock()  # blocking twins may first be called from threads
         self.cluster = False
         if isinstance(url_or_client, str):
+            _check_scheme(url_or_client, owner)
             self.cluster = url_or_client.startswith(CLUSTER_SCHEMES)
             url = url_or_client.replace("+cluster", "", 1) if self.cluster else url_or_client
             self.seeds: list[tuple[str, int]] = []
-            if self.cluster:  # redis+cluster://host:port,host:port/0: several seed nodes
-                url, self.seeds = _seed_nodes(url)
             self.url: str | None = url
             self._given: AsyncClient | None = None
             parse_url: Any = redis.connection.parse_url
-            self.connection_kwargs: dict[str, Any] = dict(parse_url(url))
+            try:
+                if self.cluster:  # redis+cluster://host:port,host:port/0: several seed nodes
+                    self.url, self.seeds = _seed_nodes(url)
+                self.connection_kwargs: dict[str, Any] = dict(parse_url(self.url))
+            except ValueError as error:  # a port that is not a number, a bad query option...
+                raise ConfigurationError(
+                    f"{owner} cannot use the Redis URL {_without_password(url_or_client)!r}: "
+                    f"{error}") from error
         elif isinstance(url_or_client, aioredis.Redis):
             self.url = None
             self._given = url_or_client
@@ -275,6 +283,28 @@ def _stream_keys(args: Sequence[Any]) -> list[Any]:
     return []
 
 
+def _check_scheme(url: str, owner: str) -> None:
+    """Refuse a URL of a scheme no Redis client is made from, naming every one that is
+    (redis-py's own message leaves out the cluster schemes)."""
+    if not url.startswith(URL_SCHEMES):  # redis-py reads schemes in lower case only
+        scheme = url.partition("://")[0] if "://" in url else None
+        got = f"scheme {scheme + '://'!r}" if scheme is not None else "no scheme"
+        raise ConfigurationError(
+            f"{owner} needs a Redis URL, got {_without_password(url)!r} ({got}); use "
+            "redis://host:port/db (rediss:// for TLS, unix:///path for a socket), or "
+            "redis+cluster://host:port (rediss+cluster:// for TLS) for a Redis Cluster")
+
+
+def _without_password(url: str) -> str:
+    """``url`` with the password of its credentials, if any, as ``***``."""
+    scheme, separator, rest = url.partition("://")
+    credentials, at, hosts = rest.rpartition("@")
+    if not (separator and at and ":" in credentials):
+        return url
+    user = credentials.partition(":")[0]
+    return f"{scheme}://{user}:***@{hosts}"
+
+
 def _sync_node(host: str, port: int) -> Any:
     node: Any = SyncClusterNode  # redis-py leaves its constructor untyped
     return node(host, port)
@@ -312,6 +342,7 @@ __all__ = [
     "CLUSTER_SCHEMES",
     "CONNECT_RETRIES",
     "CONNECT_RETRY_CAP",
+    "URL_SCHEMES",
     "RedisClients",
     "lua_source",
     "script",

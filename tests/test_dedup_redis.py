@@ -29,6 +29,7 @@ if importlib.util.find_spec("redis") is None and os.environ.get("CI", "").lower(
                 allow_module_level=True)
 
 from reliable_sub.idempotency.redis_store import READABLE_LIMIT, RedisDedupStore
+from reliable_sub.redis_clients import URL_SCHEMES
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -318,6 +319,26 @@ async def test_bad_settings_are_refused(store: RedisDedupStore) -> None:
         RedisDedupStore(42)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="owner"):
         RedisDedupStore(owner="a|b")
+
+
+@pytest.mark.parametrize(("url", "what"), [
+    ("http://127.0.0.1:6379", "scheme 'http://'"),
+    ("nats://user:secret@127.0.0.1:4222", "scheme 'nats://'"),
+    ("127.0.0.1:6379", "no scheme"),
+    ("redis://127.0.0.1:port/0", "Port could not be cast"),
+    ("redis+cluster://127.0.0.1:port", "redis+cluster://127.0.0.1:port"),
+])
+def test_a_url_it_cannot_use_is_a_configuration_error_naming_every_scheme(
+    url: str, what: str,
+) -> None:
+    """Not redis-py's raw ValueError, whose list of schemes leaves out redis+cluster://."""
+    with pytest.raises(ConfigurationError) as refused:
+        RedisDedupStore(url)
+    message = str(refused.value)
+    assert "RedisDedupStore" in message and what in message
+    assert "secret" not in message, "a password is never shown"
+    if "scheme" in what:
+        assert all(scheme in message for scheme in URL_SCHEMES), message
 
 
 def test_without_redis_the_import_names_the_extra_to_install() -> None:

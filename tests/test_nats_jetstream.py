@@ -459,6 +459,42 @@ async def test_an_unreachable_server_fails_within_the_connect_timeout_naming_it(
     await adapter.close()
 
 
+@pytest.mark.parametrize(("url", "what"), [
+    ("redis://127.0.0.1:6379", "scheme 'redis://'"),
+    ("http://user:secret@127.0.0.1:4222", "scheme 'http://'"),
+    ("nats://127.0.0.1:4222,redis://127.0.0.1:6379", "scheme 'redis://'"),
+    ("nats://127.0.0.1:4222,,nats://127.0.0.1:4223", "an empty server"),
+    ("", "needs a URL"),
+])
+def test_a_url_it_cannot_serve_fails_at_once_naming_the_scheme_and_the_accepted_ones(
+    url: str, what: str,
+) -> None:
+    """nats-py would read redis://host as a server named 'redis' and fail later, at the first
+    call, as an unreachable server."""
+    with pytest.raises(ConfigurationError) as refused:
+        NatsJetStreamAdapter(url)
+    message = str(refused.value)
+    assert what in message
+    assert all(scheme in message for scheme in ("nats://", "tls://", "ws://", "wss://"))
+    assert "secret" not in message, "a password is never shown"
+    with pytest.raises(ConfigurationError, match="mixes WebSocket"):
+        NatsJetStreamAdapter("nats://127.0.0.1:4222,ws://127.0.0.1:8080")
+
+
+async def test_several_comma_separated_servers_are_a_cluster(nats_server: NatsServer) -> None:
+    """The documented form for a cluster, which nats-py refused ("invalid connect url option")
+    as one string: the first server here listens nowhere, the second is the real one."""
+    prefix = f"t-{uuid.uuid4().hex[:10]}"
+    url = f"nats://127.0.0.1:{free_port()}, {nats_server.url}, 127.0.0.1:{nats_server.port}"
+    adapter = NatsJetStreamAdapter(url, prefix=prefix)
+    try:
+        await adapter.ensure_subscription(f"{prefix}-orders", f"{prefix}-billing")
+        assert await adapter.publish(f"{prefix}-orders", b"x") == "1"
+    finally:
+        await adapter.close()
+        await delete_nats_streams(nats_server.url, prefix)
+
+
 def test_the_blocking_twins_work_from_threads_without_a_loop(nats_server: NatsServer) -> None:
     prefix = f"t-{uuid.uuid4().hex[:10]}"
     adapter = NatsJetStreamAdapter(nats_server.url, prefix=prefix)

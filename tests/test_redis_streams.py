@@ -13,6 +13,7 @@ import pytest
 
 from reliable_sub import ConfigurationError, UnknownSubscriptionError
 from reliable_sub.adapters.redis_streams import NACKED_CONSUMER, RedisStreamsAdapter
+from reliable_sub.redis_clients import URL_SCHEMES
 from reliable_sub.testing.services import redis_url
 
 DEADLINE = 0.5
@@ -36,6 +37,24 @@ async def make(url: str, prefix: str, consumer: str, topic: str) -> RedisStreams
     adapter = RedisStreamsAdapter(url, consumer=consumer, key_prefix=prefix)
     await adapter.ensure_subscription(topic, f"{prefix}-sub", ack_deadline=DEADLINE, start="0")
     return adapter
+
+
+@pytest.mark.parametrize(("url", "what"), [
+    ("http://127.0.0.1:6379", "scheme 'http://'"),
+    ("nats://127.0.0.1:4222", "scheme 'nats://'"),
+    ("REDIS://127.0.0.1:6379", "scheme 'REDIS://'"),
+    ("redis://127.0.0.1:port/0", "Port could not be cast"),
+])
+def test_a_url_it_cannot_use_is_a_configuration_error_naming_every_scheme(
+    url: str, what: str,
+) -> None:
+    """Not redis-py's raw ValueError, whose list of schemes leaves out redis+cluster://."""
+    with pytest.raises(ConfigurationError) as refused:
+        RedisStreamsAdapter(url)
+    message = str(refused.value)
+    assert "RedisStreamsAdapter" in message and what in message
+    if "scheme" in what:
+        assert all(scheme in message for scheme in URL_SCHEMES), message
 
 
 async def test_entry_layout_is_documented_fields(names) -> None:

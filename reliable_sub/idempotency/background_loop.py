@@ -3,7 +3,10 @@
 One daemon thread runs it, shared by every sync ``@idempotent`` function of the process, so the
 stores' connections (one client per event loop) are reused from call to call and a sync function
 works even when called from inside a running event loop. At exit it closes the stores'
-connections and stops; after a fork it starts afresh.
+connections, cancels what still runs on it (a client's reader and pinger tasks) and lets it end,
+as ``asyncio.run`` does, then stops: a task destroyed pending, or a coroutine finalised after the
+loop closed, would print "Task was destroyed but it is pending" or "Event loop is closed" as the
+interpreter exits. After a fork it starts afresh.
 """
 
 from __future__ import annotations
@@ -94,6 +97,7 @@ class BackgroundLoop:
                     await store.close()
                 except Exception:
                     logger.debug("closing %r at exit failed", store, exc_info=True)
+            await _end_the_rest()
 
         try:
             asyncio.run_coroutine_threadsafe(close_all(), loop).result(timeout=EXIT_TIMEOUT)
@@ -104,6 +108,17 @@ class BackgroundLoop:
         thread.join(timeout=EXIT_TIMEOUT)
         if not thread.is_alive():
             loop.close()
+
+
+async def _end_the_rest() -> None:
+    """Cancel every other task of the running loop and wait for them to end; finalise its
+    async generators."""
+    this = asyncio.current_task()
+    rest = [task for task in asyncio.all_tasks() if task is not this]
+    for task in rest:
+        task.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)
+    await asyncio.get_running_loop().shutdown_asyncgens()
 
 
 def _serve(loop: asyncio.AbstractEventLoop) -> None:

@@ -268,3 +268,17 @@ async def test_a_missing_dead_letter_topic_fails_the_start_by_name(harness: Harn
     assert not await adapter.topic_exists(missing), "the check created nothing"
     await adapter.ensure_topic(missing)
     assert await adapter.topic_exists(missing)
+
+
+async def test_ensure_topic_and_its_blocking_twin_create_a_topic(harness: Harness) -> None:
+    """``ensure_topic_sync`` exists on every adapter (the Subscriber's own error message for a
+    missing dead-letter topic tells users to call it) and does what ``ensure_topic`` does."""
+    adapter = await harness.adapter()
+    made_async, made_sync = harness.name_for("topic"), harness.name_for("topic")
+    await adapter.ensure_topic(made_async)
+    await in_thread(harness, lambda: adapter.ensure_topic_sync(made_sync))
+    await in_thread(harness, lambda: adapter.ensure_topic_sync(made_sync))  # a no-op now
+    assert await adapter.topic_exists(made_async)
+    assert await adapter.topic_exists(made_sync)
+    await adapter.publish(made_sync, b"publishable")
+    await in_thread(harness, adapter.close_sync)
