@@ -30,8 +30,12 @@ so every consumer of a group agrees on the deadline. A group name belongs to one
 for a second stream is refused (as Pub/Sub refuses a second subscription of one name).
 
 An entry this adapter cannot read as a message (no ``data`` field, attributes that are not a JSON
-object of strings, a non-UTF-8 ordering key) is still delivered, marked malformed, so the
-Subscriber dead-letters it instead of letting it block its batch.
+object of strings, a non-UTF-8 ordering key, or anything else its parse raises) is still
+delivered, marked malformed, so the Subscriber dead-letters it; the rest of its batch is
+delivered as usual (:func:`reliable_sub.entries.read_each`). An entry id past the year 9999 (an
+id given by hand) leaves the publish time None; a delivery counter past 2**53 or below 0 (set by
+hand with XCLAIM RETRYCOUNT, or wrapped around) is reset to 1 by the reclaim, as Lua cannot
+count it exactly and the ack could never match it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from reliable_sub.entries import read_each
 from reliable_sub.errors import (
     ConfigurationError,
     MissingExtraError,
@@ -569,8 +574,10 @@ class RedisStreamsAdapter:
             return []
         if not reply:
             return []
-        entries = _entries_of(reply)
-        return [self._delivery(sub, entry_id, fields, 1) for entry_id, fields in entries]
+        return read_each(_entries_of(reply),
+                         lambda entry: self._delivery(sub, entry[0], entry[1], 1),
+                         lambda entry, problem: self._unreadable(sub, entry[0], entry[1], 1,
+                                                                 problem))
 
     async def _reclaim_due(
         self, sub: _Subscription, max_messages: int
@@ -589,17 +596,16 @@ class RedisStreamsAdapter:
             return [], False
         sub.reclaim_from = _text(next_start)
         self._count_gone(sub, len(gone), [_text(g) for g in gone])
-        deliveries = [
-            self._delivery(sub, _text(entry[0]), _field_map(entry[1]), int(count))
-            for entry, count in zip(claimed, counts, strict=True)
-        ]
+        entries = [(_text(entry[0]), _field_map(entry[1]), int(count))
+                   for entry, count in zip(claimed, counts, strict=True)]
+        deliveries = read_each(entries, lambda entry: self._delivery(sub, *entry),
+                               lambda entry, problem: self._unreadable(sub, *entry, problem))
         self.stats["reclaimed"] += len(deliveries)
         return deliveries, sub.reclaim_from != "-"
 
     def _delivery(
         self, sub: _Subscription, entry_id: str, fields: dict[bytes, bytes], attempt: int
     ) -> Delivery:
-        milliseconds = int(entry_id.split("-", 1)[0])
         problem = None
         try:
             attributes = attributes_from_json(fields.get(b"attributes"))
@@ -621,15 +627,31 @@ class RedisStreamsAdapter:
             data=data or b"",
             attributes=attributes,
             delivery_attempt=attempt,
-            publish_time=datetime.fromtimestamp(milliseconds / 1000, tz=timezone.utc),
+            publish_time=_publish_time(entry_id),
             ordering_key=ordering_key,
             subscription=sub.name,
         )
         if problem is not None:
-            self.stats["malformed"] += 1
-            logger.warning("entry %s of stream %r cannot be read as a message: %s", entry_id,
-                           sub.stream, problem)
-        return Delivery(message, f"{entry_id}/{attempt}", malformed=problem)
+            return self._malformed(sub, message, attempt, problem)
+        return Delivery(message, f"{entry_id}/{attempt}")
+
+    def _unreadable(
+        self, sub: _Subscription, entry_id: str, fields: dict[bytes, bytes], attempt: int,
+        problem: str,
+    ) -> Delivery:
+        """The delivery of an entry whose parse raised ``problem``: its data if it has a
+        ``data`` field, and nothing else of it."""
+        message = Message(id=entry_id, data=fields.get(b"data") or b"",
+                          delivery_attempt=attempt, subscription=sub.name)
+        return self._malformed(sub, message, attempt, problem)
+
+    def _malformed(
+        self, sub: _Subscription, message: Message, attempt: int, problem: str
+    ) -> Delivery:
+        self.stats["malformed"] += 1
+        logger.warning("entry %s of stream %r cannot be read as a message: %s", message.id,
+                       sub.stream, problem)
+        return Delivery(message, f"{message.id}/{attempt}", malformed=problem)
 
     async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         refused: list[Delivery] = []
@@ -795,6 +817,17 @@ def _raise_unless_group_exists(error: ResponseError) -> None:
 
 def _ack_ids(deliveries: Sequence[Delivery]) -> list[str]:
     return [delivery.ack_id for delivery in deliveries]
+
+
+def _publish_time(entry_id: str) -> datetime | None:
+    """The time an entry id carries (its milliseconds part), or None when it is past what a
+    datetime holds (the year 9999): an id given by hand to XADD, and every later entry of its
+    stream, since Redis numbers those after it."""
+    milliseconds = int(entry_id.split("-", 1)[0])
+    try:
+        return datetime.fromtimestamp(milliseconds / 1000, tz=timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        return None
 
 
 def _text(value: bytes | str) -> str:
