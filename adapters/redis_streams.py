@@ -82,6 +82,12 @@ try:
     from redis.crc import key_slot
     from redis.exceptions import ResponseError
 
+    from reliable_sub.adapters._redis_groups import (
+        create_group,
+        create_group_sync,
+        raise_unless_group_exists,
+        skipped_warning,
+    )
     from reliable_sub.idempotency.redis_store import COMPLETE_LUA, RedisDedupStore
     from reliable_sub.redis_clients import (
         AsyncClient,
@@ -258,7 +264,13 @@ class RedisStreamsAdapter:
 
         Args:
             ack_deadline: seconds an entry may stay idle before another consumer reclaims it.
-            start: ``"$"`` to deliver entries added from now on, ``"0"`` for the whole stream.
+            start: ``"$"`` (the default) to deliver entries added from now on, as a new Pub/Sub
+                subscription gets only later messages; ``"0"`` for the whole stream. It counts
+                only when the group is created: a group made at ``"$"`` never delivers what
+                the stream held before it (a first trial that publishes, then starts the
+                consumer, handles nothing), so creating one on a stream that holds entries
+                logs a WARNING with their count and the fix (``start="0"``, or a seek of
+                the existing group to 1970).
             retain_acked_messages: accepted for portability; a stream always keeps acked
                 entries until ``max_len`` trims them, so a seek can replay them.
         """
@@ -267,10 +279,10 @@ class RedisStreamsAdapter:
         _check_same_topic(subscription, topic,
                           await _record_settings(client, self._settings_key, subscription,
                                                  settings))
-        try:
-            await client.xgroup_create(topic, subscription, id=start, mkstream=True)
-        except ResponseError as error:
-            _raise_unless_group_exists(error)
+        skipped = await create_group(client, topic, subscription, start,
+                                     cluster=self.clients.cluster)
+        if skipped:
+            logger.warning("%s", skipped_warning(topic, subscription, skipped))
         self._subscriptions.pop(subscription, None)
         await self._subscription(subscription)
 
@@ -288,10 +300,10 @@ class RedisStreamsAdapter:
         sync.hsetnx(self._settings_key, subscription, settings)
         recorded: Any = sync.hget(self._settings_key, subscription)
         _check_same_topic(subscription, topic, recorded)
-        try:
-            sync.xgroup_create(topic, subscription, id=start, mkstream=True)
-        except ResponseError as error:
-            _raise_unless_group_exists(error)
+        skipped = create_group_sync(sync, topic, subscription, start,
+                                    cluster=self.clients.cluster)
+        if skipped:
+            logger.warning("%s", skipped_warning(topic, subscription, skipped))
         self._subscriptions.pop(subscription, None)
 
     async def ensure_topic(self, topic: str) -> None:
@@ -300,7 +312,7 @@ class RedisStreamsAdapter:
         try:
             await client.xgroup_create(topic, TOPIC_PROBE_GROUP, id="$", mkstream=True)
         except ResponseError as error:
-            _raise_unless_group_exists(error)
+            raise_unless_group_exists(error)
         await client.xgroup_destroy(topic, TOPIC_PROBE_GROUP)
 
     def ensure_topic_sync(self, topic: str) -> None:
@@ -308,7 +320,7 @@ class RedisStreamsAdapter:
         try:
             self._sync.xgroup_create(topic, TOPIC_PROBE_GROUP, id="$", mkstream=True)
         except ResponseError as error:
-            _raise_unless_group_exists(error)
+            raise_unless_group_exists(error)
         self._sync.xgroup_destroy(topic, TOPIC_PROBE_GROUP)
 
     async def topic_exists(self, topic: str) -> bool:
@@ -366,7 +378,7 @@ class RedisStreamsAdapter:
         try:
             await client.xgroup_create(stream, group, id=start, mkstream=True)
         except ResponseError as error:
-            _raise_unless_group_exists(error)
+            raise_unless_group_exists(error)
         await client.hsetnx(self._settings_key, group, settings)
 
     # -- seek and snapshots (the Seekable capability) ---------------------------------------
@@ -807,12 +819,6 @@ def _check_same_topic(group: str, topic: str, recorded: bytes | None) -> None:
             f"subscription {group!r} already exists on topic {existing!r}, not {topic!r}; "
             "a subscription (consumer group) name belongs to one stream: choose another name"
         )
-
-
-def _raise_unless_group_exists(error: ResponseError) -> None:
-    """XGROUP CREATE of an existing group is fine (BUSYGROUP); anything else is not."""
-    if "BUSYGROUP" not in str(error):
-        raise error
 
 
 def _ack_ids(deliveries: Sequence[Delivery]) -> list[str]:
