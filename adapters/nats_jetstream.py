@@ -47,6 +47,7 @@ from typing import Any, TypeVar
 from reliable_sub.adapters._nats_liveness import Retirer, reader_stopped
 from reliable_sub.adapters._nats_urls import servers_of
 from reliable_sub.dead_letters import REPLAYED_FROM_ATTRIBUTE
+from reliable_sub.entries import read_each
 from reliable_sub.errors import (
     ConfigurationError,
     InvalidMessageError,
@@ -686,7 +687,8 @@ class NatsJetStreamAdapter:
             return []
         now = asyncio.get_running_loop().time()
         self._prune(now)
-        deliveries = [self._delivery(sub, msg) for msg in msgs]
+        deliveries = read_each(msgs, lambda msg: self._delivery(sub, msg),
+                               lambda msg, problem: self._unreadable(sub, msg, problem))
         for delivery in deliveries:
             self._leases[delivery.ack_id] = now + sub.lease_length
         return deliveries
@@ -721,10 +723,23 @@ class NatsJetStreamAdapter:
             subscription=sub.name,
         )
         if problem is not None:
-            self.stats["malformed"] += 1
-            logger.warning("message %s of stream %r cannot be read as a message: %s",
-                           message.id, sub.stream, problem)
-        return Delivery(message, msg.reply, malformed=problem)
+            return self._malformed(sub, message, msg.reply, problem)
+        return Delivery(message, msg.reply)
+
+    def _unreadable(self, sub: _Subscription, msg: Msg, problem: str) -> Delivery:
+        """The delivery of a message whose parse raised ``problem``: its data, without its
+        headers."""
+        metadata = msg.metadata
+        message = Message(id=str(metadata.sequence.stream), data=msg.data,
+                          delivery_attempt=metadata.num_delivered, subscription=sub.name)
+        return self._malformed(sub, message, msg.reply, problem)
+
+    def _malformed(self, sub: _Subscription, message: Message, reply: str,
+                   problem: str) -> Delivery:
+        self.stats["malformed"] += 1
+        logger.warning("message %s of stream %r cannot be read as a message: %s", message.id,
+                       sub.stream, problem)
+        return Delivery(message, reply, malformed=problem)
 
     def _prune(self, now: float) -> None:
         """Forget leases that ran out long ago (their acks are refused either way)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -28,6 +29,7 @@ from concurrent.futures import Future
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from reliable_sub.entries import read_each
 from reliable_sub.errors import (
     AccessDeniedError,
     ConfigurationError,
@@ -497,7 +499,10 @@ class PubSubAdapter:
                 received = response._pb.received_messages
                 if received:
                     native = self._native_attempts.get(path, False)
-                    return [self._delivery(subscription, path, r, native) for r in received]
+                    return read_each(
+                        received, functools.partial(self._delivery, subscription, path,
+                                                    native=native),
+                        lambda r, problem: self._unreadable(subscription, r, problem))
             # The server holds an empty pull until shortly before its deadline; with less than
             # MIN_PULL_WINDOW left another pull would come back empty at once, again and again.
             if give_up_at - loop.time() < MIN_PULL_WINDOW:
@@ -523,6 +528,17 @@ class PubSubAdapter:
             ),
             received.ack_id,
         )
+
+    def _unreadable(self, subscription: str, received: Any, problem: str) -> Delivery:
+        """The delivery of a received message whose reading raised ``problem`` (marked
+        malformed: the Subscriber dead-letters it): its id and data."""
+        message = received.message
+        logger.warning("message %s of %r cannot be read as a message: %s", message.message_id,
+                       subscription, problem)
+        return Delivery(Message(id=message.message_id, data=message.data,
+                                delivery_attempt=max(1, received.delivery_attempt),
+                                subscription=subscription),
+                        received.ack_id, malformed=problem)
 
     def _count_attempt(self, path: str, message_id: str) -> int:
         # keyed by subscription too: a message fanned out to several keeps one id on all of them

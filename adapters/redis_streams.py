@@ -30,8 +30,12 @@ so every consumer of a group agrees on the deadline. A group name belongs to one
 for a second stream is refused (as Pub/Sub refuses a second subscription of one name).
 
 An entry this adapter cannot read as a message (no ``data`` field, attributes that are not a JSON
-object of strings, a non-UTF-8 ordering key) is still delivered, marked malformed, so the
-Subscriber dead-letters it instead of letting it block its batch.
+object of strings, a non-UTF-8 ordering key, or anything else its parse raises) is still
+delivered, marked malformed, so the Subscriber dead-letters it; the rest of its batch is
+delivered as usual (:func:`reliable_sub.entries.read_each`). An entry id past the year 9999 (an
+id given by hand) leaves the publish time None; a delivery counter past 2**53 or below 0 (set by
+hand with XCLAIM RETRYCOUNT, or wrapped around) is reset to 1 by the reclaim, as Lua cannot
+count it exactly and the ack could never match it.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from reliable_sub.entries import read_each
 from reliable_sub.errors import (
     ConfigurationError,
     MissingExtraError,
@@ -77,6 +82,12 @@ try:
     from redis.crc import key_slot
     from redis.exceptions import ResponseError
 
+    from reliable_sub.adapters._redis_groups import (
+        create_group,
+        create_group_sync,
+        raise_unless_group_exists,
+        skipped_warning,
+    )
     from reliable_sub.idempotency.redis_store import COMPLETE_LUA, RedisDedupStore
     from reliable_sub.redis_clients import (
         AsyncClient,
@@ -253,7 +264,13 @@ class RedisStreamsAdapter:
 
         Args:
             ack_deadline: seconds an entry may stay idle before another consumer reclaims it.
-            start: ``"$"`` to deliver entries added from now on, ``"0"`` for the whole stream.
+            start: ``"$"`` (the default) to deliver entries added from now on, as a new Pub/Sub
+                subscription gets only later messages; ``"0"`` for the whole stream. It counts
+                only when the group is created: a group made at ``"$"`` never delivers what
+                the stream held before it (a first trial that publishes, then starts the
+                consumer, handles nothing), so creating one on a stream that holds entries
+                logs a WARNING with their count and the fix (``start="0"``, or a seek of
+                the existing group to 1970).
             retain_acked_messages: accepted for portability; a stream always keeps acked
                 entries until ``max_len`` trims them, so a seek can replay them.
         """
@@ -262,10 +279,10 @@ class RedisStreamsAdapter:
         _check_same_topic(subscription, topic,
                           await _record_settings(client, self._settings_key, subscription,
                                                  settings))
-        try:
-            await client.xgroup_create(topic, subscription, id=start, mkstream=True)
-        except ResponseError as error:
-            _raise_unless_group_exists(error)
+        skipped = await create_group(client, topic, subscription, start,
+                                     cluster=self.clients.cluster)
+        if skipped:
+            logger.warning("%s", skipped_warning(topic, subscription, skipped))
         self._subscriptions.pop(subscription, None)
         await self._subscription(subscription)
 
@@ -283,10 +300,10 @@ class RedisStreamsAdapter:
         sync.hsetnx(self._settings_key, subscription, settings)
         recorded: Any = sync.hget(self._settings_key, subscription)
         _check_same_topic(subscription, topic, recorded)
-        try:
-            sync.xgroup_create(topic, subscription, id=start, mkstream=True)
-        except ResponseError as error:
-            _raise_unless_group_exists(error)
+        skipped = create_group_sync(sync, topic, subscription, start,
+                                    cluster=self.clients.cluster)
+        if skipped:
+            logger.warning("%s", skipped_warning(topic, subscription, skipped))
         self._subscriptions.pop(subscription, None)
 
     async def ensure_topic(self, topic: str) -> None:
@@ -295,7 +312,7 @@ class RedisStreamsAdapter:
         try:
             await client.xgroup_create(topic, TOPIC_PROBE_GROUP, id="$", mkstream=True)
         except ResponseError as error:
-            _raise_unless_group_exists(error)
+            raise_unless_group_exists(error)
         await client.xgroup_destroy(topic, TOPIC_PROBE_GROUP)
 
     def ensure_topic_sync(self, topic: str) -> None:
@@ -303,7 +320,7 @@ class RedisStreamsAdapter:
         try:
             self._sync.xgroup_create(topic, TOPIC_PROBE_GROUP, id="$", mkstream=True)
         except ResponseError as error:
-            _raise_unless_group_exists(error)
+            raise_unless_group_exists(error)
         self._sync.xgroup_destroy(topic, TOPIC_PROBE_GROUP)
 
     async def topic_exists(self, topic: str) -> bool:
@@ -361,7 +378,7 @@ class RedisStreamsAdapter:
         try:
             await client.xgroup_create(stream, group, id=start, mkstream=True)
         except ResponseError as error:
-            _raise_unless_group_exists(error)
+            raise_unless_group_exists(error)
         await client.hsetnx(self._settings_key, group, settings)
 
     # -- seek and snapshots (the Seekable capability) ---------------------------------------
@@ -569,8 +586,10 @@ class RedisStreamsAdapter:
             return []
         if not reply:
             return []
-        entries = _entries_of(reply)
-        return [self._delivery(sub, entry_id, fields, 1) for entry_id, fields in entries]
+        return read_each(_entries_of(reply),
+                         lambda entry: self._delivery(sub, entry[0], entry[1], 1),
+                         lambda entry, problem: self._unreadable(sub, entry[0], entry[1], 1,
+                                                                 problem))
 
     async def _reclaim_due(
         self, sub: _Subscription, max_messages: int
@@ -589,17 +608,16 @@ class RedisStreamsAdapter:
             return [], False
         sub.reclaim_from = _text(next_start)
         self._count_gone(sub, len(gone), [_text(g) for g in gone])
-        deliveries = [
-            self._delivery(sub, _text(entry[0]), _field_map(entry[1]), int(count))
-            for entry, count in zip(claimed, counts, strict=True)
-        ]
+        entries = [(_text(entry[0]), _field_map(entry[1]), int(count))
+                   for entry, count in zip(claimed, counts, strict=True)]
+        deliveries = read_each(entries, lambda entry: self._delivery(sub, *entry),
+                               lambda entry, problem: self._unreadable(sub, *entry, problem))
         self.stats["reclaimed"] += len(deliveries)
         return deliveries, sub.reclaim_from != "-"
 
     def _delivery(
         self, sub: _Subscription, entry_id: str, fields: dict[bytes, bytes], attempt: int
     ) -> Delivery:
-        milliseconds = int(entry_id.split("-", 1)[0])
         problem = None
         try:
             attributes = attributes_from_json(fields.get(b"attributes"))
@@ -621,15 +639,31 @@ class RedisStreamsAdapter:
             data=data or b"",
             attributes=attributes,
             delivery_attempt=attempt,
-            publish_time=datetime.fromtimestamp(milliseconds / 1000, tz=timezone.utc),
+            publish_time=_publish_time(entry_id),
             ordering_key=ordering_key,
             subscription=sub.name,
         )
         if problem is not None:
-            self.stats["malformed"] += 1
-            logger.warning("entry %s of stream %r cannot be read as a message: %s", entry_id,
-                           sub.stream, problem)
-        return Delivery(message, f"{entry_id}/{attempt}", malformed=problem)
+            return self._malformed(sub, message, attempt, problem)
+        return Delivery(message, f"{entry_id}/{attempt}")
+
+    def _unreadable(
+        self, sub: _Subscription, entry_id: str, fields: dict[bytes, bytes], attempt: int,
+        problem: str,
+    ) -> Delivery:
+        """The delivery of an entry whose parse raised ``problem``: its data if it has a
+        ``data`` field, and nothing else of it."""
+        message = Message(id=entry_id, data=fields.get(b"data") or b"",
+                          delivery_attempt=attempt, subscription=sub.name)
+        return self._malformed(sub, message, attempt, problem)
+
+    def _malformed(
+        self, sub: _Subscription, message: Message, attempt: int, problem: str
+    ) -> Delivery:
+        self.stats["malformed"] += 1
+        logger.warning("entry %s of stream %r cannot be read as a message: %s", message.id,
+                       sub.stream, problem)
+        return Delivery(message, f"{message.id}/{attempt}", malformed=problem)
 
     async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         refused: list[Delivery] = []
@@ -787,14 +821,19 @@ def _check_same_topic(group: str, topic: str, recorded: bytes | None) -> None:
         )
 
 
-def _raise_unless_group_exists(error: ResponseError) -> None:
-    """XGROUP CREATE of an existing group is fine (BUSYGROUP); anything else is not."""
-    if "BUSYGROUP" not in str(error):
-        raise error
-
-
 def _ack_ids(deliveries: Sequence[Delivery]) -> list[str]:
     return [delivery.ack_id for delivery in deliveries]
+
+
+def _publish_time(entry_id: str) -> datetime | None:
+    """The time an entry id carries (its milliseconds part), or None when it is past what a
+    datetime holds (the year 9999): an id given by hand to XADD, and every later entry of its
+    stream, since Redis numbers those after it."""
+    milliseconds = int(entry_id.split("-", 1)[0])
+    try:
+        return datetime.fromtimestamp(milliseconds / 1000, tz=timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        return None
 
 
 def _text(value: bytes | str) -> str:

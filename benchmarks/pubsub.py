@@ -706,9 +706,10 @@ ADAPTER_FILE = "adapters/pubsub.py"
 # the stages of its callers.
 STAGE_RULES = (
     rule(RECEIVE_CALL, "reliable_sub/runtime/pipeline.py", "_receive", "_receive_loop"),
-    rule(RECEIVE_CONVERT, ADAPTER_FILE, "_delivery", "_count_attempt"),
-    # the list comprehension in receive() that walks the proto-plus response into _delivery
-    rule(RECEIVE_CONVERT, ADAPTER_FILE, "<listcomp>", lines=lines_of(PubSubAdapter.receive)),
+    rule(RECEIVE_CONVERT, ADAPTER_FILE, "_delivery", "_count_attempt", "_unreadable"),
+    # read_each walks the proto-plus response into _delivery (one guard per message)
+    rule(RECEIVE_CONVERT, "reliable_sub/entries.py", "read_each"),
+    rule(RECEIVE_CONVERT, ADAPTER_FILE, "<lambda>", lines=lines_of(PubSubAdapter.receive)),
     rule(RECEIVE_CALL, ADAPTER_FILE, "receive", "subscription_ack_deadline"),
     rule(RECEIVE_CALL, "google/pubsub_v1/services/subscriber/async_client.py", "pull"),
     rule(LEASE, "reliable_sub/runtime/lease.py"),

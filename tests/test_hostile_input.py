@@ -21,6 +21,10 @@ Already covered elsewhere, and not repeated here:
 * a Redis entry from another producer whose attributes hold non-string values (or are not JSON):
   dead-lettered with ``MalformedMessageError``, its batch handled --
   ``tests/test_redis_streams.py::test_an_unreadable_entry_is_dead_lettered_and_its_batch_handled``;
+* entries written past ``publish`` whose parse raises what nobody foresaw (attributes nested
+  100,000 deep, on Redis, fresh and reclaimed, and on NATS), and odd entries that are still
+  messages (a far-future Redis entry id, a wrapped delivery counter), each between two valid
+  ones in one batch -- ``tests/test_hostile_entries.py``;
 * many more malformed ``traceparent``/``tracestate``/``baggage`` values (up to 20 KB), on memory --
   ``tests/test_telemetry.py::test_a_malformed_or_hostile_traceparent_is_ignored``;
 * a *sync* handler that never returns: given back at ``max_lease_duration``, its claim kept while

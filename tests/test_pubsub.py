@@ -335,6 +335,34 @@ async def test_delivery_attempt_starts_at_1_on_each_subscription_of_a_topic(
         await adapter.ack([on_a, on_b])
 
 
+async def test_a_message_whose_reading_raises_is_delivered_malformed_beside_the_others(
+    make_adapter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever reading one received message raises, that message alone is delivered marked
+    malformed (the Subscriber dead-letters it) and the others of its pull come as usual (#24.10).
+    The service checks what it sends, so the error is injected here: before, it escaped
+    ``receive`` and every message of the pull came back after the ack deadline, again and
+    again."""
+    adapter = make_adapter()
+    topic, sub = unique("topic"), unique("sub")
+    await adapter.ensure_subscription(topic, sub)
+    before, bad, after = [await adapter.publish(topic, data)
+                          for data in (b"before", b"bad", b"after")]
+    count_attempt = adapter._count_attempt
+
+    def unforeseen(path: str, message_id: str) -> int:
+        if message_id == bad:
+            raise LookupError("unforeseen")
+        return count_attempt(path, message_id)
+
+    monkeypatch.setattr(adapter, "_count_attempt", unforeseen)
+    got = {d.message.id: d for d in await receive_all(adapter, sub, 3)}
+    assert (got[bad].malformed, got[bad].message.data) == ("LookupError: unforeseen", b"bad")
+    assert (got[before].malformed, got[after].malformed) == (None, None)
+    assert await adapter.ack(list(got.values())) == []
+    assert await still_deliverable(adapter, sub, list(got.values())) == []
+
+
 # -- exactly-once ----------------------------------------------------------------------------
 
 

@@ -8,12 +8,14 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
+from datetime import datetime, timezone
 
 import pytest
 
 from reliable_sub import ConfigurationError, UnknownSubscriptionError
 from reliable_sub.adapters.redis_streams import NACKED_CONSUMER, RedisStreamsAdapter
 from reliable_sub.redis_clients import URL_SCHEMES
+from reliable_sub.replay import seek
 from reliable_sub.testing.services import redis_url
 
 DEADLINE = 0.5
@@ -209,6 +211,51 @@ async def test_settings_are_shared_and_errors_are_clear(names) -> None:
     assert settings == {"topic": topic, "ack_deadline": DEADLINE, "start": "0"}
     await first.close()
     await other.close()
+
+
+@pytest.mark.parametrize("on_a_cluster", [False, True], ids=["redis", "cluster"])
+@pytest.mark.parametrize("blocking", [False, True], ids=["async", "sync"])
+async def test_a_group_created_at_dollar_on_a_stream_with_entries_says_what_it_skips(
+    names, caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest, blocking: bool,
+    on_a_cluster: bool,
+) -> None:
+    """#24.18: a new user's first trial handled 0 of 5 messages, published before the group
+    existed. start="$" stays the default (a subscription gets what is published after it, as
+    on Pub/Sub, redis-py and FastStream), but creating a group at "$" on a stream that holds
+    entries says, at WARNING, how many it skips and how to start at "0"; an existing group, an
+    empty stream and start="0" say nothing."""
+    url, topic, prefix = names
+    if on_a_cluster:  # the group is created, then the stream counted, one after the other
+        url = request.getfixturevalue("redis_cluster").url
+    adapter = RedisStreamsAdapter(url, consumer="c1", key_prefix=prefix)
+    for n in range(5):
+        await adapter.publish(topic, f"early-{n}".encode())
+
+    async def ensure(stream: str, group: str, **options: str) -> None:
+        if blocking:
+            adapter.ensure_subscription_sync(stream, group, ack_deadline=DEADLINE, **options)
+        else:
+            await adapter.ensure_subscription(stream, group, ack_deadline=DEADLINE, **options)
+
+    late, everything = f"{prefix}-late", f"{prefix}-all"
+    with caplog.at_level("WARNING", logger="reliable_sub.adapters.redis_streams"):
+        await ensure(topic, late)
+        await ensure(topic, late)  # it exists: nothing new to say
+        await ensure(topic, everything, start="0")
+        await ensure(f"{topic}-empty", f"{prefix}-new")
+    [record] = [r for r in caplog.records if r.name == "reliable_sub.adapters.redis_streams"]
+    assert record.levelname == "WARNING"
+    text = record.getMessage()
+    assert f"the 5 entries stream {topic!r} holds" in text
+    assert f"ensure_subscription({topic!r}, {late!r}, start=\"0\")" in text
+    assert f"seek(broker, {late!r}, to=datetime(1970, 1, 1, tzinfo=timezone.utc))" in text
+    # and it is true: the group at "$" delivers none of them, the one at "0" all five, and
+    # the seek it advises brings them to the group at "$"
+    assert await adapter.receive(late, 10, 0.1) == []
+    assert len(await adapter.receive(everything, 10, 1)) == 5
+    await seek(adapter, late, to=datetime(1970, 1, 1, tzinfo=timezone.utc))
+    assert len(await adapter.receive(late, 10, 1)) == 5
+    await adapter.close()
 
 
 async def test_publish_sync_and_max_len(names) -> None:
