@@ -20,6 +20,7 @@ def on_outbox(connection: Connection, operation: Callable[[Any], Awaitable[T]]) 
 
     async def run() -> T:
         try:
+            await connection.reach_outbox(outbox)
             return await operation(outbox)
         finally:
             await outbox.close()
