@@ -210,6 +210,45 @@ def test_a_server_that_answers_and_refuses_is_a_configuration_error(
         assert said in one_error_line(invoke(*args), 2)
 
 
+# -- run MODULE:ATTRIBUTE ---------------------------------------------------------------------
+
+@pytest.fixture
+def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The user's project: ``run`` imports its modules from the working directory."""
+    (tmp_path / "cli_factories.py").write_text(
+        "def needs(broker):\n    return broker\n\n"
+        "def number():\n    return 3\n\n"
+        "async def later():\n    return None\n")
+    (tmp_path / "cli_bad_policy.py").write_text(
+        "from reliable_sub import RetryPolicy\npolicy = RetryPolicy(min_backoff=-1)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    return tmp_path
+
+
+RUN_TARGETS = [
+    ("json:dumps", "a callable that needs arguments (obj)"),
+    ("json", "expected MODULE:ATTRIBUTE"),
+    ("json:nothing", "'json' has no attribute 'nothing'"),
+    ("os:sep", "a value of type str"),
+    ("builtins:print", "builtin_function_or_method"),  # not called: it is no factory
+    ("json:JSONDecoder", "the class JSONDecoder"),
+    ("no_such_module_here:sub", "cannot import 'no_such_module_here'"),
+    ("cli_factories.py:sub", "name a module"),
+    ("cli_factories:needs", "needs arguments (broker)"),
+    ("cli_factories:number", "returned a value of type int"),
+    ("cli_factories:later", "an async function"),
+    ("cli_bad_policy:policy", "importing 'cli_bad_policy': RetryPolicy.min_backoff"),
+]
+
+
+@pytest.mark.parametrize(("target", "said"), RUN_TARGETS)
+def test_run_names_what_is_wrong_with_its_target(project: Path, target: str,
+                                                 said: str) -> None:
+    line = one_error_line(invoke("run", target), 2)
+    assert said in line
+
+
 # -- as users run it: a process ---------------------------------------------------------------
 
 def reliable_sub(*args: str, env: dict[str, str] | None = None,
@@ -231,6 +270,7 @@ def test_a_process_prints_one_line_and_no_traceback(how: str, tmp_path: Path,
         (["--redis-url", "http://localhost:6379", "stats", "s"], 2),
         (["--pubsub-project", "abc", "stats", "s"], 2),
         (["--database-url", "mysql://root@127.0.0.1/test", "outbox", "status"], 2),
+        (["run", "json:dumps"], 2),
         (["--connect-timeout", "1", "--redis-url", f"redis://127.0.0.1:{silent_port}/0",
           "stats", "s"], 3),
         # the NATS adapter logs its failed connection attempts: not on the command's stderr
