@@ -127,6 +127,14 @@ def test_a_bad_option_value_is_one_error_line_and_exit_2(args: list[str],
         assert words in line
 
 
+def test_a_group_without_its_command_shows_its_help() -> None:
+    for args in ([], ["dlq"]):
+        shown = invoke(*args)
+        output = shown.stdout + shown.stderr
+        assert isinstance(shown.exception, SystemExit) or shown.exception is None
+        assert "Commands:" in output and "error:" not in output, output
+
+
 def test_with_json_the_error_is_one_json_object_on_stderr() -> None:
     text = one_json_error(invoke("--pubsub-project", "abc", "stats", "s", "--json"), 2)
     assert "6+ characters" in text

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import click
 from rich.console import Console
@@ -55,8 +56,7 @@ class CommandGroup(click.Group):
         try:
             context = super().make_context(info_name, args, parent, **extra)
         except click.ClickException as error:  # the group's own options
-            code, text = classify(error) or (USAGE, str(error))
-            report(code, text, as_json)
+            stop(error, as_json)
         context.meta[JSON] = as_json
         return context
 
@@ -66,10 +66,23 @@ class CommandGroup(click.Group):
         except (click.exceptions.Exit, click.Abort):
             raise  # --help, --version, ^C: click's to handle
         except Exception as error:
-            found = classify(error)
-            if found is None:
-                raise
-            report(*found, ctx.meta.get(JSON, False))
+            stop(error, ctx.meta.get(JSON, False))
+
+
+# click 8.2+: a group called without a command shows its help through this usage error
+NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+def stop(error: Exception, as_json: bool) -> NoReturn:
+    """Report ``error`` and exit (see :func:`failures.report`), or raise it again when no input
+    explains it."""
+    if isinstance(error, NO_ARGS_IS_HELP):
+        error.show()  # the help, as click prints it
+        sys.exit(error.exit_code)
+    found = classify(error)
+    if found is None:
+        raise error
+    report(*found, as_json)
 
 
 def execute(awaitable: Awaitable[T]) -> T:
