@@ -116,6 +116,14 @@ BAD_VALUES = [
     (["--no-such-option", "stats", "s"], ["No such option"]),
     (["--connect-timeout", "0", "--redis-url", "redis://127.0.0.1:6379/0", "stats", "s"],
      ["--connect-timeout"]),
+    (["--connect-timeout", "nan", "--redis-url", "redis://127.0.0.1:6379/0", "stats", "s"],
+     ["--connect-timeout", "finite number of seconds, more than 0"]),
+    (["--redis-url", "redis://127.0.0.1:6379/0", "dlq", "list", "s", "--wait", "inf"],
+     ["--wait", "finite number of seconds, 0 or more"]),
+    (["--database-url", "sqlite:///x.db", "outbox", "purge", "--older-than", "nan", "--yes"],
+     ["--older-than", "finite number of seconds"]),
+    (["--redis-url", "redis://127.0.0.1:6379/0", "seek", "s", "--to", "-99999999d"],
+     ["'-99999999d' reaches back before the year 1"]),
 ]
 
 

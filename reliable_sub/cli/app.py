@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar
@@ -131,6 +132,29 @@ def with_adapter(operation: Callable[..., Awaitable[T]]) -> Callable[..., T]:
     return click.pass_obj(command)
 
 
+class Seconds(click.types.FloatParamType):
+    """A duration in seconds: a finite number, 0 or more (more than 0 with ``positive``).
+
+    Not click's FloatRange: it lets ``nan`` through (no comparison holds), and ``inf`` would
+    wait for ever.
+    """
+
+    name = "number of seconds"
+
+    def __init__(self, *, positive: bool = False) -> None:
+        self.positive = positive
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        least = seconds > 0 if self.positive else seconds >= 0
+        if not (math.isfinite(seconds) and least):
+            wanted = "more than 0" if self.positive else "0 or more"
+            self.fail(f"{value!r} is not a duration: give a finite number of seconds, {wanted}",
+                      param, ctx)
+        return seconds
+
+
 def json_option(function: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--json", "as_json", is_flag=True,
                         help="Print JSON (for scripts) instead of a table.")(function)
@@ -178,7 +202,7 @@ def broker_options(function: Callable[..., Any]) -> Callable[..., Any]:
               default="reliable_sub_processed", show_default=True)
 @click.option("--connect-timeout", envvar="RELIABLE_SUB_CONNECT_TIMEOUT",
               default=DEFAULT_CONNECT_TIMEOUT, show_default=True, metavar="SECONDS",
-              type=click.FloatRange(min=0, min_open=True),
+              type=Seconds(positive=True),
               help="How long the broker, store or database has to answer first.")
 @click.version_option(package_name="reliable-sub")
 @click.pass_context

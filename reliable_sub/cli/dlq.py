@@ -15,6 +15,7 @@ from ..dead_letters import DeadLetter, DeadLetterQueue
 from ..ports import Adapter
 from .app import (
     FAILED,
+    Seconds,
     confirm,
     json_option,
     print_json,
@@ -26,7 +27,7 @@ from .app import (
 from .connect import Connection
 
 wait_option = click.option(
-    "--wait", default=2.0, show_default=True, type=click.FloatRange(min=0),
+    "--wait", default=2.0, show_default=True, type=Seconds(), metavar="SECONDS",
     help="Seconds an empty receive waits before the queue counts as drained.")
 
 

@@ -27,7 +27,10 @@ def parse_time(text: str, now: datetime | None = None) -> datetime:
         return now
     relative = RELATIVE.match(text)
     if relative is not None:
-        return now - timedelta(**{UNITS[relative.group(2)]: float(relative.group(1))})
+        try:
+            return now - timedelta(**{UNITS[relative.group(2)]: float(relative.group(1))})
+        except OverflowError:  # before year 1, or more days than a timedelta holds
+            raise click.BadParameter(f"{text!r} reaches back before the year 1") from None
     try:
         when = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
