@@ -31,7 +31,7 @@ from reliable_sub.cli.brokers import Broker
 from reliable_sub.cli.connect import Connection
 from reliable_sub.middleware.dead_letter import dead_letter_attributes
 from reliable_sub.testing.harness import delete_nats_streams
-from reliable_sub.testing.services import postgres_url, redis_url
+from reliable_sub.testing.services import emulator_host, postgres_url, redis_url
 from tests.nats_processes import NatsServer
 
 SCRIPT = Path(sys.executable).with_name("reliable-sub")
@@ -195,6 +195,14 @@ def test_pubsub_off_its_endpoint_is_unreachable_at_once(silent_port: int) -> Non
                                      env={"PUBSUB_EMULATOR_HOST": host}), 3)
         assert time.monotonic() - started < UNREACHABLE_WITHIN
         assert "--pubsub-project 'reliable-sub-cli'" in line
+
+
+def test_a_name_pubsub_does_not_take_is_a_usage_error() -> None:
+    env = {"PUBSUB_EMULATOR_HOST": emulator_host()}
+    for args in (["stats", "bad name!"], ["dlq", "list", "goog-queue", "--wait", "0.5"],
+                 ["snapshot", "delete", "bad name!"]):
+        line = one_error_line(invoke("--pubsub-project", "reliable-sub-cli", *args, env=env), 2)
+        assert "refused the request as invalid (InvalidArgument: 400 Invalid" in line
 
 
 def test_pubsub_without_credentials_says_so(tmp_path: Path) -> None:

@@ -38,6 +38,8 @@ REFUSED_CREDENTIALS = {"AuthenticationError", "AuthenticationWrongNumberOfArgsEr
 NOT_REDIS = {"InvalidResponse"}  # a reply that is not RESP: another server on that port
 REDIS_REFUSED = {"ResponseError"}
 NO_GOOGLE_CREDENTIALS = {"DefaultCredentialsError"}
+# the broker found the request invalid: Google's 400s (a name Pub/Sub does not take...), NATS's
+INVALID_REQUEST = {"BadRequest", "BadRequestError"}
 UNREACHABLE_ERRORS = {"ConnectionError", "TimeoutError", "ServiceUnavailable", "DeadlineExceeded",
                       "RetryError", "gaierror"}
 DATABASE_ERRORS = {"OperationalError", "InterfaceError"}
@@ -116,6 +118,9 @@ def _client_error(error: BaseException) -> tuple[int, str] | None:
     if NO_GOOGLE_CREDENTIALS & kinds:
         return USAGE, (f"no Google Cloud credentials ({error}); set "
                        "GOOGLE_APPLICATION_CREDENTIALS, or PUBSUB_EMULATOR_HOST for the emulator")
+    if INVALID_REQUEST & kinds:
+        return USAGE, (f"the broker refused the request as invalid ({named}); check the names "
+                       "given")
     if DATABASE_ERRORS & kinds:
         cause = getattr(error, "orig", None) or error  # the driver's words, not SQLAlchemy's
         said = f"{type(cause).__name__}: {cause}"
