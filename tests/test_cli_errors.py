@@ -120,7 +120,7 @@ BAD_VALUES = [
      ["--connect-timeout", "finite number of seconds, more than 0"]),
     (["--redis-url", "redis://127.0.0.1:6379/0", "dlq", "list", "s", "--wait", "inf"],
      ["--wait", "finite number of seconds, 0 or more"]),
-    (["--database-url", "sqlite:///x.db", "outbox", "purge", "--older-than", "nan", "--yes"],
+    (["--database-url", "sqlite://", "outbox", "purge", "--older-than", "nan", "--yes"],
      ["--older-than", "finite number of seconds"]),
     (["--redis-url", "redis://127.0.0.1:6379/0", "seek", "s", "--to", "-99999999d"],
      ["'-99999999d' reaches back before the year 1"]),
