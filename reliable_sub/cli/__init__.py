@@ -14,8 +14,8 @@ def main() -> None:
     try:
         from .app import cli
     except ImportError as error:  # click or rich missing: the cli extra is not installed
-        print(f"reliable-sub needs the cli extra: pip install \"reliable-sub[cli]\" ({error})",
-              file=sys.stderr)
+        print(f"error: reliable-sub needs the cli extra ({error}); run: "
+              'pip install "reliable-sub[cli]"', file=sys.stderr)
         sys.exit(2)
     cli(prog_name="reliable-sub")
 

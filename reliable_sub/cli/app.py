@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
+import logging
+import math
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NoReturn, TypeVar
@@ -12,73 +13,86 @@ from typing import Any, NoReturn, TypeVar
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
-from ..dead_letters import UnknownDeadLetterError
-from ..errors import (
-    AccessDeniedError,
-    ConfigurationError,
-    SnapshotExistsError,
-    UnknownSnapshotError,
-    UnknownSubscriptionError,
-    UnknownTopicError,
-)
 from ..ports import Adapter
-from .connect import Connection
+from .brokers import BROKERS
+from .connect import DEFAULT_CONNECT_TIMEOUT, Connection
+from .failures import (
+    ABORTED,
+    FAILED,
+    OK,
+    UNKNOWN,
+    UNREACHABLE,
+    USAGE,
+    classify,
+    fail,
+    report,
+    stderr,
+)
 
-# Exit codes scripts can rely on.
-OK = 0
-FAILED = 1  # the operation ran and did not fully succeed (a replay with failures, a name taken)
-USAGE = 2  # bad options or configuration (click uses 2 for its own usage errors too)
-UNREACHABLE = 3  # the broker or database did not answer
-UNKNOWN = 4  # a subscription, topic, snapshot or message that does not exist
-ABORTED = 5  # nothing done: the confirmation was declined (or there was no terminal to ask)
-
-# Errors of the broker and database clients that mean "cannot reach it", by class name: the
-# command imports no client at module level. A database's OperationalError means it only with
-# one of these words (else it is, say, a missing table: a usage error).
-UNREACHABLE_ERRORS = {"ConnectionError", "TimeoutError", "ServiceUnavailable", "DeadlineExceeded",
-                      "RetryError"}
-UNREACHABLE_DATABASE = re.compile(
-    r"connect|refused|timeout|timed out|unreachable|server closed|could not translate host",
-    re.IGNORECASE)
+__all__ = ["ABORTED", "FAILED", "OK", "UNKNOWN", "UNREACHABLE", "USAGE", "cli", "confirm",
+           "execute", "fail", "json_option", "print_json", "print_table", "run_on_adapter",
+           "stderr", "with_adapter"]
 
 T = TypeVar("T")
-stderr = Console(stderr=True)
+JSON = "reliable_sub.json"  # context meta key: errors as JSON (--json was given)
 
 
-def fail(code: int, text: str) -> NoReturn:
-    stderr.print(f"[bold red]error:[/] {text}", highlight=False)
-    sys.exit(code)
+def wants_json(args: Sequence[str]) -> bool:
+    """Whether ``--json`` is among ``args`` (before a ``--``): known before click parses them,
+    so that even a usage error comes out as JSON."""
+    given = list(args)
+    return "--json" in given[:given.index("--") if "--" in given else len(given)]
+
+
+class CommandGroup(click.Group):
+    """The root group: whatever stops a command is reported by :func:`failures.report` (one
+    line, or JSON), click's own usage errors included; only an error no input explains (a bug)
+    goes on as a traceback."""
+
+    def make_context(self, info_name: str | None, args: list[str],
+                     parent: click.Context | None = None, **extra: Any) -> click.Context:
+        as_json = wants_json(args)
+        try:
+            context = super().make_context(info_name, args, parent, **extra)
+        except click.ClickException as error:  # the group's own options
+            stop(error, as_json)
+        context.meta[JSON] = as_json
+        return context
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.Abort):
+            raise  # --help, --version, ^C: click's to handle
+        except Exception as error:
+            stop(error, ctx.meta.get(JSON, False))
+
+
+# click 8.2+: a group called without a command shows its help through this usage error
+NO_ARGS_IS_HELP = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
+def stop(error: Exception, as_json: bool) -> NoReturn:
+    """Report ``error`` and exit (see :func:`failures.report`), or raise it again when no input
+    explains it."""
+    if isinstance(error, NO_ARGS_IS_HELP):
+        error.show()  # the help, as click prints it
+        sys.exit(error.exit_code)
+    found = classify(error)
+    if found is None:
+        raise error
+    report(*found, as_json)
 
 
 def execute(awaitable: Awaitable[T]) -> T:
-    """Run ``awaitable`` and turn the library's and the clients' errors into exit codes."""
+    """Run ``awaitable`` to its end (its errors are reported by the command group)."""
 
     async def run() -> T:
         return await awaitable
 
-    try:
-        return asyncio.run(run())
-    except (UnknownSubscriptionError, UnknownTopicError, UnknownSnapshotError,
-            UnknownDeadLetterError) as error:
-        fail(UNKNOWN, str(error))
-    except SnapshotExistsError as error:
-        fail(FAILED, str(error))
-    except AccessDeniedError as error:
-        fail(FAILED, str(error))
-    except ConfigurationError as error:
-        fail(USAGE, str(error))
-    except Exception as error:
-        kinds = {kind.__name__ for kind in type(error).__mro__}
-        if UNREACHABLE_ERRORS & kinds or (
-                {"OperationalError", "InterfaceError"} & kinds
-                and UNREACHABLE_DATABASE.search(str(error))):
-            fail(UNREACHABLE, f"cannot reach the broker or database ({type(error).__name__}: "
-                              f"{error})")
-        if "OperationalError" in kinds or "ProgrammingError" in kinds:
-            fail(USAGE, f"the database refused the command ({error}); check --database-url, "
-                        "--outbox-table, --dedup-url and --dedup-table")
-        raise
+    return asyncio.run(run())
 
 
 def confirm(question: str) -> None:
@@ -93,11 +107,13 @@ def confirm(question: str) -> None:
 
 
 def run_on_adapter(connection: Connection, operation: Callable[[Adapter], Awaitable[T]]) -> T:
-    """Run ``operation(adapter)`` on the named broker, closing the adapter after."""
+    """Run ``operation(adapter)`` on the named broker once it answered, closing the adapter
+    after."""
     adapter = connection.adapter()
 
     async def run() -> T:
         try:
+            await connection.reach_adapter(adapter)
             return await operation(adapter)
         finally:
             await adapter.close()
@@ -116,6 +132,29 @@ def with_adapter(operation: Callable[..., Awaitable[T]]) -> Callable[..., T]:
     return click.pass_obj(command)
 
 
+class Seconds(click.types.FloatParamType):
+    """A duration in seconds: a finite number, 0 or more (more than 0 with ``positive``).
+
+    Not click's FloatRange: it lets ``nan`` through (no comparison holds), and ``inf`` would
+    wait for ever.
+    """
+
+    name = "number of seconds"
+
+    def __init__(self, *, positive: bool = False) -> None:
+        self.positive = positive
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        least = seconds > 0 if self.positive else seconds >= 0
+        if not (math.isfinite(seconds) and least):
+            wanted = "more than 0" if self.positive else "0 or more"
+            self.fail(f"{value!r} is not a duration: give a finite number of seconds, {wanted}",
+                      param, ctx)
+        return seconds
+
+
 def json_option(function: Callable[..., Any]) -> Callable[..., Any]:
     return click.option("--json", "as_json", is_flag=True,
                         help="Print JSON (for scripts) instead of a table.")(function)
@@ -126,22 +165,31 @@ def print_json(value: Any) -> None:
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    table = Table(title=title)
+    # Text, not str: names and errors from the broker are shown as they are, not as markup
+    table = Table(title=Text(title))
     for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(*("—" if cell is None else str(cell) for cell in row))
+        table.add_row(*(Text("—" if cell is None else str(cell)) for cell in row))
     Console().print(table)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"],
-                               "auto_envvar_prefix": "RELIABLE_SUB"})
-@click.option("--redis-url", envvar="RELIABLE_SUB_REDIS_URL",
-              help="The Redis Streams broker (redis://host:port/db).")
-@click.option("--redis-prefix", envvar="RELIABLE_SUB_REDIS_PREFIX", default="reliable-sub",
-              show_default=True, help="The Redis adapter's key prefix.")
-@click.option("--pubsub-project", envvar="RELIABLE_SUB_PUBSUB_PROJECT",
-              help="The Pub/Sub project (PUBSUB_EMULATOR_HOST selects the emulator).")
+def broker_options(function: Callable[..., Any]) -> Callable[..., Any]:
+    """An option per broker of BROKERS (and its --<name>-prefix, if it has one)."""
+    for broker in reversed(BROKERS):
+        if broker.prefix is not None:
+            function = click.option(
+                broker.prefix_option, broker.prefix_param, envvar=f"RELIABLE_SUB_"
+                f"{broker.prefix_param.upper()}", default=broker.prefix, show_default=True,
+                help=f"The {broker.option} adapter's key prefix.")(function)
+        function = click.option(broker.option, broker.param, envvar=broker.envvar,
+                                help=broker.help)(function)
+    return function
+
+
+@click.group(cls=CommandGroup, context_settings={"help_option_names": ["-h", "--help"],
+                                                 "auto_envvar_prefix": "RELIABLE_SUB"})
+@broker_options
 @click.option("--database-url", envvar="RELIABLE_SUB_DATABASE_URL",
               help="The outbox's database (postgresql://... or sqlite:///...).")
 @click.option("--outbox-table", envvar="RELIABLE_SUB_OUTBOX_TABLE",
@@ -152,6 +200,10 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
               default="reliable-sub:dedup", show_default=True)
 @click.option("--dedup-table", envvar="RELIABLE_SUB_DEDUP_TABLE",
               default="reliable_sub_processed", show_default=True)
+@click.option("--connect-timeout", envvar="RELIABLE_SUB_CONNECT_TIMEOUT",
+              default=DEFAULT_CONNECT_TIMEOUT, show_default=True, metavar="SECONDS",
+              type=Seconds(positive=True),
+              help="How long the broker, store or database has to answer first.")
 @click.version_option(package_name="reliable-sub")
 @click.pass_context
 def cli(context: click.Context, /, **options: Any) -> None:
@@ -159,9 +211,19 @@ def cli(context: click.Context, /, **options: Any) -> None:
 
     Exit codes: 0 done, 1 done only in part (see the output), 2 bad usage or configuration,
     3 the broker or database did not answer, 4 a name that does not exist, 5 nothing done
-    (a confirmation declined).
+    (a confirmation declined). Errors are one line on stderr (a JSON object with --json).
     """
-    context.obj = Connection(**options)
+    context.obj = Connection.from_options(options)
+    quiet_library_logs()
+
+
+def quiet_library_logs() -> None:
+    """Keep the library's warnings (an adapter retrying a connection) off stderr, where the
+    command's outcome is one line: logging's last-resort handler prints them only when no
+    handler is set (``run`` sets one at the level asked)."""
+    logger = logging.getLogger("reliable_sub")
+    if not any(isinstance(handler, logging.NullHandler) for handler in logger.handlers):
+        logger.addHandler(logging.NullHandler())
 
 
 def _register() -> None:

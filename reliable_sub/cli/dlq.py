@@ -8,12 +8,14 @@ import sys
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn
 
 from ..dead_letters import DeadLetter, DeadLetterQueue
 from ..ports import Adapter
 from .app import (
     FAILED,
+    Seconds,
     confirm,
     json_option,
     print_json,
@@ -25,7 +27,7 @@ from .app import (
 from .connect import Connection
 
 wait_option = click.option(
-    "--wait", default=2.0, show_default=True, type=click.FloatRange(min=0),
+    "--wait", default=2.0, show_default=True, type=Seconds(), metavar="SECONDS",
     help="Seconds an empty receive waits before the queue counts as drained.")
 
 
@@ -116,9 +118,9 @@ async def replay(adapter: Adapter, subscription: str, message_ids: tuple[str, ..
     else:
         click.echo(f"replayed {len(report.replayed)} messages from {subscription}")
         for message_id, error in report.failed.items():
-            stderr.print(f"not replayed {message_id}: {error}", highlight=False)
+            stderr.print(escape(f"not replayed {message_id}: {error}"), highlight=False)
         for message_id in report.missing:
-            stderr.print(f"not in the queue: {message_id}", highlight=False)
+            stderr.print(escape(f"not in the queue: {message_id}"), highlight=False)
     if report.failed or report.missing:
         sys.exit(FAILED)
 
@@ -148,7 +150,7 @@ def purge(connection: Connection, subscription: str, message_ids: tuple[str, ...
         else:
             click.echo(f"purged {report.purged} messages from {subscription}")
             for message_id in report.missing:
-                stderr.print(f"not in the queue: {message_id}", highlight=False)
+                stderr.print(escape(f"not in the queue: {message_id}"), highlight=False)
         if report.missing:
             sys.exit(FAILED)
 

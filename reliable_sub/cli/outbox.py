@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import click
 
 from ..outbox import maintenance
-from .app import confirm, execute, json_option, print_json, print_table
+from .app import Seconds, confirm, execute, json_option, print_json, print_table
 from .connect import Connection
 
 T = TypeVar("T")
@@ -20,6 +20,7 @@ def on_outbox(connection: Connection, operation: Callable[[Any], Awaitable[T]]) 
 
     async def run() -> T:
         try:
+            await connection.reach_outbox(outbox)
             return await operation(outbox)
         finally:
             await outbox.close()
@@ -58,7 +59,7 @@ def retry_failed(connection: Connection, keys: tuple[str, ...]) -> None:
 
 
 @outbox.command()
-@click.option("--older-than", required=True, type=click.FloatRange(min=0), metavar="SECONDS",
+@click.option("--older-than", required=True, type=Seconds(), metavar="SECONDS",
               help="Delete rows published at least this long ago.")
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @click.pass_obj

@@ -13,6 +13,7 @@ from ..replay import ReplayMode
 from ..replay import seek as seek_subscription
 from .app import confirm, json_option, print_json, print_table, run_on_adapter, with_adapter
 from .connect import Connection
+from .failures import USAGE, fail
 
 RELATIVE = re.compile(r"^-(\d+(?:\.\d+)?)([smhd])$")
 UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
@@ -26,7 +27,10 @@ def parse_time(text: str, now: datetime | None = None) -> datetime:
         return now
     relative = RELATIVE.match(text)
     if relative is not None:
-        return now - timedelta(**{UNITS[relative.group(2)]: float(relative.group(1))})
+        try:
+            return now - timedelta(**{UNITS[relative.group(2)]: float(relative.group(1))})
+        except OverflowError:  # before year 1, or more days than a timedelta holds
+            raise click.BadParameter(f"{text!r} reaches back before the year 1") from None
     try:
         when = datetime.fromisoformat(text.replace("Z", "+00:00"))
     except ValueError:
@@ -38,7 +42,7 @@ def parse_time(text: str, now: datetime | None = None) -> datetime:
 
 def seekable(adapter: Adapter) -> Seekable:
     if not isinstance(adapter, Seekable):
-        raise click.UsageError(f"{type(adapter).__name__} cannot seek")
+        fail(USAGE, f"{type(adapter).__name__} cannot seek or keep snapshots")
     return adapter
 
 
@@ -72,6 +76,8 @@ def seek(connection: Connection, subscription: str, to_text: str | None, snapsho
 
     async def run(adapter: Adapter) -> None:
         try:
+            if store is not None:  # before the seek: a store that fails after it, fails late
+                await connection.reach_store(store)
             result = await seek_subscription(adapter, subscription, to=to, snapshot=snapshot,
                                              mode=mode, dedup=store, namespace=namespace)
         finally:

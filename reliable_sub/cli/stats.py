@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from ..ports import Adapter, Inspectable, SubscriptionStats
-from .app import json_option, print_json, print_table, with_adapter
+from .app import USAGE, fail, json_option, print_json, print_table, with_adapter
 
 UNKNOWN = "unknown"
 
@@ -24,7 +24,7 @@ async def stats(adapter: Adapter, subscription: str, dead_letter_subscription: s
     metric. Pub/Sub reports backlogs through Cloud Monitoring only: they show as unknown.
     """
     if not isinstance(adapter, Inspectable):
-        raise click.UsageError(f"{type(adapter).__name__} reports no figures")
+        fail(USAGE, f"{type(adapter).__name__} reports no figures")
     figures = await adapter.subscription_stats(subscription)
     dead: SubscriptionStats | None = None
     if dead_letter_subscription is not None:
