@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import logging
 import os
@@ -58,7 +59,19 @@ class BackgroundLoop:
             return self._loop
 
     def run(self, coroutine: Coroutine[Any, Any, T], store: object | None = None) -> T:
-        """Run ``coroutine`` on the loop and wait for it (from any other thread)."""
+        """Run ``coroutine`` on the loop and wait for it (from any other thread); interrupted
+        while waiting, cancel it."""
+        future = self.submit(coroutine, store)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # interrupted while waiting: stop the store call too
+            raise
+
+    def submit(
+        self, coroutine: Coroutine[Any, Any, T], store: object | None = None
+    ) -> concurrent.futures.Future[T]:
+        """Start ``coroutine`` on the loop (from any other thread) without waiting for it."""
         loop = self._running()
         if threading.current_thread() is self._thread:
             coroutine.close()
@@ -68,12 +81,7 @@ class BackgroundLoop:
         if store is not None:
             with contextlib.suppress(TypeError):  # not weak-referenceable: not closed at exit
                 self._stores.add(store)
-        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()  # interrupted while waiting: stop the store call too
-            raise
+        return asyncio.run_coroutine_threadsafe(coroutine, loop)
 
     def close_store(self, store: DedupStore) -> None:
         with self._lock:

@@ -32,6 +32,15 @@ to ``idempotent:<module>.<qualname>``, so two functions never share records), th
   until the other call completes (its result is replayed), or releases or crashes (this call
   then runs the function itself), or ``wait_timeout`` passes (:class:`IdempotencyInProgressError`).
 
+**A caller that gives up** -- an ``asyncio.wait_for`` around the call (an HTTP client's timeout),
+a cancelled task, or in a sync caller a signal handler's exception -- stops waiting, not the store
+calls: a function that returned still has its result stored, one that raised or was cancelled
+still has its claim released, and a claim made by a claim call the caller left is released
+too. These finish in a task of their own (async) or on the background loop (sync), and a later
+call with the key in the same process waits for them first (up to ``wait_timeout``), so the
+natural client retry replays the result instead of finding the key in progress or running the
+function again (see :mod:`~reliable_sub.idempotency.settling`).
+
 Completions are owner-fenced: if the claim was lost while the function ran (a lease that lapsed
 and a peer that took the key), the completion is refused, the peer's record is left alone, a
 warning is logged and the function's result is still returned -- the function did run. The same
@@ -97,7 +106,9 @@ from ..ports import (
 )
 from .background_loop import BACKGROUND
 from .fingerprint import fingerprint
+from .memory_store import TokenSource, check_owner
 from .renewer import RENEWALS_PER_LEASE, RENEWER
+from .settling import Settling
 
 logger = logging.getLogger(__name__)
 
@@ -284,6 +295,8 @@ class IdempotentFunction(_Bindable, Generic[P, T]):
         core = self._core
         call_args = (*self._bound, *args)
         key, fingerprint = core.prepare(call_args, kwargs, len(self._bound))
+        if core.settling.has(key):
+            core.settling.wait_sync(key, core.settings.wait_timeout)
         store = core.sync_store
         if store is None:
             return self._on_background_loop(call_args, kwargs, key, fingerprint)
@@ -311,17 +324,24 @@ class IdempotentFunction(_Bindable, Generic[P, T]):
     ) -> IdempotentResult[T]:
         """A call whose store calls and renewals run on the background loop."""
         core = self._core
-        started = BACKGROUND.run(core.begin(key, fingerprint), core.settings.store)
+        started = core.settling.ask_on_background(
+            key, core.begin(key, fingerprint), functools.partial(core.release_unused, key=key),
+            core.settings.store,
+        )
         if isinstance(started, IdempotentResult):
             return started
-        beat = BACKGROUND.run(core.start_heartbeat(started, key))
+        try:
+            beat = BACKGROUND.run(core.start_heartbeat(started, key))
+        except BaseException:
+            core.hand_over(key, core.settle_claim(started, key, None))
+            raise
         try:
             value = core.function(*call_args, **kwargs)
             record = core.record(value, fingerprint)
         except BaseException:
-            BACKGROUND.run(core.finish(beat, started, key, None))
+            core.finish_on_background(beat, started, key, None)
             raise
-        BACKGROUND.run(core.finish(beat, started, key, record))
+        core.finish_on_background(beat, started, key, record)
         return IdempotentResult(value, False, key)
 
 
@@ -343,6 +363,8 @@ class AsyncIdempotentFunction(_Bindable, Generic[P, T]):
         core = self._core
         call_args = (*self._bound, *args)
         key, fingerprint = core.prepare(call_args, kwargs, len(self._bound))
+        if core.settling.has(key):
+            await core.settling.wait(key, core.settings.wait_timeout)
         started = await core.begin(key, fingerprint)
         if isinstance(started, IdempotentResult):
             return started
@@ -351,9 +373,9 @@ class AsyncIdempotentFunction(_Bindable, Generic[P, T]):
             value = await core.function(*call_args, **kwargs)
             record = core.record(value, fingerprint)
         except BaseException:
-            await core.finish(beat, started, key, None)
+            await core.settle(beat, started, key, None)
             raise
-        await core.finish(beat, started, key, record)
+        await core.settle(beat, started, key, record)
         return IdempotentResult(value, False, key)
 
 
@@ -379,6 +401,12 @@ class _Core:
         qualname = getattr(function, "__qualname__", None)
         module = getattr(function, "__module__", None)
         self.name = f"{module}.{qualname}" if qualname and module else repr(function)
+        self.settling = Settling(self.name)
+        # Sync calls claim under tokens of their own making, so a call interrupted in its claim
+        # knows which claim to release.
+        self.tokens: TokenSource | None = (
+            TokenSource(_owner_of(settings.store)) if self.sync_store is not None else None
+        )
         if settings.namespace is not None:
             self.namespace = settings.namespace
         elif not qualname or not module or "<lambda>" in qualname:
@@ -487,11 +515,27 @@ class _Core:
         record = DedupKey(self.namespace, key)
         waiting = _Waiting()
         while True:
-            [found] = await settings.store.claim_many([record], settings.lease_ttl)
+            found = await self.claim(record, key)
             answer = self.after_claim(key, found, fingerprint, waiting, "claim_many")
             if not isinstance(answer, float):
                 return answer
             await settings.clock.sleep(answer)
+
+    async def claim(self, record: DedupKey, key: str) -> ClaimResult:
+        """The store's answer to a claim of ``record``; a caller cancelled meanwhile leaves
+        the store call to finish, and the claim it made released."""
+        return await self.settling.shielded(
+            key, self._claim_one(record), functools.partial(self.release_unused, key=key)
+        )
+
+    async def _claim_one(self, record: DedupKey) -> ClaimResult:
+        [found] = await self.settings.store.claim_many([record], self.settings.lease_ttl)
+        return found
+
+    async def release_unused(self, started: object, key: str) -> None:
+        """Release ``started`` if it is a claim (one its caller left without using)."""
+        if isinstance(started, Claimed):
+            await self.settle_claim(started, key, None)
 
     def begin_sync(
         self, store: SyncDedupStore, key: str, fingerprint: str | None
@@ -501,8 +545,15 @@ class _Core:
         settings = self.settings
         record = DedupKey(self.namespace, key)
         waiting: _Waiting | None = None
+        assert self.tokens is not None
+        token = self.tokens.next()
         while True:
-            [found] = store.claim_many_sync([record], settings.lease_ttl)
+            try:
+                [found] = store.claim_many_sync([record], settings.lease_ttl, [token])
+            except BaseException as error:
+                if not isinstance(error, Exception):  # interrupted: the store may hold a claim
+                    self.hand_over(key, self.settle_claim(Claimed(record, token), key, None))
+                raise
             if type(found) is Claimed:  # the common answers first, without the waiting state
                 return found
             if type(found) is Completed:
@@ -626,12 +677,32 @@ class _Core:
         stamp = "null" if fingerprint is None else f'"{fingerprint}"'  # hex: no escapes
         return f'{{"p":{stamp},"r":{result_json}}}'
 
+    async def settle(
+        self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
+    ) -> None:
+        """:meth:`finish` in a task of its own, shielded: a caller cancelled meanwhile leaves
+        it to finish, and later calls with ``key`` wait for it (see :mod:`.settling`)."""
+        await self.settling.shielded(key, self.finish(beat, claim, key, record))
+
+    def finish_on_background(
+        self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
+    ) -> None:
+        """:meth:`finish` on the background loop; a caller interrupted while it waits leaves
+        it running there, and later calls with ``key`` wait for it."""
+        self.settling.on_background(
+            key, self.finish(beat, claim, key, record), self.settings.store
+        ).result()
+
     async def finish(
         self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
     ) -> None:
         """Stop renewing; store ``record`` (or, without one, release the claim)."""
         beat.stop.set()
         await beat.task
+        await self.settle_claim(claim, key, record)
+
+    async def settle_claim(self, claim: Claimed, key: str, record: str | None) -> None:
+        """Store ``record`` for ``claim`` (or, without one, release it)."""
         store = self.settings.store
         if record is None:
             try:
@@ -650,20 +721,38 @@ class _Core:
     def finish_sync(
         self, store: SyncDedupStore, claim: Claimed, key: str, record: str | None
     ) -> None:
-        """:meth:`finish` with the store's blocking twins (the caller stopped renewing)."""
-        if record is None:
-            try:
-                store.release_many_sync([claim], 0.0)
-            except Exception:
-                self.release_failed(key)
-            return
+        """:meth:`finish` with the store's blocking twins (the caller stopped renewing); a
+        caller interrupted in the store call hands it over to the background loop."""
         try:
-            refused = store.complete_many_sync([Completion(claim, record)], self.settings.ttl)
-        except Exception:
-            self.completion_failed(key)
-            return
+            if record is None:
+                try:
+                    store.release_many_sync([claim], 0.0)
+                except Exception:
+                    self.release_failed(key)
+                return
+            try:
+                refused = store.complete_many_sync([Completion(claim, record)],
+                                                   self.settings.ttl)
+            except Exception:
+                self.completion_failed(key)
+                return
+        except BaseException:  # interrupted (a signal handler's exception, KeyboardInterrupt)
+            self.hand_over(key, self.settle_claim(claim, key, record))
+            raise
         if refused:
             self.completion_refused(key)
+
+    def hand_over(self, key: str, settle: Coroutine[Any, Any, None]) -> None:
+        """Run ``settle`` on the background loop, for a sync caller interrupted in it (the same
+        store call again: completing and releasing a claim twice is harmless)."""
+        try:
+            self.settling.on_background(key, settle, self.settings.store)
+        except Exception:  # e.g. at interpreter exit: no thread can start
+            logger.warning(
+                "@idempotent %s: the call with idempotency key %r was interrupted while it "
+                "settled its claim, which could not be finished in the background; a retry "
+                "can run once the claim lapses (lease_ttl)", self.name, key, exc_info=True,
+            )
 
     def release_failed(self, key: str) -> None:
         logger.warning(
@@ -692,6 +781,15 @@ class _Waiting:
 
     deadline: float | None = None
     delay: float = INITIAL_POLL
+
+
+def _owner_of(store: DedupStore) -> str:
+    """The store's owner when it has a valid one (a readable token prefix), else a random one."""
+    owner = getattr(store, "owner", None)
+    try:
+        return check_owner(owner if isinstance(owner, str) else None, "store")
+    except ConfigurationError:
+        return check_owner(None, "store")
 
 
 def close_sync_connections(store: DedupStore) -> None:

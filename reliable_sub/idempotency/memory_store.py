@@ -4,8 +4,9 @@ single-key methods over the batch ones."""
 from __future__ import annotations
 
 import itertools
+import os
+import secrets
 import threading
-import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,31 +28,63 @@ if TYPE_CHECKING:  # for type checkers only: at runtime __getattr__ imports it o
 
 # Expired records are swept every this many operations, so memory stays bounded without a timer.
 _SWEEP_EVERY = 4096
-# Separates an owner from its claim counter in a fencing token; owners may not contain it, nor
-# the "|" that stores use after the token.
+# Separates the parts of a fencing token (owner, instance, counter); owners may not contain it,
+# nor the "|" that stores use after the token.
 _TOKEN_SEPARATOR = "."
+# An owner is a readable prefix of every token, which is stored with each claimed record and
+# sent with each claim: short, and within the SQL store's owner column (200 characters) with
+# the instance part and the counter added.
+OWNER_LIMIT = 64
+# Random bytes naming one token source in one process: 64 bits, 11 characters of base64url.
+# Two instances given the same owner (a service's name, in every one of its processes) then
+# never make the same token.
+_INSTANCE_BYTES = 8
 
 
 def check_owner(owner: str | None, where: str) -> str:
-    """The owner token prefix to use: ``owner`` once checked, or a fresh random one."""
+    """The owner token prefix to use: ``owner`` once checked, or a fresh random one.
+
+    An owner is at most ``OWNER_LIMIT`` characters, without ``|``, ``.`` or braces. It is only
+    a readable prefix: every store instance adds a random part of its own to its tokens, so
+    instances (the processes of one service) may all be given the same owner.
+    """
     if owner is None:
-        return uuid.uuid4().hex
+        return secrets.token_urlsafe(6)
     if not isinstance(owner, str) or not owner or any(c in owner for c in "|.{}"):
         raise ConfigurationError(
             f"{where}.owner must be a non-empty str without '|', '.', '{{' or '}}', got {owner!r}"
+        )
+    if len(owner) > OWNER_LIMIT:
+        raise ConfigurationError(
+            f"{where}.owner must be at most {OWNER_LIMIT} characters (it prefixes every fencing "
+            f"token, stored with each claim), got {len(owner)}: {owner[:20]!r}...; give a short "
+            "name such as the service's (each instance adds a random part of its own)"
         )
     return owner
 
 
 class TokenSource:
-    """Fencing tokens: the store's owner, a dot, and a counter (unique per store instance)."""
+    """Fencing tokens unique to one store instance: ``<owner>.<instance>.<counter>``.
+
+    The owner is a readable prefix only; the instance part is random, made afresh in a forked
+    child, so instances given the same owner (or a process forked after making one) never
+    hand out the same token.
+    """
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
+        self._fresh_instance()
+
+    def _fresh_instance(self) -> None:
+        self._pid = os.getpid()
+        instance = secrets.token_urlsafe(_INSTANCE_BYTES)
+        self._prefix = f"{self.owner}{_TOKEN_SEPARATOR}{instance}{_TOKEN_SEPARATOR}"
         self._counter = itertools.count(1)
 
     def next(self) -> str:
-        return f"{self.owner}{_TOKEN_SEPARATOR}{next(self._counter)}"
+        if self._pid != os.getpid():  # a forked child: the parent goes on with the same counter
+            self._fresh_instance()
+        return f"{self._prefix}{next(self._counter)}"
 
 
 class SingleKeyMethods:
@@ -100,7 +133,8 @@ class MemoryDedupStore(SingleKeyMethods):
 
     Args:
         clock: time source for claim leases and retention (default: the system clock).
-        owner: prefix of this store's fencing tokens (default: a fresh random one).
+        owner: readable prefix of this store's fencing tokens, such as the service's name
+            (default: a short random one); see :func:`check_owner`.
     """
 
     def __init__(self, *, clock: Clock | None = None, owner: str | None = None) -> None:

@@ -84,7 +84,9 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         url_or_engine: a database URL (``postgresql://...``, ``sqlite:///path``, ``sqlite://``
             for an in-process database) or an ``AsyncEngine`` you own.
         table: the table name (default ``reliable_sub_processed``).
-        owner: prefix of this store's fencing tokens (default: a fresh random one).
+        owner: readable prefix of this store's fencing tokens, such as the service's name
+            (default: a short random one); see
+            :func:`~reliable_sub.idempotency.memory_store.check_owner`.
         clock: the time source (``wall()`` is what rows record).
         sync_engine: the engine sync transactional handlers use (default: one on the same
             database, made on first use).

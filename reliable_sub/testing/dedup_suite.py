@@ -2,8 +2,9 @@
 
 Write a test class that derives from :class:`DedupStoreSuite` and returns a :class:`StoreHarness`
 from ``make_stores``: the store under test, a *peer* (a second instance, another owner, over the
-same records, as a second consumer process would have), a short TTL, and how to wait until a
-record has lapsed. Helpers here build harnesses for the memory and Redis stores.
+same records, as a second consumer process would have), a short TTL, how to wait until a
+record has lapsed, and (``another``) how to make further instances over the same records with a
+given owner. Helpers here build harnesses for the memory, Redis and SQL stores.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from reliable_sub import (
 from reliable_sub.dedup import encode_result
 from reliable_sub.idempotency.epochs import epoch_namespace
 from reliable_sub.ports import ClaimResult, DedupEpochs
+from reliable_sub.testing import dedup_owners
 
 POLL = 0.01
 
@@ -47,15 +49,23 @@ class StoreHarness:
     write_raw: Callable[[DedupKey, str], Awaitable[None]]
     cleanup: Callable[[], Awaitable[None]]
     prepare: Callable[[], Awaitable[None]] | None = None  # e.g. create the schema
+    # Another instance over the same records with the given owner (closed by cleanup); the
+    # owner tests are skipped without it.
+    another: Callable[[str], DedupStore] | None = None
 
 
 def memory_stores() -> StoreHarness:
     clock = ManualClock()
     store = MemoryDedupStore(clock=clock, owner="me")
-    peer = MemoryDedupStore(clock=clock, owner="peer")
-    peer._records = store._records  # one process's memory, two owners
-    peer._epochs = store._epochs
-    peer._lock = store._lock
+
+    def another(owner: str) -> DedupStore:
+        made = MemoryDedupStore(clock=clock, owner=owner)
+        made._records = store._records  # one process's memory, two instances
+        made._epochs = store._epochs
+        made._lock = store._lock
+        return made
+
+    peer = another("peer")
 
     async def gone(key: DedupKey) -> None:
         clock.advance(1.0)
@@ -66,7 +76,7 @@ def memory_stores() -> StoreHarness:
     async def cleanup() -> None:
         pass
 
-    return StoreHarness("memory", store, peer, 0.5, gone, write_raw, cleanup)
+    return StoreHarness("memory", store, peer, 0.5, gone, write_raw, cleanup, another=another)
 
 
 def redis_stores(url: str | None = None, client_factory: Callable[[], object] | None = None,
@@ -75,10 +85,14 @@ def redis_stores(url: str | None = None, client_factory: Callable[[], object] | 
     from reliable_sub.idempotency.redis_store import RedisDedupStore
 
     prefix = f"test-contract-{uuid.uuid4().hex[:10]}"
-    source = client_factory() if client_factory else url
-    store = RedisDedupStore(source, prefix=prefix, owner="me")  # type: ignore[arg-type]
-    peer = RedisDedupStore(client_factory() if client_factory else url,  # type: ignore[arg-type]
-                           prefix=prefix, owner="peer")
+    made: list[RedisDedupStore] = []
+
+    def another(owner: str) -> RedisDedupStore:
+        source = client_factory() if client_factory else url
+        made.append(RedisDedupStore(source, prefix=prefix, owner=owner))  # type: ignore[arg-type]
+        return made[-1]
+
+    store, peer = another("me"), another("peer")
 
     async def gone(key: DedupKey) -> None:
         give_up = time.monotonic() + 5
@@ -95,10 +109,10 @@ def redis_stores(url: str | None = None, client_factory: Callable[[], object] | 
         keys = [k async for k in client.scan_iter(match=f"{prefix}*", count=1000)]
         if keys:
             await client.delete(*keys)
-        await store.close()
-        await peer.close()
+        for instance in made:
+            await instance.close()
 
-    return StoreHarness(name, store, peer, 0.15, gone, write_raw, cleanup)
+    return StoreHarness(name, store, peer, 0.15, gone, write_raw, cleanup, another=another)
 
 
 def sql_stores(url: str, name: str = "sql") -> StoreHarness:
@@ -108,7 +122,14 @@ def sql_stores(url: str, name: str = "sql") -> StoreHarness:
     clock = ManualClock(start=1000.0)
     table = f"test_processed_{uuid.uuid4().hex[:10]}"
     store = SqlDedupStore(url, table=table, owner="me", clock=clock)
-    peer = SqlDedupStore(store.url, table=table, owner="peer", clock=clock)
+    made = [store]
+
+    def another(owner: str) -> SqlDedupStore:
+        made.append(SqlDedupStore(store.url, table=table, owner=owner, clock=clock))
+        return made[-1]
+
+    peer = another("peer")
+
     async def gone(key: DedupKey) -> None:
         clock.advance(1.0)
 
@@ -118,11 +139,11 @@ def sql_stores(url: str, name: str = "sql") -> StoreHarness:
     async def cleanup() -> None:
         async with store.engine.begin() as connection:
             await connection.run_sync(store.metadata.drop_all)
-        await store.close()
-        await peer.close()
+        for instance in made:
+            await instance.close()
 
     return StoreHarness(name, store, peer, 0.5, gone, write_raw, cleanup,
-                        prepare=store.create_schema)
+                        prepare=store.create_schema, another=another)
 
 
 def fakeredis_stores() -> StoreHarness:
@@ -378,6 +399,6 @@ class DedupStoreSuite:
             await harness.cleanup()
 
 
-for _name, _test in list(globals().items()):
+for _name, _test in [*globals().items(), *vars(dedup_owners).items()]:
     if _name.startswith("test_") and callable(_test):
         setattr(DedupStoreSuite, _name, staticmethod(_test))
