@@ -1,9 +1,14 @@
 """Settles deliveries in batches: the dedup store write first, then one broker call.
 
-What settled since the last call goes out together: completions and releases in one store call,
-then acks in one broker call and nacks in one call per delay (the Redis fast path writes the
-completions inside its ack script). Up to ``MAX_CALLS_IN_FLIGHT`` batches travel at once, so one
-slow or failing call does not hold up the acks behind it.
+A handler's result is recorded as soon as it returns: completions go out in a lane of their
+own, batched only with the completions already waiting, never behind acks, nacks or releases
+in flight -- the time between a handler's effect and its durable record is the window in which
+a crash makes the redelivery run it again, so it is kept as short as one store call. Once
+recorded, they are acked with the rest. (The Redis fast path writes the completions inside its
+ack script, so there the completion lane acks too.) Everything else settled since the last call
+goes out together: releases in one store call, acks in one broker call, nacks in one call per
+delay. Up to ``MAX_CALLS_IN_FLIGHT`` calls of each lane travel at once, so one slow or failing
+call does not hold up those behind it.
 
 A failed call is retried with backoff until it succeeds: a message whose result is not yet
 recorded must not be acked (its redelivery would run the handler again), and its lease and claim
@@ -132,6 +137,11 @@ class Settler:
         self._queued = asyncio.Event()
         self._slot_free = asyncio.Event()
         self._calls: set[asyncio.Task[None]] = set()
+        # the completion lane: settles whose result is not recorded yet
+        self._to_record: list[Settle] = []
+        self._record_queued = asyncio.Event()
+        self._record_slot_free = asyncio.Event()
+        self._recording: set[asyncio.Task[None]] = set()
         self._give_up_at: float | None = None
         self._combined: AcksWithCompletions | None = None
         store = claims.store
@@ -142,23 +152,31 @@ class Settler:
     @property
     def pending(self) -> int:
         """Settles queued or in a call not yet confirmed."""
-        return len(self._queue) + len(self._calls)
+        return len(self._queue) + len(self._calls) + len(self._to_record) + len(self._recording)
 
     def add(self, settle: Settle) -> None:
-        """Queue ``settle``; it is sent with the next batch."""
+        """Queue ``settle``: a result to record goes out at once (with those already
+        waiting), the rest with the next batch."""
         settle.item.stage = Stage.SETTLING
-        self._queue.append(settle)
-        self._queued.set()
+        if settle.completion is not None and settle.release is None:
+            self._to_record.append(settle)
+            self._record_queued.set()
+        else:
+            self._queue.append(settle)
+            self._queued.set()
 
     async def drain(self, give_up_at: float) -> None:
         """Wait until everything queued is confirmed; calls still failing at ``give_up_at``
         (the event loop's clock) give up."""
         self._give_up_at = give_up_at
-        while self._queue or self._calls:
+        while self._queue or self._calls or self._to_record or self._recording:
+            if self._to_record and len(self._recording) < MAX_CALLS_IN_FLIGHT:
+                self._record_waiting()
             if self._queue and len(self._calls) < MAX_CALLS_IN_FLIGHT:
                 self._send_queued()
-            if self._calls:
-                await asyncio.wait(set(self._calls), return_when=asyncio.FIRST_COMPLETED)
+            calls = self._calls | self._recording
+            if calls:
+                await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
             else:
                 await asyncio.sleep(0)
 
@@ -167,7 +185,71 @@ class Settler:
         self._give_up_at = -math.inf
 
     async def run(self) -> None:
-        """Send batches as settles arrive, until cancelled."""
+        """Record results and send batches as settles arrive, until cancelled."""
+        loop = asyncio.get_running_loop()
+        lanes = {loop.create_task(self._record_loop()), loop.create_task(self._send_loop())}
+        try:
+            done, _ = await asyncio.wait(lanes, return_when=asyncio.FIRST_COMPLETED)
+            for lane in done:
+                lane.result()  # raises what ended it, for the supervisor
+        finally:
+            for lane in lanes:
+                lane.cancel()
+
+    async def _record_loop(self) -> None:
+        while True:
+            await self._record_queued.wait()
+            while self._to_record and len(self._recording) >= MAX_CALLS_IN_FLIGHT:
+                self._record_slot_free.clear()
+                await self._record_slot_free.wait()
+            self._record_queued.clear()
+            self._record_waiting()
+
+    def _record_waiting(self) -> None:
+        if not self._to_record:
+            return
+        batch, self._to_record = self._to_record, []
+        task = asyncio.get_running_loop().create_task(self._record(batch))
+        self._recording.add(task)
+        task.add_done_callback(self._recorded)
+
+    def _recorded(self, task: asyncio.Task[None]) -> None:
+        self._recording.discard(task)
+        self._record_slot_free.set()
+
+    async def _record(self, batch: list[Settle]) -> None:
+        """Record ``batch``'s results, then hand them to the ack lane (the Redis fast path:
+        record and ack in its one call)."""
+        try:
+            completions = [s.completion for s in batch if s.completion is not None]
+            if self._combined is not None:
+                assert self._claims.store is not None
+                refused, lost = await self._retry(
+                    "recording completions and acking at the broker", len(batch), _BOTH,
+                    self._combined.ack_with_completions, [s.item.delivery for s in batch],
+                    self._claims.store, completions, self._claims.retention,
+                )
+                self._report_lost(lost)
+                refused_ids = self._count_refused(refused)
+                for settle in batch:
+                    self._on_settled(settle, settle.item.delivery.ack_id in refused_ids)
+                return
+            lost = await self._retry("recording completions in the dedup store",
+                                     len(completions), _STORE,
+                                     self._claims.complete_many, completions)
+            self._report_lost(lost)
+        except _GiveUp:
+            self._abandon(batch, "acked")
+            return
+        except Exception:
+            self._failed_unexpectedly(batch)
+            return
+        for settle in batch:
+            settle.completion = None  # recorded
+        self._queue.extend(batch)
+        self._queued.set()
+
+    async def _send_loop(self) -> None:
         while True:
             await self._queued.wait()
             await asyncio.sleep(0)  # let deliveries finishing in this loop turn join the batch
@@ -193,15 +275,18 @@ class Settler:
         try:
             await self._settle(batch)
         except Exception:
-            # A bug of ours (a settle the calls could not take): let go of what is left of the
-            # batch, or its flow slots and leases would be held for good; unacked, its messages
-            # come back after their ack deadline.
-            left = [settle for settle in batch if settle.item.stage is not Stage.DONE]
-            logger.exception("settling a batch of %d deliveries failed unexpectedly; %d of them "
-                             "come back after their ack deadline", len(batch), len(left))
-            for settle in left:
-                settle.outcome = Outcome.STOPPED
-                self._on_settled(settle, False)
+            self._failed_unexpectedly(batch)
+
+    def _failed_unexpectedly(self, batch: list[Settle]) -> None:
+        """A bug of ours (a settle the calls could not take): let go of what is left of the
+        batch, or its flow slots and leases would be held for good; unacked, its messages come
+        back after their ack deadline."""
+        left = [settle for settle in batch if settle.item.stage is not Stage.DONE]
+        logger.exception("settling a batch of %d deliveries failed unexpectedly; %d of them "
+                         "come back after their ack deadline", len(batch), len(left))
+        for settle in left:
+            settle.outcome = Outcome.STOPPED
+            self._on_settled(settle, False)
 
     async def _settle(self, batch: list[Settle]) -> None:
         acks = [s for s in batch if s.ack]
@@ -224,27 +309,15 @@ class Settler:
                 self._on_settled(settle, False)
 
     async def _send_acks(self, acks: list[Settle]) -> set[str]:
-        completions = [s.completion for s in acks if s.completion is not None]
+        """Ack ``acks`` (their results, if any, are recorded already)."""
         releases = [s.release for s in acks if s.release is not None]
-        deliveries = [s.item.delivery for s in acks]
         if releases:
             await self._release(releases)
-        if completions and self._combined is not None:
-            assert self._claims.store is not None
-            refused, lost = await self._retry(
-                "recording completions and acking at the broker", len(acks), _BOTH,
-                self._combined.ack_with_completions, deliveries, self._claims.store,
-                completions, self._claims.retention,
-            )
-            self._report_lost(lost)
-        else:
-            if completions:
-                lost = await self._retry("recording completions in the dedup store",
-                                         len(completions), _STORE,
-                                         self._claims.complete_many, completions)
-                self._report_lost(lost)
-            refused = await self._retry("acking at the broker", len(deliveries), _BROKER,
-                                        self._adapter.ack, deliveries)
+        refused = await self._retry("acking at the broker", len(acks), _BROKER,
+                                    self._adapter.ack, [s.item.delivery for s in acks])
+        return self._count_refused(refused)
+
+    def _count_refused(self, refused: list[Delivery]) -> set[str]:
         if refused:
             self._stats.acks_refused += len(refused)
             logger.info("broker refused %d acks (stale ack ids); those messages come back and "
