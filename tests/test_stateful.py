@@ -3,10 +3,13 @@
 One in-memory broker and one dedup store (which outlive consumers, as Redis would) serve a
 succession of Subscriber "processes". Rules publish messages (with and without idempotency
 keys, duplicates, ordering keys), move time, make the store or the broker fail for a while,
-take a lease away from under a running handler, crash a consumer (it stops making any call
-and its running handlers have no further effect), and stop and start consumers. Handlers
-succeed, fail, raise CancelledError before their first await, run long, or hang, by a plan
-drawn per message.
+make the store hang for a while (calls wait, neither answered nor refused), take a lease away
+from under a running handler, crash a consumer (it stops making any call and its running
+handlers have no further effect), and stop and start consumers. Handlers succeed, fail, raise
+CancelledError before their first await, raise an exception that cannot be printed, return an
+awaitable that does their work, return a value JSON encoding fails on, run long, or hang, by a
+plan drawn per message; every other consumer registers its handler through a plain sync
+decorator (``functools.wraps``), as tracing libraries write them.
 
 Effects are counted outside the consumers. A success is *committed* when its completion is the
 one the store recorded (as a handler writing its effect in the store's transaction would), and
@@ -14,7 +17,9 @@ one the store recorded (as a handler writing its effect in the store's transacti
 
 * nothing is left unacked, and no consumer loop is dead while running;
 * with dedup, every idempotency key has at most one committed success, and exactly one unless
-  one of its messages was dead-lettered; a key no crash caught in flight also returned once;
+  one of its messages was dead-lettered; a key no crash caught in flight also returned once,
+  unless the store was out of reach (down or hung) for longer than a claim lasts while the key
+  was in flight: its claim then lapses and a redelivered copy may run (as documented);
 * without dedup, every message that was not dead-lettered returned at least once;
 * the successes of each ordering key are committed in publish order;
 * claim renewals stay bounded by elapsed time.
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import os
 from collections import Counter
@@ -62,8 +68,25 @@ TOPIC, SUB, DLQ_TOPIC, DLQ_SUB = "orders", "billing", "orders-dlq", "orders-dlq-
 ACK_DEADLINE = 10.0
 MAX_LEASE = 120.0
 MAX_ATTEMPTS = 3
-PLANS = st.lists(st.sampled_from(["ok", "fail", "cancel", "slow", "hang"]), min_size=1,
+UNHEALTHY_AFTER = 30.0
+PLANS = st.lists(st.sampled_from(["ok", "fail", "cancel", "slow", "hang", "unprintable",
+                                  "awaitable", "unencodable"]), min_size=1,
                  max_size=4).map(lambda steps: [*steps, "ok"])
+
+
+class Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ failed")
+
+    def __repr__(self) -> str:
+        raise RuntimeError("__repr__ failed")
+
+
+class LazyRow(dict):  # type: ignore[type-arg]
+    """A result whose JSON encoding raises (an ORM row read after its session closed)."""
+
+    def items(self) -> Any:
+        raise RuntimeError("detached")
 
 
 class Outage(Exception):
@@ -83,6 +106,15 @@ class Process:
             raise Outage(f"process {self.number} is dead")
         if self.world.clock.now() < self.world.outages.get(kind, -1.0):
             raise Outage(f"{kind} unreachable")
+
+    async def through_a_stall(self) -> None:
+        """While the store stalls, a call waits (its connection hangs: neither answered nor
+        refused) until the stall ends; then it goes through, as a late reply would."""
+        until = self.world.stalls
+        while self.world.clock.now() < until:
+            await self.world.clock.sleep(until - self.world.clock.now())
+            until = self.world.stalls
+        self.check("store")
 
 
 class ProcessAdapter:
@@ -132,19 +164,23 @@ class ProcessStore:
 
     async def claim_many(self, keys: Any, lease_ttl: float, tokens: Any = None) -> Any:
         self._process.check("store")
+        await self._process.through_a_stall()
         return await self._store.claim_many(keys, lease_ttl, tokens)
 
     async def renew(self, claims: Any, lease_ttl: float) -> Any:
         self._process.check("store")
         self._process.world.renew_calls += 1
+        await self._process.through_a_stall()
         return await self._store.renew(claims, lease_ttl)
 
     async def release_many(self, claims: Any, retention: float) -> None:
         self._process.check("store")
+        await self._process.through_a_stall()
         await self._store.release_many(claims, retention)
 
     async def complete_many(self, completions: Sequence[Completion], ttl: float) -> Any:
         self._process.check("store")
+        await self._process.through_a_stall()
         before = {c.claim.key: self._store._records.get(c.claim.key) for c in completions}
         refused = await self._store.complete_many(completions, ttl)
         for completion in completions:
@@ -173,6 +209,7 @@ class World(RuleBasedStateMachine):
         self.broker.ensure_subscription_sync(DLQ_TOPIC, DLQ_SUB)
         self.store = MemoryDedupStore(clock=self.clock, owner="shared")
         self.outages: dict[str, float] = {}  # kind -> clock time the outage ends
+        self.stalls = -1.0  # clock time the store's stall ends
         self.processes: list[tuple[Process, Subscriber, asyncio.Task[None]]] = []
         self.numbers = itertools.count(1)
         self.published: dict[str, dict[str, Any]] = {}  # message id -> what it was
@@ -183,6 +220,9 @@ class World(RuleBasedStateMachine):
         self.committed: list[str] = []  # idempotency keys, in commit order
         self.crashes = 0
         self.crash_affected: set[str] = set()  # keys in flight in a process when it crashed
+        # keys in flight while the store was out of reach longer than a claim lasts
+        self.outage_affected: set[str] = set()
+        self.long_store_trouble_until = -1.0
         self.renew_calls = 0
         self.keys = itertools.count(1)
         self.dedup = True
@@ -209,24 +249,33 @@ class World(RuleBasedStateMachine):
             dedup_ttl=10 * 24 * 3600,
             receive_timeout=1.0,
             loop_lag_warning=None,
+            unhealthy_after=UNHEALTHY_AFTER,
         )
 
-        @subscriber.handler(SUB)
-        async def handle(message: Message) -> str:
+        async def handle(message: Message) -> Any:
             key = message.attributes["key"]
             plan = self.plans[key]
             step = plan[min(self.calls[message.id], len(plan) - 1)]
             self.calls[message.id] += 1
             if step == "fail":
                 raise ValueError(f"{key} fails")
+            if step == "unprintable":
+                raise Unprintable()
             if step == "cancel":
                 raise asyncio.CancelledError()
             if step == "slow":
                 await self.clock.sleep(3 * ACK_DEADLINE)
             if step == "hang":
                 await self.clock.sleep(3 * MAX_LEASE)
+            if step == "awaitable":  # the work is done only if what is returned is awaited
+                return effect(key)
+            return await effect(key, LazyRow() if step == "unencodable" else key)
+
+        async def effect(key: str, result: Any = None) -> Any:
             if process.dead:
                 raise Outage("the process died during the handler")
+            if self.clock.now() < self.long_store_trouble_until:
+                self.outage_affected.add(key)
             self.returned[key] += 1
             from reliable_sub import current_claim
 
@@ -235,7 +284,16 @@ class World(RuleBasedStateMachine):
                 self.pending_effects[claim.token] = key
             else:
                 self.committed.append(key)
-            return key
+            return key if result is None else result
+
+        if process.number % 2:
+            subscriber.handler(SUB)(handle)
+        else:  # a sync decorator around it, as tracing and logging libraries write them
+            @functools.wraps(handle)
+            def traced(message: Message) -> Any:
+                return handle(message)
+
+            subscriber.handler(SUB)(traced)
 
         async def serve() -> asyncio.Task[None]:
             task = asyncio.ensure_future(subscriber.serve())
@@ -275,6 +333,27 @@ class World(RuleBasedStateMachine):
         if kind == "store" and not self.dedup:
             return
         self.outages[kind] = max(self.outages.get(kind, 0.0), self.clock.now() + seconds)
+        if kind == "store":
+            self._store_trouble(seconds)
+
+    @rule(seconds=st.sampled_from([2.0, 8.0, 30.0]))
+    def store_stalls(self, seconds: float) -> None:
+        """The store's connection hangs: calls wait, neither answered nor refused."""
+        if self.dedup:
+            self.stalls = max(self.stalls, self.clock.now() + seconds)
+            self._store_trouble(seconds)
+
+    def _store_trouble(self, seconds: float) -> None:
+        """Claims cannot be renewed for ``seconds``: longer than a claim lasts, those in
+        flight lapse, and a redelivered copy may run beside (or after) its handler."""
+        if seconds <= ACK_DEADLINE:
+            return
+        self.long_store_trouble_until = max(self.long_store_trouble_until,
+                                            self.clock.now() + seconds)
+        for _, subscriber, _ in self.live():
+            if subscriber._runtime is not None:
+                self.outage_affected.update(item.delivery.message.attributes["key"]
+                                            for item in subscriber._runtime.items)
 
     @rule()
     def broker_takes_a_lease_back(self) -> None:
@@ -305,6 +384,7 @@ class World(RuleBasedStateMachine):
     def stop_a_consumer_and_start_another(self, data: st.DataObject) -> None:
         _, subscriber, task = data.draw(st.sampled_from(self.live()))
         self.outages.clear()  # a deploy waits for healthy dependencies
+        self.stalls = -1.0
         self.run(self._stop(subscriber, task, timeout=0.0))
         self._start_consumer()
 
@@ -328,9 +408,9 @@ class World(RuleBasedStateMachine):
             if not process.dead and subscriber.running:
                 assert not task.done(), "serve() ended while running"
                 runtime = subscriber._runtime
-                if runtime is not None:
-                    assert runtime.supervisor.failures == 0, runtime.problems()
-                    assert not runtime.problems(), runtime.problems()
+                if runtime is not None:  # (healthy() may be False during an outage: a truth)
+                    assert runtime.supervisor.failures == 0, runtime.supervisor.problems()
+                    assert not runtime.supervisor.problems(), runtime.supervisor.problems()
 
     @invariant()
     def no_key_is_committed_twice(self) -> None:
@@ -350,6 +430,7 @@ class World(RuleBasedStateMachine):
 
     def _quiesce_and_check(self) -> None:
         self.outages.clear()
+        self.stalls = -1.0
         if not self.live():
             self._start_consumer()
         started = self.clock.now()
@@ -361,6 +442,11 @@ class World(RuleBasedStateMachine):
 
         self.run(drive_until(self.clock, quiet, 40 * MAX_LEASE, what="quiescence"))
         elapsed = self.clock.now() - started
+        # once every dependency answers again, every live consumer is healthy (a streak of an
+        # outage's failures is over once a call succeeds, or after unhealthy_after of quiet)
+        self.run(pass_time(self.clock, UNHEALTHY_AFTER + 1))
+        for _, subscriber, _ in self.live():
+            assert subscriber.healthy(), subscriber.problems()
         dead_lettered = {m.message.attributes["key"]
                          for m in self.run(self.broker.receive(DLQ_SUB, 10_000, 0))}
         keys = {p["key"] for p in self.published.values()}
@@ -371,7 +457,7 @@ class World(RuleBasedStateMachine):
                     assert committed[key] <= 1, (key, committed[key])
                 else:
                     assert committed[key] == 1, f"{key}: committed {committed[key]} times"
-                if key not in self.crash_affected:
+                if key not in self.crash_affected | self.outage_affected:
                     assert self.returned[key] <= 1, f"{key} returned {self.returned[key]} times"
         else:
             for key in keys - dead_lettered:

@@ -6,9 +6,11 @@ broker, extending leases) that fails starts a *streak*, which its next success e
 is logged once when it starts (WARNING, with the traceback), then only at DEBUG, and summed up
 when it ends (INFO: how many failures over how long) -- a broker down for a minute is two lines,
 not one per retry. A streak that has lasted ``unhealthy_after`` seconds (from its first failure
-to its latest) makes the Subscriber unhealthy, with the call and its last error named: a
-consumer whose every receive, claim or ack fails is not handling anything, whatever its loops
-are doing. One failed call, or failures with successes between them, do not.
+to its latest), while its latest failure is recent (within ``unhealthy_after``), makes the
+Subscriber unhealthy, with the call and its last error named: a consumer whose every receive,
+claim or ack fails is not handling anything, whatever its loops are doing. One failed call, or
+failures with successes between them, do not; nor does an old streak of a call that was not
+made since (a claim that failed during an outage, then no message to claim).
 """
 
 from __future__ import annotations
@@ -71,12 +73,16 @@ class Health:
         streak.last_error = text
 
     def problems(self) -> list[str]:
-        """The calls failing for ``unhealthy_after`` seconds or more, with their last error."""
+        """The calls failing for ``unhealthy_after`` seconds or more and still failing, with
+        their last error."""
+        if not self._streaks:
+            return []
+        now, bound = self._now(), self._unhealthy_after
         return [
             f"{call} has failed {streak.count} times over {streak.last - streak.first:.0f}s "
             f"(last error: {streak.last_error})"
             for call, streak in self._streaks.items()
-            if streak.last - streak.first >= self._unhealthy_after
+            if streak.last - streak.first >= bound and now - streak.last <= bound
         ]
 
     def failing(self, call: str) -> bool:

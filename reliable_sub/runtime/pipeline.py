@@ -76,6 +76,9 @@ DEFER_MIN_DELAY = 1.0
 # the cap bounds how long a consumer idles after the broker is back (a failover, a restart).
 RECEIVE_RETRY_INITIAL = 0.1
 RECEIVE_RETRY_MAX = 2.0
+# A receive call still unanswered after twice its timeout plus this (seconds) counts as hung
+# and fails (slack for a reclaim pass, a cluster client's first slot map, a loaded host).
+RECEIVE_STALL_SLACK = 2.0
 # After a stop cancels the async handlers still running at its deadline, each gets this long
 # (real seconds) to end; one that swallows the cancellation is then left behind, logged.
 CANCEL_GRACE = 5.0
@@ -376,9 +379,14 @@ class Runtime:
             sleep=self.config.clock.sleep,
         ):
             with attempt:
-                deliveries = await self.config.adapter.receive(
-                    subscription, max_messages, self.config.receive_timeout
-                )
+                timeout = self.config.receive_timeout
+                # bounded: a broker connection that hangs (an adapter whose client has no
+                # read timeout) fails the call like any other failure, so it is retried on a
+                # fresh one and healthy() can tell; an adapter takes about `timeout`
+                deliveries = await within(
+                    self.config.clock,
+                    self.config.adapter.receive(subscription, max_messages, timeout),
+                    2 * timeout + RECEIVE_STALL_SLACK, "receive")
                 self.health.ok(call)
                 return deliveries
         return []  # the retry loop ended because the Subscriber is closing
