@@ -36,10 +36,14 @@ to ``idempotent:<module>.<qualname>``, so two functions never share records), th
 a cancelled task, or in a sync caller a signal handler's exception -- stops waiting, not the store
 calls: a function that returned still has its result stored, one that raised or was cancelled
 still has its claim released, and a claim made by a claim call the caller left is released
-too. These finish in a task of their own (async) or on the background loop (sync), and a later
-call with the key in the same process waits for them first (up to ``wait_timeout``), so the
+too. The store call the cancellation interrupted is made again in a task of its own (async; a
+call that is not cancelled costs nothing more) or on the background loop (sync), and a later
+call with the key in the same process waits for it first (up to ``wait_timeout``), so the
 natural client retry replays the result instead of finding the key in progress or running the
-function again (see :mod:`~reliable_sub.idempotency.settling`).
+function again (see :mod:`~reliable_sub.idempotency.settling`). A store whose calls must not be
+cut short in flight says so with a ``cancel_safe_calls = False`` attribute (SqlDedupStore: a
+SQLite database would stay locked): async calls then await its calls in a task of their own,
+through ``asyncio.shield``, and leave them to finish.
 
 Completions are owner-fenced: if the claim was lost while the function ran (a lease that lapsed
 and a peer that took the key), the completion is refused, the peer's record is left alone, a
@@ -402,11 +406,12 @@ class _Core:
         module = getattr(function, "__module__", None)
         self.name = f"{module}.{qualname}" if qualname and module else repr(function)
         self.settling = Settling(self.name)
-        # Sync calls claim under tokens of their own making, so a call interrupted in its claim
+        # Calls claim under tokens of their own making, so a call interrupted in its claim
         # knows which claim to release.
-        self.tokens: TokenSource | None = (
-            TokenSource(_owner_of(settings.store)) if self.sync_store is not None else None
-        )
+        self.tokens = TokenSource(_owner_of(settings.store))
+        # A store whose calls must not be cut short in flight has async calls await them in a
+        # task of their own, through asyncio.shield (see the module docstring).
+        self.shield = getattr(settings.store, "cancel_safe_calls", True) is False
         if settings.namespace is not None:
             self.namespace = settings.namespace
         elif not qualname or not module or "<lambda>" in qualname:
@@ -514,23 +519,34 @@ class _Core:
         settings = self.settings
         record = DedupKey(self.namespace, key)
         waiting = _Waiting()
+        token = self.tokens.next()
+        store = settings.store
         while True:
-            found = await self.claim(record, key)
+            claiming = None
+            try:
+                if self.shield:
+                    claiming = asyncio.ensure_future(
+                        store.claim_many([record], settings.lease_ttl, [token])
+                    )
+                    [found] = await asyncio.shield(claiming)
+                else:
+                    [found] = await store.claim_many([record], settings.lease_ttl, [token])
+            except asyncio.CancelledError:  # the store may hold a claim under the token
+                self.settling.redo(key, self.unclaim(Claimed(record, token), key, claiming))
+                raise
             answer = self.after_claim(key, found, fingerprint, waiting, "claim_many")
             if not isinstance(answer, float):
                 return answer
             await settings.clock.sleep(answer)
 
-    async def claim(self, record: DedupKey, key: str) -> ClaimResult:
-        """The store's answer to a claim of ``record``; a caller cancelled meanwhile leaves
-        the store call to finish, and the claim it made released."""
-        return await self.settling.shielded(
-            key, self._claim_one(record), functools.partial(self.release_unused, key=key)
-        )
-
-    async def _claim_one(self, record: DedupKey) -> ClaimResult:
-        [found] = await self.settings.store.claim_many([record], self.settings.lease_ttl)
-        return found
+    async def unclaim(
+        self, claim: Claimed, key: str, claiming: asyncio.Future[Any] | None
+    ) -> None:
+        """Release ``claim``, which a claim call its caller left may have made (once that
+        call, if it still runs, has ended)."""
+        if claiming is not None:
+            await asyncio.wait([claiming])
+        await self.settle_claim(claim, key, None)
 
     async def release_unused(self, started: object, key: str) -> None:
         """Release ``started`` if it is a claim (one its caller left without using)."""
@@ -545,7 +561,6 @@ class _Core:
         settings = self.settings
         record = DedupKey(self.namespace, key)
         waiting: _Waiting | None = None
-        assert self.tokens is not None
         token = self.tokens.next()
         while True:
             try:
@@ -680,9 +695,21 @@ class _Core:
     async def settle(
         self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
     ) -> None:
-        """:meth:`finish` in a task of its own, shielded: a caller cancelled meanwhile leaves
-        it to finish, and later calls with ``key`` wait for it (see :mod:`.settling`)."""
-        await self.settling.shielded(key, self.finish(beat, claim, key, record))
+        """:meth:`finish`; a caller cancelled meanwhile leaves it to be done in a task of its
+        own, which later calls with ``key`` wait for (see :mod:`.settling`)."""
+        if self.shield:
+            finishing = asyncio.ensure_future(self.finish(beat, claim, key, record))
+            try:
+                await asyncio.shield(finishing)
+            except asyncio.CancelledError:
+                self.settling.track(key, finishing)
+                raise
+            return
+        try:
+            await self.finish(beat, claim, key, record)
+        except asyncio.CancelledError:  # the store call with it, maybe in flight: again
+            self.settling.redo(key, self.finish_again(beat, claim, key, record))
+            raise
 
     def finish_on_background(
         self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
@@ -699,6 +726,15 @@ class _Core:
         """Stop renewing; store ``record`` (or, without one, release the claim)."""
         beat.stop.set()
         await beat.task
+        await self.settle_claim(claim, key, record)
+
+    async def finish_again(
+        self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
+    ) -> None:
+        """:meth:`finish` after a cancelled one: completing or releasing the same claim twice
+        is harmless, and the heartbeat may have been cancelled with its caller."""
+        beat.stop.set()
+        await asyncio.wait([beat.task])
         await self.settle_claim(claim, key, record)
 
     async def settle_claim(self, claim: Claimed, key: str, record: str | None) -> None:

@@ -8,12 +8,18 @@ lose the record (a retry would run the function again) nor leave the claim held 
 lapses (a retry would find the key in progress meanwhile). Nor may a caller cancelled during its
 claim call leave behind a claim nobody holds.
 
-So the store calls that settle a claim run on their own: an asyncio task the caller awaits through
-``asyncio.shield`` (its cancellation stops the waiting, not the task), or a coroutine on the
-background loop that an interrupted sync caller leaves running. Until it is done, its key is
-*settling* in this process, and a later call of the function with that key first waits for it
-(up to ``wait_timeout`` real seconds), so it replays the recorded result rather than running the
-function again or finding the key in progress.
+So an async caller awaits its store calls as they are, at no cost (no task, no turn of the event
+loop), and a cancellation that interrupts one makes it again in a task of its own: from a fresh
+connection if the client library dropped the one the cancellation found in flight (redis-py
+does), which is harmless, since completing or releasing a claim twice under its token is; a
+claim call the caller left is followed by a release of the claim it may have made under the
+caller's token. A store whose calls must not be cut short in flight (``cancel_safe_calls =
+False``: SqlDedupStore) has them run in a task of their own that the caller awaits through
+``asyncio.shield``, and that is left to finish. A sync caller interrupted by an exception leaves
+its store calls running, or makes them again, on the background loop. Until that work is done,
+its key is *settling* in this process, and a later call of the function with that key first
+waits for it (up to ``wait_timeout`` real seconds), so it replays the recorded result rather than
+running the function again or finding the key in progress.
 """
 
 from __future__ import annotations
@@ -22,7 +28,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -57,22 +62,11 @@ class Settling:
         self._add(key, work)
         work.add_done_callback(lambda done: self._end(key, done, done.cancelled()))
 
-    async def shielded(
-        self, key: str, work: Coroutine[Any, Any, T],
-        unwanted: Callable[[T], Coroutine[Any, Any, None]] | None = None,
-    ) -> T:
-        """The result of ``work``, run in a task of its own: a caller cancelled while it
-        waits leaves it to finish, then ``unwanted`` to be run on its result (later calls
-        with ``key`` wait for both)."""
-        task = start(work)
-        if unwanted is None:
-            self.track(key, task)
-            return await asyncio.shield(task)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            self.track(key, start(_after(task, unwanted)))
-            raise
+    def redo(self, key: str, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in a task of its own, counting ``key`` as settling until it ends: what
+        an async caller cancelled in a store call leaves to be done (call it from the except
+        clause, in the caller's loop)."""
+        self.track(key, asyncio.ensure_future(work))
 
     def on_background(
         self, key: str, work: Coroutine[Any, Any, T], store: object
@@ -187,29 +181,6 @@ class Settling:
         deadline = time.monotonic() + timeout
         while (ends := self._ends(key)) and (left := deadline - time.monotonic()) > 0:
             concurrent.futures.wait(ends, timeout=left)
-
-
-if sys.version_info >= (3, 12):
-
-    def start(work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """A task running ``work``, started at once: a store call that answers without
-        suspending (an in-memory store) costs no turn of the event loop."""
-        return asyncio.Task(work, loop=asyncio.get_running_loop(), eager_start=True)
-
-else:
-
-    def start(work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """A task running ``work`` (from the next turn of the event loop)."""
-        return asyncio.ensure_future(work)
-
-
-async def _after(
-    task: asyncio.Future[T], then: Callable[[T], Coroutine[Any, Any, None]]
-) -> None:
-    """``then`` on the result of ``task``, once it ends (if it ends with one)."""
-    await asyncio.wait([task])
-    if not task.cancelled() and task.exception() is None:
-        await then(task.result())
 
 
 def _ended(task: asyncio.Future[Any]) -> concurrent.futures.Future[None] | None:

@@ -92,6 +92,12 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
             database, made on first use).
     """
 
+    # A call cancelled while a statement is in flight must not be left to SQLAlchemy, which
+    # terminates the connection inside its transaction: on SQLite (aiosqlite) the database
+    # stays write-locked until the garbage collector closes that connection, and every write
+    # meanwhile fails after busy_timeout. @idempotent lets this store's calls finish instead.
+    cancel_safe_calls = False
+
     def __init__(
         self,
         url_or_engine: str | URL | AsyncEngine,
