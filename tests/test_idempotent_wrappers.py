@@ -49,7 +49,7 @@ def test_a_sync_function_that_returns_a_coroutine_is_refused_not_stored() -> Non
 
     charge = idempotent(store, key="request_id", namespace="charge")(
         lambda request_id: work(request_id))
-    with pytest.raises(ResultNotSerializableError):
+    with pytest.raises(ResultNotSerializableError, match="returned an awaitable"):
         charge("r2")
-    with pytest.raises(ResultNotSerializableError):
+    with pytest.raises(ResultNotSerializableError, match="returned an awaitable"):
         charge("r2")  # not replayed: nothing was stored

@@ -682,6 +682,14 @@ class _Core:
 
     def record(self, value: Any, fingerprint: str | None) -> str:
         """The JSON text to store: ``{"p": fingerprint, "r": value}``."""
+        if inspect.isawaitable(value):  # a sync function that handed back its work unrun
+            if inspect.iscoroutine(value):
+                value.close()
+            raise ResultNotSerializableError(
+                f"@idempotent {self.name}: the function returned an awaitable, so its work did "
+                "not run; declare it 'async def' (a plain decorator around an 'async def' "
+                "should keep functools.wraps); nothing was stored and the key was released"
+            )
         try:
             result_json = encode_result(value)
         except ResultNotSerializableError as error:
