@@ -13,6 +13,7 @@ from typing import Any
 
 from ._text import safe_repr
 from .errors import ConfigurationError
+from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, TelemetryPolicy
 
 # What the Subscriber calls on an adapter and on a dedup store.
 ADAPTER_METHODS = (
@@ -114,6 +115,36 @@ def check_with(where: str, value: object, method: str, what: str, fix: str) -> N
         check_methods(where, value, (method,), what, fix)
 
 
+def check_subscriber_arguments(
+    adapter: object, dedup: object, lease: object, retry: object, dead_letter: object,
+    flow_control: object, clock: object, rng: object, on_outcome: object, on_event: object,
+    tracer_provider: object, meter_provider: object, telemetry: object,
+) -> None:
+    """Each argument of ``Subscriber(...)`` is what it must be, or a ConfigurationError naming
+    it and the fix."""
+
+    check_adapter("Subscriber(adapter)", adapter)
+    check_dedup_store("Subscriber(dedup=)", dedup)
+    check_instance("Subscriber(lease=)", lease, LeasePolicy, "pass LeasePolicy(...)")
+    check_instance("Subscriber(retry=)", retry, RetryPolicy, "pass RetryPolicy(...)")
+    topic = f"{dead_letter!r}" if isinstance(dead_letter, str) else "'orders-dlq'"
+    check_instance("Subscriber(dead_letter=)", dead_letter, DeadLetterPolicy,
+                   f"pass DeadLetterPolicy({topic}, max_delivery_attempts=5)")
+    check_instance("Subscriber(flow_control=)", flow_control, FlowControl,
+                   "pass FlowControl(max_messages=..., max_bytes=...)")
+    check_instance("Subscriber(telemetry=)", telemetry, TelemetryPolicy,
+                   "pass TelemetryPolicy(...)")
+    check_clock("Subscriber(clock=)", clock)
+    check_with("Subscriber(rng=)", rng, "uniform", "a random.Random",
+               "pass random.Random(seed), or None")
+    check_callable("Subscriber(on_outcome=)", on_outcome, "(message, outcome) -> None")
+    check_callable("Subscriber(on_event=)", on_event, "(event) -> None")
+    check_with("Subscriber(tracer_provider=)", tracer_provider, "get_tracer",
+               "an OpenTelemetry TracerProvider", "pass the SDK's TracerProvider(), or None")
+    check_with("Subscriber(meter_provider=)", meter_provider, "get_meter",
+               "an OpenTelemetry MeterProvider", "pass the SDK's MeterProvider(), or None")
+
+
 __all__ = [
     "check_adapter",
     "check_callable",
@@ -121,5 +152,6 @@ __all__ = [
     "check_dedup_store",
     "check_instance",
     "check_methods",
+    "check_subscriber_arguments",
     "check_with",
 ]

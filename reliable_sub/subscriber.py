@@ -23,14 +23,7 @@ from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
 from ._callables import check_not_generator, check_takes, is_async_callable
-from ._checks import (
-    check_adapter,
-    check_callable,
-    check_clock,
-    check_dedup_store,
-    check_instance,
-    check_with,
-)
+from ._checks import check_subscriber_arguments
 from .clock import Clock, SystemClock
 from .dedup import DedupStore
 from .errors import ConfigurationError
@@ -150,8 +143,9 @@ class Subscriber(Service):
         telemetry: TelemetryPolicy | None = None,
         unhealthy_after: float = DEFAULT_UNHEALTHY_AFTER,
     ) -> None:
-        _check_arguments(adapter, dedup, lease, retry, dead_letter, flow_control, clock, rng,
-                         on_outcome, on_event, tracer_provider, meter_provider, telemetry)
+        check_subscriber_arguments(adapter, dedup, lease, retry, dead_letter, flow_control,
+                                   clock, rng, on_outcome, on_event, tracer_provider,
+                                   meter_provider, telemetry)
         check_seconds("Subscriber", "dedup_ttl", dedup_ttl)
         check_seconds("Subscriber", "unhealthy_after", unhealthy_after)
         check_seconds("Subscriber", "receive_timeout", receive_timeout)
@@ -360,34 +354,6 @@ class Subscriber(Service):
     def _log_stopped(self) -> None:
         counts = {outcome.value: n for outcome, n in self.stats.outcomes.items() if n}
         logger.info("stopped: %s", counts or "no messages", extra={"outcomes": counts})
-
-
-def _check_arguments(
-    adapter: object, dedup: object, lease: object, retry: object, dead_letter: object,
-    flow_control: object, clock: object, rng: object, on_outcome: object, on_event: object,
-    tracer_provider: object, meter_provider: object, telemetry: object,
-) -> None:
-    """Each argument is what it must be, or a ConfigurationError naming it and the fix."""
-    check_adapter("Subscriber(adapter)", adapter)
-    check_dedup_store("Subscriber(dedup=)", dedup)
-    check_instance("Subscriber(lease=)", lease, LeasePolicy, "pass LeasePolicy(...)")
-    check_instance("Subscriber(retry=)", retry, RetryPolicy, "pass RetryPolicy(...)")
-    topic = f"{dead_letter!r}" if isinstance(dead_letter, str) else "'orders-dlq'"
-    check_instance("Subscriber(dead_letter=)", dead_letter, DeadLetterPolicy,
-                   f"pass DeadLetterPolicy({topic}, max_delivery_attempts=5)")
-    check_instance("Subscriber(flow_control=)", flow_control, FlowControl,
-                   "pass FlowControl(max_messages=..., max_bytes=...)")
-    check_instance("Subscriber(telemetry=)", telemetry, TelemetryPolicy,
-                   "pass TelemetryPolicy(...)")
-    check_clock("Subscriber(clock=)", clock)
-    check_with("Subscriber(rng=)", rng, "uniform", "a random.Random",
-               "pass random.Random(seed), or None")
-    check_callable("Subscriber(on_outcome=)", on_outcome, "(message, outcome) -> None")
-    check_callable("Subscriber(on_event=)", on_event, "(event) -> None")
-    check_with("Subscriber(tracer_provider=)", tracer_provider, "get_tracer",
-               "an OpenTelemetry TracerProvider", "pass the SDK's TracerProvider(), or None")
-    check_with("Subscriber(meter_provider=)", meter_provider, "get_meter",
-               "an OpenTelemetry MeterProvider", "pass the SDK's MeterProvider(), or None")
 
 
 def _name_of(function: Callable[..., Any]) -> str:

@@ -34,6 +34,7 @@ from reliable_sub.testing.adapter_suite import (
     failures,
     guarantees,
     hostile_handlers,
+    hostile_results,
     inspection,
     lifecycle,
     replay,
@@ -43,8 +44,8 @@ from reliable_sub.testing.adapter_suite import (
 from reliable_sub.testing.harness import Harness
 
 MODULES: tuple[ModuleType, ...] = (
-    delivery, guarantees, lifecycle, hostile_handlers, settling, failures, telemetry, replay,
-    dead_letter_tools, inspection,
+    delivery, guarantees, lifecycle, hostile_handlers, hostile_results, settling, failures,
+    telemetry, replay, dead_letter_tools, inspection,
 )
 
 
