@@ -34,7 +34,7 @@ def safe_str(value: object, limit: int | None = None) -> str:
             raise TypeError("__str__ returned a non-string")
     except Exception as error:
         text = _failed(value, "str()", error)
-    return text if limit is None or len(text) <= limit else text[:limit] + "…"
+    return text if limit is None or len(text) <= limit else text[:limit] + "..."
 
 
 def safe_repr(value: object, limit: int | None = None) -> str:
@@ -46,7 +46,7 @@ def safe_repr(value: object, limit: int | None = None) -> str:
             raise TypeError("__repr__ returned a non-string")
     except Exception as error:
         text = _failed(value, "repr()", error)
-    return text if limit is None or len(text) <= limit else text[:limit] + "…"
+    return text if limit is None or len(text) <= limit else text[:limit] + "..."
 
 
 def error_type(error: BaseException) -> str:
@@ -62,7 +62,7 @@ def describe_error(error: BaseException, limit: int | None = None) -> str:
     message = safe_str(error)
     name = _type_name(error)
     text = f"{name}: {message}" if message else name
-    return text if limit is None or len(text) <= limit else text[:limit] + "…"
+    return text if limit is None or len(text) <= limit else text[:limit] + "..."
 
 
 __all__ = ["describe_error", "error_type", "safe_repr", "safe_str"]

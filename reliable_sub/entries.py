@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
+from ._text import describe_error
 from .message import Delivery
 
 logger = logging.getLogger(__name__)
@@ -66,11 +67,4 @@ def read_each(
 def describe(error: BaseException) -> str:
     """``"Type: text"`` of ``error``, at most MAX_PROBLEM_CHARS long, even when its ``__str__``
     raises."""
-    try:
-        text = str(error)
-    except Exception:
-        text = "(its text cannot be read)"
-    problem = f"{type(error).__name__}: {text}" if text else type(error).__name__
-    if len(problem) > MAX_PROBLEM_CHARS:
-        problem = problem[: MAX_PROBLEM_CHARS - 3] + "..."
-    return problem
+    return describe_error(error, MAX_PROBLEM_CHARS - 3)

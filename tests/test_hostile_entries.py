@@ -233,7 +233,8 @@ def test_whatever_reading_an_entry_raises_marks_that_entry_only() -> None:
     assert problems["ok-1"] is None and problems["ok-2"] is None
     assert problems["lookup"] == "LookupError: unforeseen"
     assert problems["recursion"] == "RecursionError: maximum recursion depth exceeded"
-    assert problems["unprintable"] == "Unprintable: (its text cannot be read)"
+    assert problems["unprintable"] == (
+        "Unprintable: <unprintable Unprintable: str() raised RuntimeError>")
     assert problems["long"] is not None and len(problems["long"]) == 300
     assert problems["long"].startswith("ValueError: xxx") and problems["long"].endswith("...")
 
