@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .errors import ConfigurationError
@@ -22,33 +22,30 @@ from .errors import ConfigurationError
 MAX_AWAITS = 8
 
 
-def _unwrapped(function: Any) -> Any:
-    """``function`` without partials and ``__wrapped__`` wrappers."""
-    for _ in range(100):  # bounded: a wrapper chain can be a cycle
+def _layers(function: Any) -> Iterator[Any]:
+    """``function``, then each function it wraps (partials, ``__wrapped__``), outermost
+    first; bounded, since a wrapper chain can be a cycle."""
+    for _ in range(100):
+        yield function
         if isinstance(function, functools.partial):
             function = function.func
             continue
         wrapped = getattr(function, "__wrapped__", None)
         if wrapped is None or wrapped is function:
-            return function
+            return
         function = wrapped
-    return function
+
+
+def _unwrapped(function: Any) -> Any:
+    """``function`` without partials and ``__wrapped__`` wrappers."""
+    *_, innermost = _layers(function)
+    return innermost
 
 
 def _any_layer(function: Any, test: Callable[[Any], bool]) -> bool:
     """Whether ``test`` holds for ``function``, its ``__call__``, or a function it wraps."""
-    layer = function
-    for _ in range(100):
-        if test(layer) or test(getattr(layer, "__call__", None)):  # noqa: B004
-            return True
-        if isinstance(layer, functools.partial):
-            layer = layer.func
-            continue
-        wrapped = getattr(layer, "__wrapped__", None)
-        if wrapped is None or wrapped is layer:
-            return False
-        layer = wrapped
-    return False
+    return any(test(layer) or test(getattr(layer, "__call__", None))  # noqa: B004
+               for layer in _layers(function))
 
 
 def is_async_callable(function: Callable[..., Any]) -> bool:

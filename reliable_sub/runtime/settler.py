@@ -23,7 +23,7 @@ import asyncio
 import enum
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from ..clock import Clock, SystemClock, within
@@ -104,6 +104,59 @@ class _GiveUp(Exception):
     """The stop deadline passed while a call was still failing."""
 
 
+class _Lane:
+    """Settles waiting to go out, and the calls (tasks) sending them: at most
+    MAX_CALLS_IN_FLIGHT at once, each taking everything that waits when it starts."""
+
+    def __init__(self, send: Callable[[list[Settle]], Coroutine[Any, Any, None]],
+                 gather: bool) -> None:
+        self._send = send
+        self._gather = gather  # let what finishes in this loop turn join the batch
+        self.waiting: list[Settle] = []
+        self.calls: set[asyncio.Task[None]] = set()
+        self._queued = asyncio.Event()
+        self._slot_free = asyncio.Event()
+
+    def add(self, settle: Settle) -> None:
+        self.waiting.append(settle)
+        self._queued.set()
+
+    def extend(self, settles: list[Settle]) -> None:
+        self.waiting.extend(settles)
+        self._queued.set()
+
+    @property
+    def pending(self) -> int:
+        return len(self.waiting) + len(self.calls)
+
+    @property
+    def can_send(self) -> bool:
+        return bool(self.waiting) and len(self.calls) < MAX_CALLS_IN_FLIGHT
+
+    async def run(self) -> None:
+        while True:
+            await self._queued.wait()
+            if self._gather:
+                await asyncio.sleep(0)
+            while self.waiting and len(self.calls) >= MAX_CALLS_IN_FLIGHT:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+            self._queued.clear()
+            self.send_waiting()
+
+    def send_waiting(self) -> None:
+        if not self.waiting:
+            return
+        batch, self.waiting = self.waiting, []
+        task = asyncio.get_running_loop().create_task(self._send(batch))
+        self.calls.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self.calls.discard(task)
+        self._slot_free.set()
+
+
 class Settler:
     """Queues settles and sends them in batches, confirming each with ``on_settled``.
 
@@ -133,15 +186,9 @@ class Settler:
         self._on_settled = on_settled
         self._clock: Clock = clock or SystemClock()
         self._health = health or Health(self._clock.now, math.inf)
-        self._queue: list[Settle] = []
-        self._queued = asyncio.Event()
-        self._slot_free = asyncio.Event()
-        self._calls: set[asyncio.Task[None]] = set()
-        # the completion lane: settles whose result is not recorded yet
-        self._to_record: list[Settle] = []
-        self._record_queued = asyncio.Event()
-        self._record_slot_free = asyncio.Event()
-        self._recording: set[asyncio.Task[None]] = set()
+        # results to record first; then the rest: acks (releases first) and nacks
+        self._recording = _Lane(self._record, gather=False)
+        self._settling = _Lane(self._send, gather=True)
         self._give_up_at: float | None = None
         self._combined: AcksWithCompletions | None = None
         store = claims.store
@@ -152,29 +199,27 @@ class Settler:
     @property
     def pending(self) -> int:
         """Settles queued or in a call not yet confirmed."""
-        return len(self._queue) + len(self._calls) + len(self._to_record) + len(self._recording)
+        return self._recording.pending + self._settling.pending
 
     def add(self, settle: Settle) -> None:
         """Queue ``settle``: a result to record goes out at once (with those already
         waiting), the rest with the next batch."""
         settle.item.stage = Stage.SETTLING
         if settle.completion is not None and settle.release is None:
-            self._to_record.append(settle)
-            self._record_queued.set()
+            self._recording.add(settle)
         else:
-            self._queue.append(settle)
-            self._queued.set()
+            self._settling.add(settle)
 
     async def drain(self, give_up_at: float) -> None:
         """Wait until everything queued is confirmed; calls still failing at ``give_up_at``
         (the event loop's clock) give up."""
         self._give_up_at = give_up_at
-        while self._queue or self._calls or self._to_record or self._recording:
-            if self._to_record and len(self._recording) < MAX_CALLS_IN_FLIGHT:
-                self._record_waiting()
-            if self._queue and len(self._calls) < MAX_CALLS_IN_FLIGHT:
-                self._send_queued()
-            calls = self._calls | self._recording
+        lanes = (self._recording, self._settling)
+        while any(lane.pending for lane in lanes):
+            for lane in lanes:
+                if lane.can_send:
+                    lane.send_waiting()
+            calls = self._recording.calls | self._settling.calls
             if calls:
                 await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
             else:
@@ -187,7 +232,7 @@ class Settler:
     async def run(self) -> None:
         """Record results and send batches as settles arrive, until cancelled."""
         loop = asyncio.get_running_loop()
-        lanes = {loop.create_task(self._record_loop()), loop.create_task(self._send_loop())}
+        lanes = {loop.create_task(self._recording.run()), loop.create_task(self._settling.run())}
         try:
             done, _ = await asyncio.wait(lanes, return_when=asyncio.FIRST_COMPLETED)
             for lane in done:
@@ -195,27 +240,6 @@ class Settler:
         finally:
             for lane in lanes:
                 lane.cancel()
-
-    async def _record_loop(self) -> None:
-        while True:
-            await self._record_queued.wait()
-            while self._to_record and len(self._recording) >= MAX_CALLS_IN_FLIGHT:
-                self._record_slot_free.clear()
-                await self._record_slot_free.wait()
-            self._record_queued.clear()
-            self._record_waiting()
-
-    def _record_waiting(self) -> None:
-        if not self._to_record:
-            return
-        batch, self._to_record = self._to_record, []
-        task = asyncio.get_running_loop().create_task(self._record(batch))
-        self._recording.add(task)
-        task.add_done_callback(self._recorded)
-
-    def _recorded(self, task: asyncio.Task[None]) -> None:
-        self._recording.discard(task)
-        self._record_slot_free.set()
 
     async def _record(self, batch: list[Settle]) -> None:
         """Record ``batch``'s results, then hand them to the ack lane (the Redis fast path:
@@ -246,30 +270,7 @@ class Settler:
             return
         for settle in batch:
             settle.completion = None  # recorded
-        self._queue.extend(batch)
-        self._queued.set()
-
-    async def _send_loop(self) -> None:
-        while True:
-            await self._queued.wait()
-            await asyncio.sleep(0)  # let deliveries finishing in this loop turn join the batch
-            while self._queue and len(self._calls) >= MAX_CALLS_IN_FLIGHT:
-                self._slot_free.clear()
-                await self._slot_free.wait()
-            self._queued.clear()
-            self._send_queued()
-
-    def _send_queued(self) -> None:
-        if not self._queue:
-            return
-        batch, self._queue = self._queue, []
-        task = asyncio.get_running_loop().create_task(self._send(batch))
-        self._calls.add(task)
-        task.add_done_callback(self._call_done)
-
-    def _call_done(self, task: asyncio.Task[None]) -> None:
-        self._calls.discard(task)
-        self._slot_free.set()
+        self._settling.extend(batch)
 
     async def _send(self, batch: list[Settle]) -> None:
         try:
