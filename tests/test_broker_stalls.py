@@ -80,11 +80,13 @@ def test_a_hung_broker_connection_is_reported_and_recovered_from(
             proxy.resume()
             recovery = wait_for(lambda: b"during" in handled, "handling after the stall")
             wait_for(sub.healthy, "healthy again")
+            wait_for(lambda: sub.stats[Outcome.ACKED] == 2, "both acks")
         finally:
             proxy.resume()
             sub.stop(timeout=5)
             setup.close_sync()
     assert handled == [b"before", b"during"]
     assert sub.stats[Outcome.ACKED] == 2
-    # one bound (2 x 0.5 s + 2 s) and a retry wait of at most 2 s
-    assert recovery < 10.0, f"handled {recovery:.1f}s after the stall ended"
+    # one bound (2 x 0.5 s + 2 s) and a retry wait of at most 2 s: seconds, not minutes (the
+    # bound is generous for a loaded machine)
+    assert recovery < 20.0, f"handled {recovery:.1f}s after the stall ended"

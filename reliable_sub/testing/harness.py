@@ -156,6 +156,21 @@ class Harness:
             adapter.receive(subscription, max_messages, timeout), within=timeout + slack
         )
 
+    async def receive_count(
+        self, adapter: Adapter, subscription: str, count: int, max_messages: int = 100,
+        within: float | None = None,
+    ) -> list[Delivery]:
+        """Receive (a tick at a time) until ``count`` deliveries came or ``within`` seconds of
+        the harness clock passed (default: ten ack deadlines); returns what came. A short
+        receive that comes back empty is no loss: on a loaded machine a round trip can take
+        longer than a tick, so only the final count says whether something went missing."""
+        got: list[Delivery] = []
+        give_up_at = self.clock.now() + (10 * self.ack_deadline if within is None else within)
+        while len(got) < count and self.clock.now() < give_up_at:
+            got += await self.receive(adapter, subscription, timeout=self.tick,
+                                      max_messages=max_messages)
+        return got
+
     @asynccontextmanager
     async def serving(self, subscriber: Subscriber) -> AsyncIterator[Subscriber]:
         """Run ``subscriber`` in this loop for the duration of the block, then stop it."""

@@ -90,11 +90,8 @@ async def test_receive_respects_max_messages(harness: Harness) -> None:
         await adapter.publish(topic, f"m{i}".encode())
     first = await harness.receive(adapter, sub, timeout=harness.tick, max_messages=5)
     assert 1 <= len(first) <= 5
-    rest: list[Delivery] = []
-    while len(first) + len(rest) < 7:
-        batch = await harness.receive(adapter, sub, timeout=harness.tick, max_messages=5)
-        assert batch, "messages went missing"
-        rest.extend(batch)
+    rest = await harness.receive_count(adapter, sub, 7 - len(first), max_messages=5)
+    assert len(first) + len(rest) == 7, "messages went missing"
     await adapter.ack(first + rest)
     assert sorted(d.message.data for d in first + rest) == [f"m{i}".encode() for i in range(7)]
 
@@ -107,12 +104,8 @@ async def test_fan_out_to_two_subscriptions(harness: Harness) -> None:
     ids = [await adapter.publish(topic, f"e{i}".encode()) for i in range(5)]
 
     for sub in (sub_a, sub_b):
-        got: list[Delivery] = []
-        while len(got) < 5:
-            batch = await harness.receive(adapter, sub, timeout=harness.tick)
-            assert batch, f"{sub} is missing messages"
-            got.extend(batch)
-        assert sorted(d.message.id for d in got) == sorted(ids)
+        got = await harness.receive_count(adapter, sub, 5)
+        assert sorted(d.message.id for d in got) == sorted(ids), f"{sub} is missing messages"
         assert {d.message.subscription for d in got} == {sub}
         await adapter.ack(got)
 
