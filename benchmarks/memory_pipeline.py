@@ -249,7 +249,7 @@ STAGE_RULES = (
     rule(LEASE, "reliable_sub/runtime/lease.py"),
     rule(LEASE, "reliable_sub/runtime/histogram.py"),
     rule(DEDUP, "reliable_sub/idempotency/memory_store.py"),
-    rule(DEDUP, "reliable_sub/idempotency/claims.py"),
+    rule(DEDUP, "reliable_sub/runtime/claims.py"),
     rule(DEDUP, "reliable_sub/message.py", "idempotency_key"),
     rule(
         TASK,

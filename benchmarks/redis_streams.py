@@ -699,7 +699,7 @@ STAGE_RULES = (
     rule(RECEIVE, THIS_FILE, "raw_read"),
     rule(LEASE, "reliable_sub/runtime/lease.py"),
     rule(LEASE, "reliable_sub/runtime/histogram.py"),
-    rule(DEDUP_CLAIM, "reliable_sub/idempotency/claims.py", "claim", "refresh", "key_of"),
+    rule(DEDUP_CLAIM, "reliable_sub/runtime/claims.py", "claim", "refresh", "key_of"),
     rule(
         DEDUP_CLAIM,
         "reliable_sub/idempotency/redis_store.py",
@@ -729,7 +729,7 @@ STAGE_RULES = (
     rule(SETTLE, "reliable_sub/runtime/pipeline.py", "_settle", "_next_of_key", "_on_settled",
          "_succeeded", "_apply",
          "_encode"),
-    rule(SETTLE, "reliable_sub/idempotency/claims.py", "completion", "release", "forget"),
+    rule(SETTLE, "reliable_sub/runtime/claims.py", "completion", "release", "forget"),
     rule(SETTLE, "reliable_sub/runtime/settler.py"),
     rule(SETTLE, "reliable_sub/_results.py", "encode_result", "checked_result_json"),
     rule(

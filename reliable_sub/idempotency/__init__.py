@@ -1,7 +1,5 @@
-"""Idempotent consumers: the claim lifecycle and the dedup stores behind ``reliable_sub.dedup``.
+"""Idempotent consumers: the dedup stores behind ``reliable_sub.dedup``.
 
-* :mod:`~reliable_sub.idempotency.claims` -- the one owner of the claim lifecycle in a Subscriber
-  (claim a batch, refresh, renew with the lease, complete or release with the settle).
 * :mod:`~reliable_sub.idempotency.memory_store` -- :class:`MemoryDedupStore` and what every store
   shares (fencing tokens, owner checks, single-key methods).
 * :mod:`~reliable_sub.idempotency.redis_store` -- :class:`RedisDedupStore` (extra ``redis``), its
@@ -11,7 +9,8 @@
 * :mod:`~reliable_sub.idempotency.keys` -- :func:`idempotency_key` (a deterministic, namespaced
   key from a request's values) and :func:`new_idempotency_key` (a fresh UUIDv7 for clients).
 
-Import stores from :mod:`reliable_sub.dedup`; the contract is in :mod:`reliable_sub.ports`.
+Import stores from :mod:`reliable_sub.dedup`; the contract is in :mod:`reliable_sub.ports`. The
+claim lifecycle of a running Subscriber is :mod:`reliable_sub.runtime.claims`.
 """
 
 from .decorator import IdempotentResult, idempotent

@@ -48,7 +48,6 @@ from ..errors import (
     ResultNotSerializableError,
     UnknownTopicError,
 )
-from ..idempotency.claims import Claims
 from ..idempotency.transactional import Committed, TransactionalStore, transactional_handler
 from ..message import Delivery, Message
 from ..middleware import CallNext, Context, Decision, Middleware, Verdict, chain
@@ -58,6 +57,7 @@ from ..outcome import DeliveryEvent, Outcome, SubscriberStats
 from ..policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
 from ..ports import Adapter
 from ..telemetry.consumer import DeliveryTelemetry, RouteTelemetry, SubscriberTelemetry
+from .claims import Claims
 from .flow import FlowGate
 from .health import Health
 from .inflight import CancelReason, InFlight, Stage

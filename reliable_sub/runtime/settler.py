@@ -28,10 +28,10 @@ from typing import Any, TypeVar
 
 from ..clock import Clock, SystemClock, within
 from ..errors import ConfigurationError
-from ..idempotency.claims import Claims
 from ..message import Delivery
 from ..outcome import Outcome, SubscriberStats
 from ..ports import AcksWithCompletions, Adapter, Claimed, Completion
+from .claims import Claims
 from .health import Health
 from .inflight import InFlight, Stage
 

@@ -21,9 +21,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from ..dedup import Claimed, ClaimResult, Completion, DedupKey, DedupStore
+from ..idempotency.epochs import EpochCache
 from ..ports import DedupEpochs
-from ..runtime.inflight import InFlight
-from .epochs import EpochCache
+from .inflight import InFlight
 
 # Without a store, failure counts are kept for this many recent messages per Subscriber.
 FAILURE_MEMORY = 100_000
