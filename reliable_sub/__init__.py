@@ -36,8 +36,8 @@ from .errors import (
 from .message import Delivery, Message
 from .outcome import Outcome, SubscriberStats
 from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, TelemetryPolicy
+from .runtime.dispatcher import current_claim
 from .runtime.lease import LeaseManager
-from .runtime.pipeline import current_claim
 from .subscriber import Subscriber
 
 __all__ = [

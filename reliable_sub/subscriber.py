@@ -42,8 +42,9 @@ from .policy import (
     check_seconds,
 )
 from .ports import Adapter
+from .runtime.lanes import Config, Route
 from .runtime.lease import LeaseManager
-from .runtime.pipeline import Config, Route, Runtime
+from .runtime.pipeline import Runtime
 from .telemetry.consumer import SubscriberTelemetry
 
 logger = logging.getLogger(__name__)

@@ -483,7 +483,7 @@ class World(RuleBasedStateMachine):
 
 @pytest.fixture(autouse=True)
 def _short_real_time_graces(monkeypatch: pytest.MonkeyPatch) -> None:
-    from reliable_sub.runtime import pipeline as _runtime
+    from reliable_sub.runtime import shutdown as _runtime
 
     monkeypatch.setattr(_runtime, "FLUSH_GRACE", 0.05)
     monkeypatch.setattr(_runtime, "CANCEL_GRACE", 0.05)
@@ -512,7 +512,7 @@ def _revert_defect_4(monkeypatch: pytest.MonkeyPatch) -> None:
     eager start, as it was), and a CancelledError it raises counts as a cancellation of ours."""
     import contextvars
 
-    from reliable_sub.runtime import pipeline as _runtime
+    from reliable_sub.runtime import dispatcher as _runtime
 
     class Resume:
         def __init__(self, coroutine: Any, yielded: Any) -> None:

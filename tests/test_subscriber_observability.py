@@ -125,12 +125,12 @@ async def test_a_claim_that_lapsed_under_its_handler_is_fenced_off() -> None:
 async def test_a_crashed_loop_is_logged_restarted_and_reported_unhealthy(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from reliable_sub.runtime.pipeline import Runtime
+    from reliable_sub.runtime.receiver import Receiver
 
     clock, broker, sub = setup()
     handled: list[bytes] = []
     sub.handler("billing")(lambda message: handled.append(message.data))
-    original = Runtime._admit
+    original = Receiver._admit
     crashes = [RuntimeError("a bug in the receive loop")]
 
     async def admit_with_a_bug(self, lane, deliveries):  # type: ignore[no-untyped-def]
@@ -140,7 +140,7 @@ async def test_a_crashed_loop_is_logged_restarted_and_reported_unhealthy(
         return await original(self, lane, deliveries)
 
     caplog.set_level(logging.ERROR, logger="reliable_sub")
-    Runtime._admit = admit_with_a_bug  # type: ignore[method-assign]
+    Receiver._admit = admit_with_a_bug  # type: ignore[method-assign]
     try:
         broker.publish_sync("orders", b"x")
         task = await serving(sub, clock)
@@ -153,7 +153,7 @@ async def test_a_crashed_loop_is_logged_restarted_and_reported_unhealthy(
         await sub.shutdown(timeout=1)
         await task
     finally:
-        Runtime._admit = original  # type: ignore[method-assign]
+        Receiver._admit = original  # type: ignore[method-assign]
     [error] = [r for r in caplog.records if "receive loop of 'billing' failed" in r.getMessage()]
     assert error.exc_info is not None and "restarting it" in error.getMessage()
 
@@ -161,7 +161,7 @@ async def test_a_crashed_loop_is_logged_restarted_and_reported_unhealthy(
 async def test_a_handler_that_swallows_its_cancellation_cannot_hang_the_stop(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from reliable_sub.runtime import pipeline as _runtime
+    from reliable_sub.runtime import shutdown as _runtime
 
     monkeypatch.setattr(_runtime, "CANCEL_GRACE", 0.1)
     clock, broker, sub = setup(dedup=MemoryDedupStore())

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from ..dedup import Claimed, ClaimResult, Completion, DedupKey, DedupStore
 from ..idempotency.epochs import EpochCache
@@ -27,6 +28,11 @@ from .inflight import InFlight
 
 # Without a store, failure counts are kept for this many recent messages per Subscriber.
 FAILURE_MEMORY = 100_000
+# A claim call gets as long as the claims it takes last (the first lease), but at least this
+# long (seconds): a store whose connection hangs fails the call, and the batch is redelivered.
+MIN_STORE_CALL_BOUND = 1.0
+# The claim call's name in health reports.
+CLAIM_CALL = "claiming in the dedup store"
 
 
 class Claims:
@@ -45,11 +51,11 @@ class Claims:
         self._failures: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     @staticmethod
-    def key_of(namespace: str, item: InFlight) -> DedupKey:
+    def key_of(namespace: str, item: InFlight[Any]) -> DedupKey:
         return DedupKey(namespace, item.delivery.message.idempotency_key)
 
     async def claim(
-        self, namespace: str, items: Sequence[InFlight], ttl: float
+        self, namespace: str, items: Sequence[InFlight[Any]], ttl: float
     ) -> list[ClaimResult]:
         """Claim the keys of ``items`` in one call; a Claimed result is kept on its item.
 
@@ -66,7 +72,7 @@ class Claims:
                 item.failures = result.failures
         return results
 
-    async def refresh(self, item: InFlight, ttl: float) -> ClaimResult:
+    async def refresh(self, item: InFlight[Any], ttl: float) -> ClaimResult:
         """Re-claim ``item``'s key under its own token (it waited long to start)."""
         assert self.store is not None and item.claim is not None
         [result] = await self.store.claim_many([item.claim.key], ttl, [item.claim.token])
@@ -92,11 +98,11 @@ class Claims:
         assert self.store is not None
         await self.store.release_many(claims, self.retention)
 
-    def failures_without_store(self, namespace: str, item: InFlight) -> int:
+    def failures_without_store(self, namespace: str, item: InFlight[Any]) -> int:
         """The failures this process counted for ``item``'s message (no store)."""
         return self._failures.get((namespace, item.delivery.message.id), 0)
 
-    def record_failure(self, namespace: str, item: InFlight) -> int:
+    def record_failure(self, namespace: str, item: InFlight[Any]) -> int:
         """Count one more handler failure of ``item``'s message; returns the new count.
 
         With a store the count travels in the claim (renewals and the release write it);
@@ -113,33 +119,33 @@ class Claims:
                 self._failures.popitem(last=False)
         return item.failures
 
-    def set_failures(self, namespace: str, item: InFlight, failures: int) -> None:
+    def set_failures(self, namespace: str, item: InFlight[Any], failures: int) -> None:
         """Record that ``item``'s message has failed ``failures`` times (one more, usually)."""
         while item.failures < failures:
             self.record_failure(namespace, item)
 
-    def forget(self, namespace: str, item: InFlight) -> None:
+    def forget(self, namespace: str, item: InFlight[Any]) -> None:
         """The message is done with (acked or dead-lettered): drop its in-memory count."""
         if self.store is None and self._failures:
             self._failures.pop((namespace, item.delivery.message.id), None)
 
-    def completion(self, item: InFlight, result_json: str) -> Completion | None:
+    def completion(self, item: InFlight[Any], result_json: str) -> Completion | None:
         """What to record for ``item`` when its handler succeeded (None without a claim)."""
         return Completion(item.claim, result_json) if item.claim is not None else None
 
-    def drop(self, item: InFlight) -> None:
+    def drop(self, item: InFlight[Any]) -> None:
         """End ``item``'s claim with nothing to write: its completion committed with its
         handler's transaction, or a peer took the key over."""
         item.claim, item.claim_active = None, False
 
-    def release(self, item: InFlight) -> Claimed | None:
+    def release(self, item: InFlight[Any]) -> Claimed | None:
         """The claim to release for ``item`` (with its failure count), dropping it from the
         item so it is released once."""
         claim, item.claim = item.claim, None
         item.claim_active = False
         return claim
 
-    def release_dead_lettered(self, item: InFlight) -> Claimed | None:
+    def release_dead_lettered(self, item: InFlight[Any]) -> Claimed | None:
         """The claim to release for a dead-lettered ``item``: with no failures, so its record
         goes (the dead-letter copy carries the count) and a replay from the dead-letter queue,
         under the same idempotency key, starts with fresh attempts."""

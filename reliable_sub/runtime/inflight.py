@@ -3,6 +3,10 @@
 A single object per delivery, shared by the dispatcher (which runs it), the lease manager (which
 keeps its ack deadline and dedup claim alive) and the settler (which acks or nacks it): the
 fields of all three live here so a delivery costs one allocation, not three.
+
+It is generic in its ``lane`` (the route it came in on, during one run): the stages that read the
+lane name its type, :data:`reliable_sub.runtime.lanes.Item`; the lease manager, the settler and the
+claims never read it, so this module needs nothing of theirs (no import cycle).
 """
 
 from __future__ import annotations
@@ -10,10 +14,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import math
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from ..dedup import Claimed
 from ..message import Delivery
+
+LaneT = TypeVar("LaneT")
 
 
 class Stage(enum.IntEnum):
@@ -40,8 +46,8 @@ class CancelReason(str, enum.Enum):
     """It waited to start until max_lease_duration: give it back, unstarted."""
 
 
-class InFlight:
-    """A delivery in flight, with its lease, its dedup claim and its task."""
+class InFlight(Generic[LaneT]):
+    """A delivery in flight, with its lease, its dedup claim and its task, from ``lane``."""
 
     __slots__ = (
         "cancel_reason",
@@ -56,11 +62,11 @@ class InFlight:
         "expires_at",
         "failures",
         "held",
+        "lane",
         "leased",
         "length",
         "not_before",
         "renew_after",
-        "route",
         "span",
         "stage",
         "started_at",
@@ -68,9 +74,9 @@ class InFlight:
         "thread_running",
     )
 
-    def __init__(self, delivery: Delivery, route: Any) -> None:
+    def __init__(self, delivery: Delivery, lane: LaneT) -> None:
         self.delivery = delivery
-        self.route = route
+        self.lane = lane
         self.stage = Stage.WAITING
         self.claim: Claimed | None = None
         self.failures = 0  # handler failures recorded for this message, this one included

@@ -115,8 +115,8 @@ class LeaseManager:
         clock: Clock,
         initial_deadline: float,
         dedup: ClaimRenewer | None = None,
-        on_max_lease: Callable[[list[InFlight]], Coroutine[Any, Any, None]] | None = None,
-        on_extended: Callable[[list[InFlight], float, float | None], None] | None = None,
+        on_max_lease: Callable[[list[InFlight[Any]]], Coroutine[Any, Any, None]] | None = None,
+        on_extended: Callable[[list[InFlight[Any]], float, float | None], None] | None = None,
         histogram: SlidingHistogram | None = None,
         health: Health | None = None,
         subscription: str = "",
@@ -131,7 +131,7 @@ class LeaseManager:
         self.observed: float | None = None  # the percentile the last extension came from
         self.histogram = histogram or SlidingHistogram(clock)
         self.stats = LeaseStats()
-        self._leases: set[InFlight] = set()
+        self._leases: set[InFlight[Any]] = set()
         self._wakeup = asyncio.Event()
         self._idle = True
         self._planned_wake = math.inf
@@ -149,7 +149,7 @@ class LeaseManager:
 
     # -- what the Subscriber tells us --------------------------------------------------------
 
-    def add(self, items: Sequence[InFlight], claim_ttl: float = 0.0) -> None:
+    def add(self, items: Sequence[InFlight[Any]], claim_ttl: float = 0.0) -> None:
         """Lease deliveries from the moment their receive call returned (``received_at``).
 
         Items that are then claimed take their claim for ``claim_ttl`` seconds; it is renewed
@@ -176,25 +176,25 @@ class LeaseManager:
         """How long a fresh delivery's dedup claim should last: as long as its first lease."""
         return max(self._initial_deadline, self._policy.min_extension)
 
-    def claim_needs_refresh(self, item: InFlight) -> bool:
+    def claim_needs_refresh(self, item: InFlight[Any]) -> bool:
         """True when ``item``'s claim (taken at receipt, not renewed while it waited to start)
         has too little time left to start a handler under it."""
         margin = item.claim_length * SAFETY_FRACTION
         return item.claim_deadline - margin <= self._clock.now()
 
-    def claim_taken(self, item: InFlight, ttl: float) -> None:
+    def claim_taken(self, item: InFlight[Any], ttl: float) -> None:
         """``item``'s claim was (re)taken now for ``ttl`` seconds."""
         item.claim_deadline = self._clock.now() + ttl
         item.claim_length = ttl
 
-    def started(self, item: InFlight) -> None:
+    def started(self, item: InFlight[Any]) -> None:
         """The handler starts now: time is measured from here and the claim is kept alive."""
         item.started_at = self._clock.now()
         if item.claim is not None and item.leased:
             item.claim_active = True
             self._schedule(item.claim_deadline - item.claim_length * SAFETY_FRACTION)
 
-    def finished(self, item: InFlight) -> float | None:
+    def finished(self, item: InFlight[Any]) -> float | None:
         """The handler returned: record its processing time (the lease stays until settled)."""
         if item.started_at is None:
             return None
@@ -203,7 +203,7 @@ class LeaseManager:
         self.histogram.add(duration, now)
         return duration
 
-    def drop(self, item: InFlight) -> None:
+    def drop(self, item: InFlight[Any]) -> None:
         """Stop leasing ``item`` (settled, or given up)."""
         self._leases.discard(item)
         item.leased = False
@@ -273,9 +273,9 @@ class LeaseManager:
         the remaining leases need nothing until they settle), or None when nothing is leased.
         """
         now = self._clock.now()
-        to_extend: list[InFlight] = []
-        expired: list[InFlight] = []
-        claims: list[InFlight] = []
+        to_extend: list[InFlight[Any]] = []
+        expired: list[InFlight[Any]] = []
+        claims: list[InFlight[Any]] = []
         window = SAFETY_FRACTION + BATCH_FRACTION
         for item in self._leases:
             if item.not_before <= now:
@@ -319,7 +319,7 @@ class LeaseManager:
         if not task.cancelled() and task.exception() is not None:
             logger.error("a lease manager task failed unexpectedly", exc_info=task.exception())
 
-    def _expire(self, items: list[InFlight]) -> None:
+    def _expire(self, items: list[InFlight[Any]]) -> None:
         self.stats.max_lease_reached += len(items)
         for item in items:
             item.held = False
@@ -336,8 +336,8 @@ class LeaseManager:
             # beside the tick: giving back may nack, and a nack may wait for the receive path
             self._beside_the_tick(self._on_max_lease(items))
 
-    async def _extend(self, items: list[InFlight], extension: float, now: float) -> None:
-        groups: dict[float, list[InFlight]] = {}
+    async def _extend(self, items: list[InFlight[Any]], extension: float, now: float) -> None:
+        groups: dict[float, list[InFlight[Any]]] = {}
         clamp = self._adapter.capabilities.clamp_deadline
         for item in items:
             seconds = clamp(min(extension, item.expires_at - now))
@@ -370,7 +370,7 @@ class LeaseManager:
             if self._on_extended is not None and moved:
                 self._on_extended(moved, seconds, self.observed)
 
-    def _refused(self, item: InFlight) -> None:
+    def _refused(self, item: InFlight[Any]) -> None:
         self.stats.refused += 1
         item.held = False
         logger.info(
@@ -378,7 +378,7 @@ class LeaseManager:
             item.message_id, item.delivery.ack_id,
         )
 
-    async def _renew_claims(self, items: list[InFlight], seconds: float, now: float) -> None:
+    async def _renew_claims(self, items: list[InFlight[Any]], seconds: float, now: float) -> None:
         """Renew the claims of ``items`` (one call, bounded), beside the tick."""
         assert self._dedup is not None
         for item in items:
@@ -395,7 +395,7 @@ class LeaseManager:
             if earliest < math.inf:
                 self._schedule(earliest)
 
-    async def _renew(self, items: list[InFlight], seconds: float, now: float) -> None:
+    async def _renew(self, items: list[InFlight[Any]], seconds: float, now: float) -> None:
         assert self._dedup is not None
         claims = [item.claim for item in items if item.claim is not None]
         bound = max(MIN_CALL_BOUND, min(item.claim_deadline for item in items) - now)
@@ -429,7 +429,7 @@ class LeaseManager:
                 item.claim_length = seconds
 
 
-def _due_at(item: InFlight) -> float:
+def _due_at(item: InFlight[Any]) -> float:
     due = math.inf
     if item.held:
         due = item.deadline - item.length * SAFETY_FRACTION
@@ -441,5 +441,5 @@ def _due_at(item: InFlight) -> float:
     return due
 
 
-def _claim_due(item: InFlight) -> float:
+def _claim_due(item: InFlight[Any]) -> float:
     return max(item.claim_deadline - item.claim_length * SAFETY_FRACTION, item.renew_after)

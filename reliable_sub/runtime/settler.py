@@ -71,7 +71,7 @@ class Settle:
 
     def __init__(
         self,
-        item: InFlight,
+        item: InFlight[Any],
         outcome: Outcome,
         *,
         ack: bool,

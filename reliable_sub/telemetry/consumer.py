@@ -231,7 +231,7 @@ class DeliveryTelemetry:
     # -- the steps of a delivery ---------------------------------------------------------------
 
     @never_raises
-    def received(self, route: RouteTelemetry, items: Sequence[InFlight],
+    def received(self, route: RouteTelemetry, items: Sequence[InFlight[Any]],
                  handler: str) -> None:
         if route.tallies is not None:
             route.tallies.inflight.value += len(items)
@@ -240,7 +240,7 @@ class DeliveryTelemetry:
         for item in items:
             item.span = self._start_span(route, item, handler)
 
-    def _start_span(self, route: RouteTelemetry, item: InFlight, handler: str) -> Any:
+    def _start_span(self, route: RouteTelemetry, item: InFlight[Any], handler: str) -> Any:
         message = item.delivery.message
         producer = extract(message.attributes) if message.attributes else None
         producer_span = producer_span_context(producer)
@@ -274,7 +274,7 @@ class DeliveryTelemetry:
             attributes=attributes, links=links)
 
     @never_raises
-    def dedup_verdict(self, item: InFlight, verdict: ClaimResult) -> None:
+    def dedup_verdict(self, item: InFlight[Any], verdict: ClaimResult) -> None:
         span = item.span
         if span is not None and span.is_recording():
             event: dict[str, Any]
@@ -285,7 +285,7 @@ class DeliveryTelemetry:
                 event = {sc.DEDUP_VERDICT: name, sc.DEDUP_FAILURES: verdict.failures}
             span.add_event(sc.EVENT_DEDUP, event)
 
-    def context_of(self, item: InFlight) -> Context:
+    def context_of(self, item: InFlight[Any]) -> Context:
         """The context a handler runs in: its delivery's span (set) as the current span."""
         try:
             return trace.set_span_in_context(item.span, Context())
@@ -294,7 +294,7 @@ class DeliveryTelemetry:
             return Context()
 
     @never_raises
-    def extended(self, route: RouteTelemetry, items: Sequence[InFlight], seconds: float,
+    def extended(self, route: RouteTelemetry, items: Sequence[InFlight[Any]], seconds: float,
                  observed: float | None) -> None:
         if self.instruments is not None:
             self.instruments.extensions.add(len(items), route.metric_attributes)
@@ -310,7 +310,7 @@ class DeliveryTelemetry:
                 span.add_event(sc.EVENT_LEASE_EXTENDED, event)
 
     @never_raises
-    def retried(self, item: InFlight, attempt: int, error: BaseException | None) -> None:
+    def retried(self, item: InFlight[Any], attempt: int, error: BaseException | None) -> None:
         span = item.span
         if span is not None and span.is_recording():
             event: dict[str, Any] = {sc.RETRY_ATTEMPT: attempt}
@@ -320,13 +320,13 @@ class DeliveryTelemetry:
             span.add_event(sc.EVENT_RETRY, event)
 
     @never_raises
-    def dead_lettered(self, item: InFlight, topic: str) -> None:
+    def dead_lettered(self, item: InFlight[Any], topic: str) -> None:
         span = item.span
         if span is not None and span.is_recording():
             span.add_event(sc.EVENT_DEAD_LETTER, {sc.DEAD_LETTER_TOPIC: topic})
 
     @never_raises
-    def settled(self, route: RouteTelemetry, item: InFlight, outcome: Outcome,
+    def settled(self, route: RouteTelemetry, item: InFlight[Any], outcome: Outcome,
                 delay: float) -> None:
         failed = outcome in _FAILED and item.error is not None
         tallies = route.tallies

@@ -1,0 +1,131 @@
+"""What the stages of one run share: the configuration, the routes and their lanes, the run state.
+
+Plain records, no behaviour of a stage: the receiver, the dispatcher, the decisions and the
+shutdown each take what they need of these (and callbacks into one another), never the run that
+composes them (:mod:`reliable_sub.runtime.pipeline`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from collections import deque
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeAlias
+
+from ..clock import Clock
+from ..dedup import Claimed, DedupStore
+from ..message import Delivery, Message
+from ..middleware import CallNext, Middleware
+from ..outcome import DeliveryEvent, Outcome
+from ..policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
+from ..ports import Adapter
+from ..telemetry.consumer import RouteTelemetry, SubscriberTelemetry
+from .inflight import InFlight
+from .lease import LeaseManager
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a Subscriber was configured with; every stage of a run reads it."""
+
+    adapter: Adapter
+    dedup: DedupStore | None
+    lease: LeasePolicy
+    retry: RetryPolicy
+    dead_letter: DeadLetterPolicy | None
+    flow_control: FlowControl
+    dedup_ttl: float
+    clock: Clock
+    sync_workers: int
+    rng: random.Random
+    receive_batch: int
+    receive_timeout: float
+    loop_lag_warning: float | None
+    dedup_purge_interval: float | None
+    on_outcome: Callable[[Message, Outcome], None] | None
+    on_event: Callable[[DeliveryEvent], None] | None
+    middleware: tuple[Middleware, ...]
+    telemetry: SubscriberTelemetry
+    unhealthy_after: float
+
+
+@dataclass(eq=False)
+class Route:
+    """A subscription and its handler, as registered."""
+
+    subscription: str
+    handler: Callable[[Message], Any]
+    is_async: bool
+    namespace: str | None
+    name: str
+    middleware: tuple[Middleware, ...] = ()
+    # handler(message, connection): its writes and its dedup record commit in one transaction
+    transactional: bool = False
+
+
+@dataclass(eq=False)
+class Lane:
+    """One route during one run."""
+
+    route: Route
+    namespace: str
+    lease: LeaseManager
+    ordered: bool
+    # the middleware chain, or None: no middleware of the user's and no in-process retries,
+    # so the handler is called directly and failures go straight to DeadLetterOrBackoff
+    call: CallNext | None
+    # the handler as called with the message alone (a transactional one wrapped in its
+    # transaction)
+    handler: Callable[[Message], Any]
+    receive_call: asyncio.Task[list[Delivery]] | None = None
+    # deliveries were given back at max_lease_duration for want of a worker thread: receive
+    # again only once one is free, so peers get them rather than this Subscriber again
+    starved: bool = False
+    # ordering key -> deliveries waiting for the running one of that key
+    keys: dict[str, deque[Item]] = field(default_factory=dict)
+    # its span name and attributes, while telemetry is on
+    telemetry: RouteTelemetry | None = None
+    # the receive call's name in the log and in health reports
+    receive_name: str = ""
+
+
+# A delivery in flight, as the stages that read its lane see it.
+Item: TypeAlias = "InFlight[Lane]"
+
+
+class SettleCall(Protocol):
+    """:meth:`reliable_sub.runtime.decisions.Decisions.settle`, as the other stages call it."""
+
+    def __call__(self, item: Item, outcome: Outcome, *, ack: bool, delay: float = 0.0,
+                 completion: Any = None, release: Claimed | None = None) -> None: ...
+
+
+class RunState:
+    """The switches a stop flips, and what is in flight, read by every stage of one run."""
+
+    __slots__ = ("accepting", "items", "receiving", "side_tasks")
+
+    def __init__(self) -> None:
+        self.receiving = False
+        self.accepting = False  # False once a stop began: no handler starts after that
+        self.items: set[Item] = set()
+        # work started beside a delivery's task (dead-letter publishes, late releases)
+        self.side_tasks: set[asyncio.Task[None]] = set()
+
+    def track(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Run ``coroutine`` as a side task, started at once; a stop waits for it."""
+        task = new_task(coroutine)
+        self.side_tasks.add(task)
+        task.add_done_callback(self.side_tasks.discard)
+
+
+if sys.version_info >= (3, 12):
+    def new_task(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """A task that runs its first step at once (eager start), as its own task."""
+        return asyncio.Task(coroutine, loop=asyncio.get_running_loop(), eager_start=True)
+else:
+    def new_task(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        return asyncio.get_running_loop().create_task(coroutine)
