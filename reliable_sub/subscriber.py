@@ -1,6 +1,7 @@
 """The Subscriber: register handlers, then run them with the full guarantees.
 
-The path of one delivery is in :mod:`reliable_sub.runtime.pipeline`; this module is the facade
+The path of one delivery is in :mod:`reliable_sub.runtime` (a module per stage, wired by
+:mod:`~reliable_sub.runtime.pipeline`); this module is the facade
 users see: configuration checked up front, ``@sub.handler``, and the lifecycle --
 ``start``/``stop`` (a background thread), ``run`` (blocking, stopped by SIGINT/SIGTERM),
 ``serve``/``shutdown`` (inside your event loop), and the ``with``/``async with`` forms.

@@ -1,12 +1,20 @@
 """The Subscriber's machinery for one run, inside one event loop (internal).
 
-* :mod:`~reliable_sub.runtime.pipeline` -- the path of one delivery, top to bottom: receive,
-  claim, dispatch to its own task, run the middleware chain and handler, decide, settle; and
-  the stop.
-* :mod:`~reliable_sub.runtime.inflight` -- one delivery's record, shared by the parts below.
+One job per module; each takes the parts and callbacks it needs, never the run that wires them:
+
+* :mod:`~reliable_sub.runtime.pipeline` -- builds the stages and lanes of one run and wires them;
+  lets a delivery go once its settle is confirmed.
+* :mod:`~reliable_sub.runtime.receiver` -- receiving and admission: receive, lease, claim a batch.
+* :mod:`~reliable_sub.runtime.dispatcher` -- ordering keys, a task per delivery, worker threads,
+  the middleware chain or the direct handler call; :func:`current_claim`.
+* :mod:`~reliable_sub.runtime.decisions` -- what an outcome does to the lease, claim and settle.
+* :mod:`~reliable_sub.runtime.settler` -- batched, confirmed acks and nacks, store writes first.
 * :mod:`~reliable_sub.runtime.lease` -- the lease manager (p99 extensions, claim renewals);
   :mod:`~reliable_sub.runtime.histogram` its sliding histogram.
-* :mod:`~reliable_sub.runtime.settler` -- batched, confirmed acks and nacks, store writes first.
+* :mod:`~reliable_sub.runtime.claims` -- the one owner of the claim lifecycle.
+* :mod:`~reliable_sub.runtime.shutdown` -- the graceful (or forced) stop.
+* :mod:`~reliable_sub.runtime.inflight` -- one delivery's record, shared by every stage;
+  :mod:`~reliable_sub.runtime.lanes` -- Config, Route, Lane and the run's switches.
 * :mod:`~reliable_sub.runtime.flow` -- flow control; :mod:`~reliable_sub.runtime.workers` --
   threads for sync handlers; :mod:`~reliable_sub.runtime.supervisor` -- restarts loops that
   fail; :mod:`~reliable_sub.runtime.watchdog` -- warns when the event loop is blocked.
