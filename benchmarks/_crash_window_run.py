@@ -1,18 +1,22 @@
-"""The crash window of one store layout: milliseconds from a handler's return to the moment its
+"""The crash window of one store layout: milliseconds from a handler's effect to the moment its
 completion is durable in the dedup store.
 
 One Subscriber on Redis Streams (the shared Redis) handles a steady load; its handler waits a
-random 0-50 ms (the chaos scenarios' handler) and notes when it returns. The call that makes a
+random 0-50 ms and then records its effect with ``HINCRBY`` on Redis, as the chaos scenarios'
+consumers do, noting when it sent that write and when it returned. The call that makes a
 completion durable is wrapped to note when it returned: the store's ``complete_many``, or, with
 the store on the broker's Redis, the adapter's ``ack_with_completions`` (one script records and
-acks). A kill between the two instants leaves an effect without a record: its redelivery runs the
-handler again. So the window, times the messages a consumer handles per second, is how many
-effects a kill repeats on average.
+acks). A kill between the effect and the record leaves an effect without a record: its
+redelivery runs the handler again. The window is taken from the moment the effect's write was
+sent (it lands in Redis before its reply comes back, so this is the upper bound); the part of it
+after the handler's return is what the library adds. The window, times the messages a consumer
+handles per second, is how many effects a kill repeats on average.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import statistics
 import time
@@ -36,7 +40,8 @@ DRAIN_WITHIN = 60.0  # seconds after the load for every completion to be recorde
 
 @dataclass
 class Window:
-    """One layout's window, in milliseconds, over ``count`` messages."""
+    """One layout's window from the effect, in milliseconds, over ``count`` messages; and the
+    mean of its part after the handler returned."""
 
     layout: str
     count: int
@@ -46,13 +51,16 @@ class Window:
     p99: float
     max: float
     mean: float
+    mean_after_return: float
 
     @classmethod
-    def of(cls, layout: str, windows_ms: Sequence[float], rate: float) -> Window:
+    def of(cls, layout: str, windows_ms: Sequence[float], rate: float,
+           after_return_ms: Sequence[float] = ()) -> Window:
         ordered = sorted(windows_ms)
         cuts = statistics.quantiles(ordered, n=100, method="inclusive")
         return cls(layout, len(ordered), rate, cuts[49], cuts[89], cuts[98], ordered[-1],
-                   statistics.fmean(ordered))
+                   statistics.fmean(ordered),
+                   statistics.fmean(after_return_ms) if after_return_ms else math.nan)
 
     @property
     def effects_at_risk(self) -> float:
@@ -103,7 +111,9 @@ async def _measure(layout_key: str, messages: int, rate: float, broker_url: str,
         await store.create_schema()
     else:
         store = RedisDedupStore(store_url, prefix=f"{name}:dedup")
+    sent: dict[str, float] = {}
     returned: dict[str, float] = {}
+    effects = aioredis.Redis.from_url(broker_url)
     recorded: dict[str, float] = {}
     if adapter.shares_store(store):
         adapter.ack_with_completions = _stamping(  # type: ignore[method-assign]
@@ -119,7 +129,10 @@ async def _measure(layout_key: str, messages: int, rate: float, broker_url: str,
     @sub.handler(subscription)
     async def effect(message: Message) -> None:
         await asyncio.sleep(rng.uniform(0.0, 0.05))
-        returned[message.idempotency_key] = time.perf_counter()
+        key = message.idempotency_key
+        sent[key] = time.perf_counter()
+        await effects.hincrby(f"{name}:effects", key, 1)
+        returned[key] = time.perf_counter()
 
     try:
         async with sub:
@@ -133,9 +146,11 @@ async def _measure(layout_key: str, messages: int, rate: float, broker_url: str,
                 await asyncio.sleep(0.05)
             seconds = time.perf_counter() - started
     finally:
+        await effects.aclose()
         await _tear_down(adapter, store, name, {broker_url, store_url})
-    windows = [(recorded[key] - returned[key]) * 1000 for key in returned if key in recorded]
-    return Window.of(layout.name, windows, messages / seconds)
+    done = [key for key in returned if key in recorded]
+    return Window.of(layout.name, [(recorded[key] - sent[key]) * 1000 for key in done],
+                     messages / seconds, [(recorded[key] - returned[key]) * 1000 for key in done])
 
 
 async def _tear_down(adapter: RedisStreamsAdapter, store: DedupStore, name: str,

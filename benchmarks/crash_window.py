@@ -38,18 +38,20 @@ DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
 def window_table(windows: Sequence[Window], messages: int) -> str:
     lines = [
         f"Window: {messages:,} messages per layout, published at a steady rate to one consumer "
-        f"(handlers 0-50 ms, 50 in flight); milliseconds from the handler's return to the "
-        f"return of the call that made its completion durable.",
+        f"(handlers 0-50 ms, then an `HINCRBY` effect; 50 in flight); milliseconds from the "
+        f"effect's write being sent to the return of the call that made its completion "
+        f"durable, and the mean of the part after the handler returned.",
         "",
         "| layout | messages/s | p50 ms | p90 ms | p99 ms | max ms | mean ms "
-        "| effects at risk at any instant |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| mean ms after the return | effects at risk at any instant |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for w in windows:
         lines.append(f"| {w.layout} | {w.rate:,.0f} | {w.p50:.2f} | {w.p90:.2f} | {w.p99:.2f} "
-                     f"| {w.max:.1f} | {w.mean:.2f} | {w.effects_at_risk:.2f} |")
+                     f"| {w.max:.1f} | {w.mean:.2f} | {w.mean_after_return:.2f} "
+                     f"| {w.effects_at_risk:.2f} |")
     lines.append("| redis broker, transactional SQL handler | – | 0 | 0 | 0 | 0 | 0 | 0 "
-                 "(effect and record commit together) |")
+                 "| 0 (effect and record commit together) |")
     return "\n".join(lines)
 
 

@@ -23,9 +23,11 @@ def test_doubles_per_thousand_kills() -> None:
 
 
 def test_window_figures() -> None:
-    window = Window.of("x", [float(ms) for ms in range(1, 101)], rate=200.0)
+    window = Window.of("x", [float(ms) for ms in range(1, 101)], rate=200.0,
+                       after_return_ms=[1.0, 3.0])
     assert (window.count, window.p50, window.max, window.mean) == (100, 50.5, 100.0, 50.5)
     assert window.effects_at_risk == pytest.approx(200 * 0.0505)
+    assert window.mean_after_return == 2.0
 
 
 @pytest.mark.parametrize("layout", ["redis-on-broker", "redis-apart", "sql-plain"])
@@ -34,3 +36,4 @@ async def test_every_completion_is_timed(layout: str) -> None:
                            postgres_url=postgres_url())
     assert window.count == 200  # each message's record seen, none missed or counted twice
     assert 0 < window.p50 <= window.max
+    assert 0 < window.mean_after_return < window.mean  # the effect came before the return

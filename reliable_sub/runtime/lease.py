@@ -7,7 +7,8 @@ lifetime p99 of whole seconds):
   measured from the moment the handler starts, so queueing behind flow control does not inflate
   it and a workload that gets faster is followed within minutes;
 * a tick extends only the deliveries that are due (less than ``SAFETY_FRACTION`` of their lease
-  left), together with those due soon (``BATCH_FRACTION``), in one batched ``extend`` call;
+  left, and never less than ``MIN_SAFETY_MARGIN`` seconds or half a short lease), together with
+  those due soon (``BATCH_FRACTION``), in one batched ``extend`` call;
 * a delivery stays leased until the settler has confirmed its ack or nack, not just until its
   handler returned: a completion being written (or retried) is never left without a lease;
 * the dedup claim of a delivery is renewed in the same tick, from the moment its handler starts
@@ -50,6 +51,10 @@ logger = logging.getLogger(__name__)
 # Extend when less than this fraction of the current lease is left: 2 s of a 10 s deadline, room
 # for scheduler jitter and one broker round trip.
 SAFETY_FRACTION = 0.2
+# ... but never with less than this many seconds left (or half the lease, if that is less): 20% of
+# a 1-2 s lease is shorter than the event loop's lag on a loaded machine, and a lease that lapses
+# hands the message to a peer while its handler runs.
+MIN_SAFETY_MARGIN = 1.0
 # A tick also takes leases that would fall due within this further fraction, so deliveries
 # received close together share one extend call instead of one call each.
 BATCH_FRACTION = 0.2
@@ -157,7 +162,7 @@ class LeaseManager:
         """
         initial = self._initial_deadline
         max_lease = self._policy.max_lease_duration
-        margin = initial * SAFETY_FRACTION
+        margin = _margin(initial)
         earliest = math.inf
         for item in items:
             received = item.delivery.received_at
@@ -179,7 +184,7 @@ class LeaseManager:
     def claim_needs_refresh(self, item: InFlight[Any]) -> bool:
         """True when ``item``'s claim (taken at receipt, not renewed while it waited to start)
         has too little time left to start a handler under it."""
-        margin = item.claim_length * SAFETY_FRACTION
+        margin = _margin(item.claim_length)
         return item.claim_deadline - margin <= self._clock.now()
 
     def claim_taken(self, item: InFlight[Any], ttl: float) -> None:
@@ -192,7 +197,7 @@ class LeaseManager:
         item.started_at = self._clock.now()
         if item.claim is not None and item.leased:
             item.claim_active = True
-            self._schedule(item.claim_deadline - item.claim_length * SAFETY_FRACTION)
+            self._schedule(item.claim_deadline - _margin(item.claim_length))
 
     def finished(self, item: InFlight[Any]) -> float | None:
         """The handler returned: record its processing time (the lease stays until settled)."""
@@ -276,11 +281,10 @@ class LeaseManager:
         to_extend: list[InFlight[Any]] = []
         expired: list[InFlight[Any]] = []
         claims: list[InFlight[Any]] = []
-        window = SAFETY_FRACTION + BATCH_FRACTION
         for item in self._leases:
             if item.not_before <= now:
                 if item.held:
-                    horizon = now + item.length * window
+                    horizon = now + _margin(item.length) + item.length * BATCH_FRACTION
                     if item.deadline <= horizon:
                         if item.expires_at <= horizon:
                             expired.append(item)
@@ -289,7 +293,8 @@ class LeaseManager:
                 elif item.stage is Stage.RUNNING and item.expires_at <= now:
                     expired.append(item)  # a handler that runs on: another max_lease_duration
             if (item.claim_active and item.renew_after <= now
-                    and item.claim_deadline <= now + item.claim_length * window):
+                    and item.claim_deadline <= now + _margin(item.claim_length)
+                    + item.claim_length * BATCH_FRACTION):
                 claims.append(item)
         if expired:
             self._expire(expired)
@@ -432,7 +437,7 @@ class LeaseManager:
 def _due_at(item: InFlight[Any]) -> float:
     due = math.inf
     if item.held:
-        due = item.deadline - item.length * SAFETY_FRACTION
+        due = item.deadline - _margin(item.length)
     elif item.stage is Stage.RUNNING:
         due = item.expires_at
     due = max(due, item.not_before)
@@ -442,4 +447,9 @@ def _due_at(item: InFlight[Any]) -> float:
 
 
 def _claim_due(item: InFlight[Any]) -> float:
-    return max(item.claim_deadline - item.claim_length * SAFETY_FRACTION, item.renew_after)
+    return max(item.claim_deadline - _margin(item.claim_length), item.renew_after)
+
+
+def _margin(length: float) -> float:
+    """Seconds before a lease of ``length`` ends at which it is due for extension."""
+    return max(length * SAFETY_FRACTION, min(length / 2, MIN_SAFETY_MARGIN))

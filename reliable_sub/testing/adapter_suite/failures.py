@@ -98,17 +98,23 @@ async def test_a_hung_sync_handler_starves_nothing_and_is_dead_lettered_in_the_e
         try:
             await harness.wait_until(hung.is_set, 3 * harness.ack_deadline, "the hang")
             async with harness.serving(consumer("b", consumer_b, workers=4)):
-                # the queued ones are given back at max_lease_duration and run by B
-                await harness.wait_until(
-                    lambda: sum(effects[("b", q)] for q in (b"q1", b"q2", b"q3")) == 3,
-                    6 * max_lease, "the queued messages to be run by the healthy consumer",
-                )
-                assert recorders["a"].count(Outcome.REQUEUED) >= 3
-                # each further max_lease_duration the hung handler runs counts as a failure
-                await harness.wait_until(
-                    lambda: sum(r.count(Outcome.DEAD_LETTERED) for r in recorders.values()) == 1,
-                    6 * max_lease, "the hung message to be dead-lettered (by either consumer)",
-                )
+                try:
+                    # the queued ones are given back at max_lease_duration and run by B
+                    await harness.wait_until(
+                        lambda: sum(effects[("b", q)] for q in (b"q1", b"q2", b"q3")) == 3,
+                        6 * max_lease, "the queued messages to be run by the healthy consumer",
+                    )
+                    assert recorders["a"].count(Outcome.REQUEUED) >= 3
+                    # each further max_lease_duration the hung handler runs counts as a failure
+                    await harness.wait_until(
+                        lambda: sum(r.count(Outcome.DEAD_LETTERED)
+                                    for r in recorders.values()) == 1,
+                        6 * max_lease, "the hung message to be dead-lettered (by either consumer)",
+                    )
+                finally:
+                    # before B's stop: on a machine so loaded that A's claim lapsed, B runs the
+                    # hung message too, and its stop waits for that thread
+                    release.set()
         finally:
             release.set()  # before A's stop, which waits for the thread
         await harness.wait_until(lambda: effects[("a", b"hang")] == 1,
