@@ -30,7 +30,8 @@ from benchmarks._crash_layouts import KILL_LAYOUTS, LAYOUTS, WINDOW_LAYOUTS
 from benchmarks._crash_window_run import Window, measure
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "reliability.md"
-SECTION = "crash_window"
+# docs/reliability.md's sections: each measurement rewrites its own
+SECTIONS = {"window": "crash_window", "kills": "crash_kills"}
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -57,31 +58,33 @@ def window_table(windows: Sequence[Window], messages: int) -> str:
 
 def kills_table(runs: Sequence[KillRun], interval: tuple[float, float]) -> str:
     lines = [
-        f"Kill storms: 3 consumer processes, 500 messages/s, handlers 0-50 ms, a consumer that "
-        f"is receiving SIGKILLed and restarted every {interval[0]:g}-{interval[1]:g} s; effects "
-        f"counted outside the consumers after every message had one. Upper bound: one-sided "
-        f"95%, the doubles taken as a Poisson count.",
+        f"Kill storms: 3 consumer processes under a steady load, handlers 0-50 ms, a consumer "
+        f"that is receiving SIGKILLed and restarted every {interval[0]:g}-{interval[1]:g} s; "
+        f"effects counted outside the consumers after every message had one. Upper bound: "
+        f"one-sided 95%, the doubles taken as a Poisson count.",
         "",
-        "| layout | kills | messages | lost | doubled effects | per 1,000 kills "
+        "| layout | messages/s | kills | messages | lost | doubled effects | per 1,000 kills "
         "| 95% upper bound per 1,000 kills | run (s) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for run in runs:
-        lines.append(f"| {run.layout} | {run.kills:,} | {run.messages:,} | {run.lost} "
+        lines.append(f"| {run.layout} | {run.rate:,.0f} | {run.kills:,} | {run.messages:,} "
+                     f"| {run.lost} "
                      f"| {run.doubles:,} | {run.per_thousand:,.0f} "
                      f"| {run.upper_per_thousand:,.0f} | {run.seconds:.0f} |")
     return "\n".join(lines)
 
 
-def section(command: str, parts: Sequence[str]) -> str:
+def section(command: str, table: str) -> str:
     today = datetime.date.today().isoformat()
     header = (f"Produced by `{command}` on {today} (CPython {platform.python_version()}, "
               f"{platform.system()} {platform.machine()}, Redis and PostgreSQL on loopback).")
-    return "\n\n".join([header, *parts])
+    return f"{header}\n\n{table}"
 
 
-async def amain(args: argparse.Namespace) -> list[str]:
-    parts: list[str] = []
+async def amain(args: argparse.Namespace) -> dict[str, str]:
+    """The tables measured, by what they measure (``window``, ``kills``)."""
+    tables: dict[str, str] = {}
     if args.what in ("window", "all"):
         windows = []
         for key in args.layouts or WINDOW_LAYOUTS:
@@ -89,7 +92,7 @@ async def amain(args: argparse.Namespace) -> list[str]:
                 windows.append(await measure(key, messages=args.messages, rate=args.rate,
                                              redis_url=args.redis, postgres_url=args.postgres))
                 print(window_table(windows[-1:], args.messages).splitlines()[-2], flush=True)
-        parts.append(window_table(windows, args.messages))
+        tables["window"] = window_table(windows, args.messages)
     if args.what in ("kills", "all"):
         interval = (args.interval[0], args.interval[1])
         runs = []
@@ -98,8 +101,8 @@ async def amain(args: argparse.Namespace) -> list[str]:
                 kills = args.baseline_kills if key == "none" else args.kills
                 runs.append(await storm(key, kills=kills, interval=interval))
                 print(kills_table(runs[-1:], interval).splitlines()[-1], flush=True)
-        parts.append(kills_table(runs, interval))
-    return parts
+        tables["kills"] = kills_table(runs, interval)
+    return tables
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -120,15 +123,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--redis", default=DEFAULT_REDIS)
     parser.add_argument("--postgres", default=DEFAULT_POSTGRES)
     parser.add_argument("--write", action="store_true",
-                        help=f"rewrite the {SECTION} section of docs/reliability.md")
+                        help="rewrite the measured tables' sections of docs/reliability.md")
     args = parser.parse_args(argv)
-    parts = asyncio.run(amain(args))
+    tables = asyncio.run(amain(args))
     command = "python -m benchmarks.crash_window " + " ".join(
         sys.argv[1:] if argv is None else argv)
-    text = section(command, parts)
-    print(text)
-    if args.write:
-        write_section(SECTION, text, readme=DOC)
+    for what, table in tables.items():
+        text = section(command, table)
+        print(text, end="\n\n")
+        if args.write:
+            write_section(SECTIONS[what], text, readme=DOC)
 
 
 if __name__ == "__main__":

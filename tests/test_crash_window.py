@@ -17,7 +17,7 @@ def test_the_upper_bound_is_poissons(observed: int, bound: float) -> None:
 
 
 def test_doubles_per_thousand_kills() -> None:
-    run = KillRun("x", kills=400, messages=1, lost=0, doubles=0, seconds=1.0)
+    run = KillRun("x", rate=1.0, kills=400, messages=1, lost=0, doubles=0, seconds=1.0)
     assert run.per_thousand == 0
     assert run.upper_per_thousand == pytest.approx(7.49, abs=0.01)
 
