@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, settings
 from tests.nats_processes import NatsServer
 from tests.redis_processes import RedisClusterProcesses
 
-# fixtures shared by the outbox tests: outbox (PostgreSQL and SQLite), pg_outbox
-pytest_plugins = ["tests.outbox_support"]
+# fixtures shared by the outbox tests: outbox (PostgreSQL and SQLite), pg_outbox; and the
+# stacks of a hung test's tasks, printed before its timeout
+pytest_plugins = ["tests.outbox_support", "tests.hang_report"]
 
 _SLOW_IS_FINE = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
