@@ -55,7 +55,7 @@ WORKLOADS = {
         "return only while the event loop is idle, so every message is received, run and "
         "acked on its own: the sync path with no batching at all",
     ),
-    # Fewer, so that a count pass (~0.1 s) stays well within REAL_TIME_BOUND on a busy machine.
+    # Fewer: a Redis count pass takes about 0.1 s.
     "redis": Workload(
         "redis", dedup=False, messages=1_000,
         description="RedisStreamsAdapter on the local Redis, no dedup",
