@@ -61,6 +61,8 @@ class ManualClock:
         self._lock = threading.Lock()
         self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._sequence = itertools.count()
+        # sleepers woken on another thread's loop whose wake-up has not yet run to idle there
+        self._waking: dict[asyncio.AbstractEventLoop, int] = {}
 
     def now(self) -> float:
         return self._now
@@ -98,29 +100,64 @@ class ManualClock:
             while self._sleepers and self._sleepers[0][0] <= self._now:
                 due.append(heapq.heappop(self._sleepers)[2])
         for future in due:
-            _resolve_threadsafe(future)
+            self._wake(future)
+
+    def waking(self) -> bool:
+        """True while a sleeper woken on another thread's event loop has not yet run until
+        that loop went idle: a driver must not move the clock again before, or a later
+        sleeper there (a timeout around the call that slept) could fire in the same turn."""
+        with self._lock:
+            return any(count and not loop.is_closed() for loop, count in self._waking.items())
 
     def _drop_cancelled(self) -> None:
         while self._sleepers and self._sleepers[0][2].done():
             heapq.heappop(self._sleepers)
 
+    def _wake(self, future: asyncio.Future[None]) -> None:
+        loop = future.get_loop()
+        if loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            _resolve(future)
+            return
+        with self._lock:
+            self._waking[loop] = self._waking.get(loop, 0) + 1
+        try:
+            loop.call_soon_threadsafe(self._resolve_there, future, loop)
+        except RuntimeError:  # the loop closed meanwhile
+            self._woken(loop)
 
-def _resolve_threadsafe(future: asyncio.Future[None]) -> None:
-    def resolve() -> None:
-        if not future.done():
-            future.set_result(None)
+    def _resolve_there(self, future: asyncio.Future[None], loop: asyncio.AbstractEventLoop) -> None:
+        _resolve(future)
+        loop.call_soon(self._idle_there, loop, 0)
 
-    loop = future.get_loop()
-    if loop.is_closed():
-        return
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
-        resolve()
-    else:
-        loop.call_soon_threadsafe(resolve)
+    def _idle_there(self, loop: asyncio.AbstractEventLoop, turns: int) -> None:
+        ready = getattr(loop, "_ready", None)
+        if ready and turns < _MAX_IDLE_TURNS:
+            loop.call_soon(self._idle_there, loop, turns + 1)
+        else:
+            self._woken(loop)
+
+    def _woken(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            left = self._waking.get(loop, 0) - 1
+            if left > 0:
+                self._waking[loop] = left
+            else:
+                self._waking.pop(loop, None)
+
+
+# A woken sleeper's loop is taken as idle after this many turns even if still busy.
+_MAX_IDLE_TURNS = 1_000
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 async def sleep_or_event(clock: Clock, event: asyncio.Event, seconds: float) -> None:

@@ -13,7 +13,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from reliable_sub.clock import Clock, ManualClock
+from reliable_sub.clock import Clock, ManualClock, SystemClock
 
 T = TypeVar("T")
 
@@ -86,6 +86,9 @@ async def drive_until(
                 f"timed out waiting for {what} after {clock.now() - start:.2f}s of clock time"
             )
         if isinstance(clock, ManualClock):
+            if clock.waking():  # a sleeper on another thread's loop is still waking: not a jump
+                await asyncio.sleep(THREAD_GRACE)
+                continue
             if await _let_real_timer_fire():
                 continue  # something runs on real time (a handler's own timeout): not a jump
             wake = clock.next_wakeup()
@@ -125,6 +128,9 @@ async def pass_time(clock: Clock, seconds: float) -> None:
     target = clock.now() + seconds
     while True:
         await settle()
+        if clock.waking():  # a sleeper on another thread's loop runs first
+            await drive_until(SystemClock(), lambda: not clock.waking(), WALL_LIMIT,
+                              what="a sleeper on another thread's loop", poll=THREAD_GRACE)
         wake = clock.next_wakeup()
         if wake is None or wake > target:
             clock.set(target)

@@ -21,8 +21,10 @@ async def test_expired_deadline_redelivers_with_the_next_attempt(harness: Harnes
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     message_id = await adapter.publish(topic, b"forgotten", {"k": "v"})
+    # the broker's deadline starts when it hands the message out, somewhere inside the call:
+    # measured from before it, the bound below holds however late the call returns under load
+    asked_at = harness.clock.now()
     [first] = await harness.receive(adapter, sub, timeout=harness.tick)
-    received_at = harness.clock.now()
     assert first.message.delivery_attempt == 1
 
     [again] = await harness.receive(adapter, sub, timeout=3 * harness.ack_deadline)
@@ -30,7 +32,7 @@ async def test_expired_deadline_redelivers_with_the_next_attempt(harness: Harnes
     assert again.message.id == message_id == first.message.id
     assert again.message.delivery_attempt == 2
     assert again.message.attributes == {"k": "v"}
-    assert harness.clock.now() - received_at >= harness.ack_deadline * 0.99
+    assert harness.clock.now() - asked_at >= harness.ack_deadline * 0.99
     assert again.ack_id != first.ack_id
     if harness.features.refuses_stale_acks:
         assert await adapter.ack([first]) == [first], "a redelivered message's old ack id"

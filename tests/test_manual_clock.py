@@ -1,0 +1,81 @@
+"""The test clock drives sleepers on other threads' loops in order, however slow those loops.
+
+A Subscriber started in a thread of its own (``start()``) sleeps on the ManualClock from that
+thread's loop. A driver that jumps the clock again before a woken sleeper there has run would
+let a later sleeper (the timeout bounding the call that slept) fire in the same turn: the call
+then fails with a timeout that no real clock could produce.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from reliable_sub.clock import ManualClock, SystemClock, sleep_or_event, within
+from reliable_sub.testing.timing import drive_until, pass_time
+
+
+def _serve_in_thread(clock: ManualClock, results: list[object]) -> tuple[
+    threading.Thread, list[asyncio.AbstractEventLoop], threading.Event
+]:
+    loops: list[asyncio.AbstractEventLoop] = []
+    sleeping = threading.Event()
+
+    async def call() -> float:
+        sleeping.set()
+        # as the memory adapter's receive waits: a task of its own sleeps, a hop deeper than
+        # the bound's timer
+        await sleep_or_event(clock, asyncio.Event(), 1)
+        return clock.now()  # when it ran on: the time it woke at, unless a jump came first
+
+    async def main() -> None:
+        loops.append(asyncio.get_running_loop())
+        try:
+            results.append(await within(clock, call(), 4, "call"))
+        except TimeoutError as error:
+            results.append(error)
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),))
+    thread.start()
+    return thread, loops, sleeping
+
+
+async def _until_both_sleep(clock: ManualClock, sleeping: threading.Event) -> None:
+    await asyncio.to_thread(sleeping.wait, 10)
+    await drive_until(SystemClock(), lambda: clock.next_wakeup() == 1, 10, what="both sleepers")
+
+
+async def test_drive_until_waits_for_a_stalled_loop_before_the_next_jump() -> None:
+    clock = ManualClock()
+    results: list[object] = []
+    thread, loops, sleeping = _serve_in_thread(clock, results)
+    await _until_both_sleep(clock, sleeping)
+    # the other thread's loop is descheduled when its sleeper wakes: 0.2 s, far past any grace
+    loops[0].call_soon_threadsafe(time.sleep, 0.2)
+    await drive_until(clock, lambda: bool(results), 10, what="the call")
+    await asyncio.to_thread(thread.join, 10)
+    assert results == [1.0]
+    assert clock.now() == 1
+    assert not clock.waking()
+
+
+async def test_pass_time_waits_for_a_stalled_loop_before_the_next_jump() -> None:
+    clock = ManualClock()
+    results: list[object] = []
+    thread, loops, sleeping = _serve_in_thread(clock, results)
+    await _until_both_sleep(clock, sleeping)
+    loops[0].call_soon_threadsafe(time.sleep, 0.2)
+    await pass_time(clock, 10)
+    await asyncio.to_thread(thread.join, 10)
+    assert results == [1.0]
+
+
+async def test_a_closed_loop_never_counts_as_waking() -> None:
+    clock = ManualClock()
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    clock._sleepers.append((1.0, 0, future))
+    loop.close()
+    clock.set(1)
+    assert not clock.waking()
