@@ -247,6 +247,8 @@ STAGE_RULES = (
     rule(RECEIVE, "reliable_sub/runtime/receiver.py", "_receive", "loop"),
     rule(RECEIVE, "adapters/memory.py", "receive", "_take", "_promote", "_message", "_next_due"),
     rule(LEASE, "reliable_sub/runtime/lease.py"),
+    rule(LEASE, "reliable_sub/runtime/lease_basics.py"),
+    rule(LEASE, "reliable_sub/runtime/claim_renewal.py"),
     rule(LEASE, "reliable_sub/runtime/histogram.py"),
     rule(DEDUP, "reliable_sub/idempotency/memory_store.py"),
     rule(DEDUP, "reliable_sub/runtime/claims.py"),

@@ -713,6 +713,8 @@ STAGE_RULES = (
     rule(RECEIVE_CALL, ADAPTER_FILE, "receive", "subscription_ack_deadline"),
     rule(RECEIVE_CALL, "google/pubsub_v1/services/subscriber/async_client.py", "pull"),
     rule(LEASE, "reliable_sub/runtime/lease.py"),
+    rule(LEASE, "reliable_sub/runtime/lease_basics.py"),
+    rule(LEASE, "reliable_sub/runtime/claim_renewal.py"),
     rule(LEASE, "reliable_sub/runtime/histogram.py"),
     rule(TASK, "reliable_sub/runtime/receiver.py", "_admit"),
     rule(TASK, "reliable_sub/runtime/dispatcher.py", "dispatch", "_start", "_run", "_attempt",

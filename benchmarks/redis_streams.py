@@ -698,6 +698,8 @@ STAGE_RULES = (
     rule(RECEIVE, "reliable_sub/entries.py", "read_each"),
     rule(RECEIVE, THIS_FILE, "raw_read"),
     rule(LEASE, "reliable_sub/runtime/lease.py"),
+    rule(LEASE, "reliable_sub/runtime/lease_basics.py"),
+    rule(LEASE, "reliable_sub/runtime/claim_renewal.py"),
     rule(LEASE, "reliable_sub/runtime/histogram.py"),
     rule(DEDUP_CLAIM, "reliable_sub/runtime/claims.py", "claim", "refresh", "key_of"),
     rule(

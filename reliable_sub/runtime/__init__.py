@@ -9,7 +9,9 @@ One job per module; each takes the parts and callbacks it needs, never the run t
   the middleware chain or the direct handler call; :func:`current_claim`.
 * :mod:`~reliable_sub.runtime.decisions` -- what an outcome does to the lease, claim and settle.
 * :mod:`~reliable_sub.runtime.settler` -- batched, confirmed acks and nacks, store writes first.
-* :mod:`~reliable_sub.runtime.lease` -- the lease manager (p99 extensions, claim renewals);
+* :mod:`~reliable_sub.runtime.lease` -- the lease manager (p99 extensions);
+  :mod:`~reliable_sub.runtime.claim_renewal` the claim renewals beside its tick,
+  :mod:`~reliable_sub.runtime.lease_basics` when a lease or claim falls due and the counters,
   :mod:`~reliable_sub.runtime.histogram` its sliding histogram.
 * :mod:`~reliable_sub.runtime.claims` -- the one owner of the claim lifecycle.
 * :mod:`~reliable_sub.runtime.shutdown` -- the graceful (or forced) stop.

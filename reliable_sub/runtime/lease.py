@@ -36,61 +36,38 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from ..clock import AbandonedCall, Clock, sleep_or_event, within
+from ..clock import Clock, sleep_or_event, within
 from ..policy import LeasePolicy
-from ..ports import Adapter, Claimed
+from ..ports import Adapter
+from .claim_renewal import ClaimRenewal, ClaimRenewer
 from .health import Health
 from .histogram import SlidingHistogram
 from .inflight import InFlight, Stage
+from .lease_basics import (
+    BATCH_FRACTION,
+    MIN_CALL_BOUND,
+    MIN_SAFETY_MARGIN,
+    RETRY_FRACTION,
+    SAFETY_FRACTION,
+    LeaseStats,
+    due_at,
+    margin,
+)
+
+__all__ = [
+    "BATCH_FRACTION", "MIN_SAFETY_MARGIN", "SAFETY_FRACTION", "ClaimRenewer", "LeaseManager",
+    "LeaseStats",
+]
 
 logger = logging.getLogger(__name__)
 
-# Extend when less than this fraction of the current lease is left: 2 s of a 10 s deadline, room
-# for scheduler jitter and one broker round trip.
-SAFETY_FRACTION = 0.2
-# ... but never with less than this many seconds left (or half the lease, if that is less): 20% of
-# a 1-2 s lease is shorter than the event loop's lag on a loaded machine, and a lease that lapses
-# hands the message to a peer while its handler runs.
-MIN_SAFETY_MARGIN = 1.0
-# A tick also takes leases that would fall due within this further fraction, so deliveries
-# received close together share one extend call instead of one call each.
-BATCH_FRACTION = 0.2
-# After a failed extend or renew call (broker or store unreachable), try again this fraction of
-# a lease later.
-RETRY_FRACTION = 0.05
 # The loop never spins faster than this, whatever the leases say (a guard, not a schedule).
 MIN_TICK_INTERVAL = 0.01
-# An extend or renew call gets until the earliest lease (or claim) in it runs out, but at least
-# this long (seconds): past the lease the call is moot; a shorter bound would cut off a broker
-# that is merely slow. Then it counts as failed and is tried again shortly.
-MIN_CALL_BOUND = 1.0
 # The names of the calls in the log and in health reports.
 EXTEND_CALL = "extending leases of {subscription!r}"
 RENEW_CALL = "renewing dedup claims of {subscription!r}"
-
-
-class ClaimRenewer(Protocol):
-    """What renews dedup claims: a DedupStore, or the Subscriber's claim-lifecycle owner."""
-
-    async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]: ...
-
-
-@dataclass
-class LeaseStats:
-    """Counters for benchmarks, tests and metrics."""
-
-    extend_calls: int = 0
-    extended_ack_ids: int = 0
-    claim_renew_calls: int = 0
-    renewed_claims: int = 0
-    refused: int = 0
-    max_lease_reached: int = 0
-    extend_errors: int = 0
-    renew_errors: int = 0
-    lost_claims: int = 0
 
 
 class LeaseManager:
@@ -130,7 +107,6 @@ class LeaseManager:
         self._policy = policy
         self._clock = clock
         self._initial_deadline = initial_deadline
-        self._dedup = dedup
         self._on_max_lease = on_max_lease
         self._on_extended = on_extended
         self.observed: float | None = None  # the percentile the last extension came from
@@ -143,11 +119,10 @@ class LeaseManager:
         self._task: asyncio.Task[None] | None = None
         self._health = health or Health(clock.now, math.inf)
         self._extend_call = EXTEND_CALL.format(subscription=subscription)
-        self._renew_call = RENEW_CALL.format(subscription=subscription)
         self._beside: set[asyncio.Task[None]] = set()  # renewals and max-lease reports
-        # a renewal past its bound, left to finish (store clients may not survive a
-        # cancellation mid-call): no other is started until it ends
-        self._stuck_renewal: asyncio.Future[object] | None = None
+        self._renewal = None if dedup is None else ClaimRenewal(
+            dedup, clock=clock, stats=self.stats, health=self._health,
+            call=RENEW_CALL.format(subscription=subscription), schedule=self._schedule)
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -162,7 +137,7 @@ class LeaseManager:
         """
         initial = self._initial_deadline
         max_lease = self._policy.max_lease_duration
-        margin = _margin(initial)
+        first_margin = margin(initial)
         earliest = math.inf
         for item in items:
             received = item.delivery.received_at
@@ -174,7 +149,7 @@ class LeaseManager:
             item.claim_deadline = received + claim_ttl
             item.claim_length = claim_ttl
             self._leases.add(item)
-            earliest = min(earliest, received + initial - margin)
+            earliest = min(earliest, received + initial - first_margin)
         self._schedule(earliest)
 
     def claim_ttl(self) -> float:
@@ -184,8 +159,7 @@ class LeaseManager:
     def claim_needs_refresh(self, item: InFlight[Any]) -> bool:
         """True when ``item``'s claim (taken at receipt, not renewed while it waited to start)
         has too little time left to start a handler under it."""
-        margin = _margin(item.claim_length)
-        return item.claim_deadline - margin <= self._clock.now()
+        return item.claim_deadline - margin(item.claim_length) <= self._clock.now()
 
     def claim_taken(self, item: InFlight[Any], ttl: float) -> None:
         """``item``'s claim was (re)taken now for ``ttl`` seconds."""
@@ -197,7 +171,7 @@ class LeaseManager:
         item.started_at = self._clock.now()
         if item.claim is not None and item.leased:
             item.claim_active = True
-            self._schedule(item.claim_deadline - _margin(item.claim_length))
+            self._schedule(item.claim_deadline - margin(item.claim_length))
 
     def finished(self, item: InFlight[Any]) -> float | None:
         """The handler returned: record its processing time (the lease stays until settled)."""
@@ -284,7 +258,7 @@ class LeaseManager:
         for item in self._leases:
             if item.not_before <= now:
                 if item.held:
-                    horizon = now + _margin(item.length) + item.length * BATCH_FRACTION
+                    horizon = now + margin(item.length) + item.length * BATCH_FRACTION
                     if item.deadline <= horizon:
                         if item.expires_at <= horizon:
                             expired.append(item)
@@ -293,26 +267,25 @@ class LeaseManager:
                 elif item.stage is Stage.RUNNING and item.expires_at <= now:
                     expired.append(item)  # a handler that runs on: another max_lease_duration
             if (item.claim_active and item.renew_after <= now
-                    and item.claim_deadline <= now + _margin(item.claim_length)
+                    and item.claim_deadline <= now + margin(item.claim_length)
                     + item.claim_length * BATCH_FRACTION):
                 claims.append(item)
         if expired:
             self._expire(expired)
         # the percentile sorts the histogram: only worth it when something is due
         extension = self.extension() if (to_extend or claims) else 0.0
-        if claims and self._dedup is not None:
-            stuck = self._stuck_renewal
-            if stuck is None or stuck.done():
+        renewal = self._renewal
+        if claims and renewal is not None:
+            if renewal.blocked():  # one hung renewal at a time: look again shortly
+                renewal.postpone(claims, now)
+            else:
                 self._beside_the_tick(
-                    self._renew_claims(claims, max(extension, self.claim_ttl()), now))
-            else:  # one hung renewal at a time: look again shortly
-                for item in claims:
-                    item.renew_after = now + item.claim_length * RETRY_FRACTION
+                    renewal.renew(claims, max(extension, self.claim_ttl()), now))
         if to_extend:
             await self._extend(to_extend, extension, now)
         if not self._leases:
             return None
-        return min(_due_at(item) for item in self._leases)
+        return min(due_at(item) for item in self._leases)
 
     def _beside_the_tick(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -382,74 +355,3 @@ class LeaseManager:
             "broker refused to extend message %s (ack id %s is stale); no longer leased",
             item.message_id, item.delivery.ack_id,
         )
-
-    async def _renew_claims(self, items: list[InFlight[Any]], seconds: float, now: float) -> None:
-        """Renew the claims of ``items`` (one call, bounded), beside the tick."""
-        assert self._dedup is not None
-        for item in items:
-            item.renew_after = math.inf  # in flight: the tick does not take them again
-        try:
-            await self._renew(items, seconds, now)
-        finally:
-            earliest = math.inf
-            for item in items:
-                if item.renew_after == math.inf:
-                    item.renew_after = -math.inf
-                if item.claim_active:
-                    earliest = min(earliest, _claim_due(item))
-            if earliest < math.inf:
-                self._schedule(earliest)
-
-    async def _renew(self, items: list[InFlight[Any]], seconds: float, now: float) -> None:
-        assert self._dedup is not None
-        claims = [item.claim for item in items if item.claim is not None]
-        bound = max(MIN_CALL_BOUND, min(item.claim_deadline for item in items) - now)
-        try:
-            lost = await within(self._clock, self._dedup.renew(claims, seconds), bound,
-                                f"renewal of {len(claims)} dedup claims", cancel=False)
-        except Exception as error:
-            if isinstance(error, AbandonedCall):
-                self._stuck_renewal = error.call
-            self.stats.renew_errors += 1
-            self._health.failed(self._renew_call, error)
-            retry_at = self._clock.now()
-            for item in items:
-                item.renew_after = retry_at + item.claim_length * RETRY_FRACTION
-            return
-        self._health.ok(self._renew_call)
-        self.stats.claim_renew_calls += 1
-        self.stats.renewed_claims += len(claims) - len(lost)
-        lost_tokens = {claim.token for claim in lost}
-        for item in items:
-            if item.claim is not None and item.claim.token in lost_tokens:
-                self.stats.lost_claims += 1
-                item.claim_active = False
-                logger.warning(
-                    "dedup claim of message %s was lost (it lapsed and a peer took it?); its "
-                    "completion will be refused if the peer still holds it", item.message_id,
-                    extra={"message_id": item.message_id},
-                )
-            else:
-                item.claim_deadline = now + seconds
-                item.claim_length = seconds
-
-
-def _due_at(item: InFlight[Any]) -> float:
-    due = math.inf
-    if item.held:
-        due = item.deadline - _margin(item.length)
-    elif item.stage is Stage.RUNNING:
-        due = item.expires_at
-    due = max(due, item.not_before)
-    if item.claim_active:
-        due = min(due, _claim_due(item))
-    return due
-
-
-def _claim_due(item: InFlight[Any]) -> float:
-    return max(item.claim_deadline - _margin(item.claim_length), item.renew_after)
-
-
-def _margin(length: float) -> float:
-    """Seconds before a lease of ``length`` ends at which it is due for extension."""
-    return max(length * SAFETY_FRACTION, min(length / 2, MIN_SAFETY_MARGIN))
