@@ -48,7 +48,9 @@ class Claims:
         self.retention = retention
         self._epochs = (EpochCache(store) if store is not None and isinstance(store, DedupEpochs)
                         else None)
-        self._failures: OrderedDict[tuple[str, str], int] = OrderedDict()
+        # without a store: the failures counted here, by (namespace, message id); read by the
+        # other stages directly on the hot path (no call when it is empty)
+        self.failure_counts: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     @staticmethod
     def key_of(namespace: str, item: InFlight[Any]) -> DedupKey:
@@ -100,7 +102,7 @@ class Claims:
 
     def failures_without_store(self, namespace: str, item: InFlight[Any]) -> int:
         """The failures this process counted for ``item``'s message (no store)."""
-        return self._failures.get((namespace, item.delivery.message.id), 0)
+        return self.failure_counts.get((namespace, item.delivery.message.id), 0)
 
     def record_failure(self, namespace: str, item: InFlight[Any]) -> int:
         """Count one more handler failure of ``item``'s message; returns the new count.
@@ -113,10 +115,10 @@ class Claims:
             item.claim = dataclasses.replace(item.claim, failures=item.failures)
         elif self.store is None:
             key = (namespace, item.delivery.message.id)
-            self._failures[key] = item.failures
-            self._failures.move_to_end(key)
-            if len(self._failures) > FAILURE_MEMORY:
-                self._failures.popitem(last=False)
+            self.failure_counts[key] = item.failures
+            self.failure_counts.move_to_end(key)
+            if len(self.failure_counts) > FAILURE_MEMORY:
+                self.failure_counts.popitem(last=False)
         return item.failures
 
     def set_failures(self, namespace: str, item: InFlight[Any], failures: int) -> None:
@@ -126,8 +128,8 @@ class Claims:
 
     def forget(self, namespace: str, item: InFlight[Any]) -> None:
         """The message is done with (acked or dead-lettered): drop its in-memory count."""
-        if self.store is None and self._failures:
-            self._failures.pop((namespace, item.delivery.message.id), None)
+        if self.store is None and self.failure_counts:
+            self.failure_counts.pop((namespace, item.delivery.message.id), None)
 
     def completion(self, item: InFlight[Any], result_json: str) -> Completion | None:
         """What to record for ``item`` when its handler succeeded (None without a claim)."""

@@ -121,12 +121,15 @@ class Decisions:
             self._claims.drop(item)
             self.settle(item, Outcome.ACKED, ack=True)
             return
-        result_json = "null"
-        if item.claim is not None:
-            result_json = self.encode(result, item.delivery.message)
-        self._claims.forget(lane.namespace, item)
+        claims = self._claims
+        if item.claim is None:  # the fast path: nothing to record
+            if claims.failure_counts:
+                claims.forget(lane.namespace, item)
+            self.settle(item, Outcome.ACKED, ack=True)
+            return
+        result_json = self.encode(result, item.delivery.message)
         self.settle(item, Outcome.ACKED, ack=True,
-                    completion=self._claims.completion(item, result_json))
+                    completion=claims.completion(item, result_json))
 
     def apply(self, item: Item, decision: Decision) -> None:
         """Settle ``item`` as ``decision`` says."""

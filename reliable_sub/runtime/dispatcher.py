@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import inspect
 import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
+from types import CoroutineType
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -324,7 +324,7 @@ class Dispatcher:
         handler, message = lane.handler, item.delivery.message
         if lane.route.is_async:
             result = handler(message)
-            if inspect.iscoroutine(result):
+            if type(result) is CoroutineType:  # inspect.iscoroutine, without the call
                 result = await result
         else:
             future = self._workers.run(handler, message)

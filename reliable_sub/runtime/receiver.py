@@ -199,8 +199,10 @@ class Receiver:
         if not good:
             return
         if claims.store is None:
+            counts = claims.failure_counts
             for item in good:
-                item.failures = claims.failures_without_store(lane.namespace, item)
+                if counts:
+                    item.failures = claims.failures_without_store(lane.namespace, item)
                 self._dispatch(lane, item)
             return
         try:

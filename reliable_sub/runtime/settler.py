@@ -118,8 +118,10 @@ class _Lane:
         self._slot_free = asyncio.Event()
 
     def add(self, settle: Settle) -> None:
-        self.waiting.append(settle)
-        self._queued.set()
+        waiting = self.waiting
+        waiting.append(settle)
+        if len(waiting) == 1:  # with more, the event is set already (run clears it, then
+            self._queued.set()  # takes all that wait, with no await between)
 
     def extend(self, settles: list[Settle]) -> None:
         self.waiting.extend(settles)
