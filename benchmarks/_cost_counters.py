@@ -5,7 +5,7 @@
   :mod:`cProfile`, which is that hook implemented in C (the same events, several times cheaper
   than a Python hook function). Functions of the harness itself (the handler under test, the
   counting wrappers) and the C functions they call are left out.
-* :class:`TaskCounter` -- asyncio tasks created, through the event loop's task factory.
+* :class:`TaskCounter` -- asyncio tasks created, seen where each registers itself.
 * :class:`Seams` -- calls to the adapter's and the dedup store's broker methods (receive, ack,
   nack, extend, claim, complete, release, renew), by wrapping the methods of the two instances
   the Subscriber is given; it also sees the last ack of the workload and says so.
@@ -24,8 +24,9 @@ import cProfile
 import functools
 import selectors
 import threading
+import weakref
 from collections import Counter
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import CodeType
 from typing import Any
@@ -142,43 +143,61 @@ class IdleSignallingSelector(selectors.DefaultSelector):
 
 
 class TaskCounter:
-    """Counts the tasks created through ``loop.create_task`` while :attr:`counting`, but
-    those of coroutines defined in a file under one of the ``ignore`` paths.
+    """Counts the tasks created while :attr:`counting` (however made: ``loop.create_task``, a
+    task factory, or ``asyncio.Task`` directly, as the dispatcher does), but those of
+    coroutines defined in a file under one of the ``ignore`` paths.
 
-    The factory makes the same ``asyncio.Task`` the loop would. (With a factory set, the loop
-    also calls asyncio's ``_set_task_name`` once per task: one Python call per task, in every
-    run alike.)"""
+    Every new task adds itself to asyncio's registry of tasks; on CPython 3.11 that is the
+    WeakSet ``asyncio.tasks._all_tasks``, whose ``add`` the C Task looks up on the instance
+    each time, so an instance attribute sees every task. Later Pythons keep the registry
+    elsewhere: then :meth:`install` says so rather than count nothing."""
 
     def __init__(self, ignore: tuple[str, ...] = ()) -> None:
         self.counting = False
         self.created: Counter[str] = Counter()
         self.ignored: Counter[str] = Counter()
         self._ignore = ignore
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._registry: weakref.WeakSet[asyncio.Task[Any]] | None = None
+        self._add: Callable[[asyncio.Task[Any]], None] | None = None
 
-    def install(self, loop: asyncio.AbstractEventLoop) -> None:
-        loop.set_task_factory(self._factory)  # type: ignore[arg-type]
-        self._loop = loop
+    def install(self) -> None:
+        registry = getattr(asyncio.tasks, "_all_tasks", None)
+        if not isinstance(registry, weakref.WeakSet):
+            raise RuntimeError(
+                "asyncio keeps no _all_tasks WeakSet on this Python: count tasks another way "
+                "in benchmarks/_cost_counters.py"
+            )
+        self._registry, self._add = registry, registry.add
+        registry.add = self._register  # type: ignore[method-assign,assignment]
+
+    def uninstall(self) -> None:
+        if self._registry is not None and self.installed:
+            del self._registry.add
+        self._registry = self._add = None
+
+    @property
+    def installed(self) -> bool:
+        return self._registry is not None and vars(self._registry).get("add") == self._register
 
     def check_installed(self) -> None:
-        """Fail if someone replaced the factory (the count would silently be short)."""
-        if self._loop is None or self._loop.get_task_factory() != self._factory:
+        """Fail if someone replaced the hook (the count would silently be short)."""
+        if not self.installed:
             raise RuntimeError(
-                "the event loop's task factory was replaced during the run: tasks can no "
-                "longer be counted through it; count them another way in benchmarks/_cost_*.py"
+                "asyncio's registry of tasks was replaced during the run: tasks can no longer "
+                "be counted through it; count them another way in benchmarks/_cost_*.py"
             )
 
-    def _factory(
-        self, loop: asyncio.AbstractEventLoop, coro: Coroutine[Any, Any, Any], **kwargs: Any
-    ) -> asyncio.Task[Any]:
+    def _register(self, task: asyncio.Task[Any]) -> None:
+        assert self._add is not None
         if self.counting:
+            coro = task.get_coro()
             name = getattr(coro, "__qualname__", type(coro).__qualname__)
             code = getattr(coro, "cr_code", None)
             if code is not None and code.co_filename.startswith(self._ignore):
                 self.ignored[name] += 1
             else:
                 self.created[name] += 1
-        return asyncio.Task(coro, loop=loop, **kwargs)
+        self._add(task)
 
     @property
     def total(self) -> int:

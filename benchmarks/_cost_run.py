@@ -328,13 +328,16 @@ async def measure(name: str, top: int, idle: IdleSignallingSelector) -> dict[str
     # redis-py makes a task for some of the commands it sends (with a socket timeout, as the
     # write path decides): not the Subscriber's, and not the same from run to run.
     tasks = TaskCounter(ignore=(str(Path(redis.__file__).parent),) if redis else ())
-    tasks.install(asyncio.get_running_loop())
+    tasks.install()
     started = time.perf_counter()
-    with real_time_calls_once():
-        await CountPass(workload, WARMUP_MESSAGES, idle, tasks).run()
-        counted = CountPass(workload, messages, idle, tasks)
-        await counted.run()
-    result = counted.result(top)
+    try:
+        with real_time_calls_once():
+            await CountPass(workload, WARMUP_MESSAGES, idle, tasks).run()
+            counted = CountPass(workload, messages, idle, tasks)
+            await counted.run()
+        result = counted.result(top)
+    finally:
+        tasks.uninstall()
     if workload.broker == "redis":
         for varies in ("calls", "c_calls"):
             del result["totals"][varies]

@@ -112,21 +112,29 @@ def test_calls_and_c_calls_are_counted_exactly() -> None:
     assert (more_calls - calls, more_c_calls - c_calls) == (100, 100)  # _callee, len
 
 
-def test_tasks_are_counted_through_the_task_factory() -> None:
+def test_tasks_are_counted_however_they_are_made() -> None:
     async def main() -> TaskCounter:
         counter = TaskCounter()
-        counter.install(asyncio.get_running_loop())
-        counter.counting = True
-        await asyncio.gather(*(asyncio.sleep(0) for _ in range(3)))
-        await asyncio.create_task(asyncio.sleep(0))
-        counter.counting = False
-        await asyncio.create_task(asyncio.sleep(0))
-        counter.check_installed()
+        counter.install()
+        try:
+            counter.counting = True
+            await asyncio.gather(*(asyncio.sleep(0) for _ in range(3)))
+            await asyncio.create_task(asyncio.sleep(0))
+            await asyncio.Task(asyncio.sleep(0), loop=asyncio.get_running_loop())  # no factory
+            counter.counting = False
+            await asyncio.create_task(asyncio.sleep(0))
+            counter.check_installed()
+        finally:
+            counter.uninstall()
+        assert not counter.installed
+        with pytest.raises(RuntimeError, match="replaced"):
+            counter.check_installed()
         return counter
 
     counter = asyncio.run(main())
-    assert counter.total == 4
-    assert counter.created == {"sleep": 4}
+    assert counter.total == 5
+    assert counter.created == {"sleep": 5}
+    assert "add" not in vars(asyncio.tasks._all_tasks), "the registry is left as it was"
 
 
 def test_broker_calls_are_counted_and_the_last_ack_is_seen() -> None:

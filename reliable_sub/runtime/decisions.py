@@ -127,7 +127,7 @@ class Decisions:
                 claims.forget(lane.namespace, item)
             self.settle(item, Outcome.ACKED, ack=True)
             return
-        result_json = self.encode(result, item.delivery.message)
+        result_json = "null" if result is None else self.encode(result, item.delivery.message)
         self.settle(item, Outcome.ACKED, ack=True,
                     completion=claims.completion(item, result_json))
 

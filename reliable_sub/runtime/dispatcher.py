@@ -45,7 +45,7 @@ from .decisions import DEFER_MIN_DELAY
 from .flow import FlowGate
 from .health import Health
 from .inflight import CancelReason, Stage
-from .lanes import Config, Item, Lane, Route, RunState, SettleCall, new_task
+from .lanes import EAGER_TASKS, Config, Item, Lane, Route, RunState, SettleCall, new_task
 from .workers import WorkerThreads
 
 logger = logging.getLogger("reliable_sub.subscriber")
@@ -199,9 +199,10 @@ class Dispatcher:
 
     async def _run(self, item: Item) -> None:
         """One delivery in its own task: wait for resources, run the handler, decide."""
-        # set here, not only by _start: an eagerly started task runs this far (and maybe to
-        # its end) before the constructor returns
-        item.task = asyncio.current_task()
+        if EAGER_TASKS:
+            # set here, not only by _start: an eagerly started task runs this far (and maybe
+            # to its end) before the constructor returns
+            item.task = asyncio.current_task()
         lane = item.lane
         flow = self._flow
         size = item.delivery.size

@@ -55,6 +55,7 @@ class InFlight(Generic[LaneT]):
         "claim_active",
         "claim_deadline",
         "claim_length",
+        "claim_refresh_at",
         "deadline",
         "delivery",
         "duration",
@@ -98,6 +99,7 @@ class InFlight(Generic[LaneT]):
         self.claim_active = False
         self.claim_deadline = math.inf
         self.claim_length = 0.0
+        self.claim_refresh_at = math.inf  # until its handler starts: when to retake the claim
         self.renew_after = -math.inf  # inf while a renewal is in flight; after a failed one:
         # retry from then (apart from not_before: a store's trouble never delays the broker's)
 

@@ -138,6 +138,7 @@ class LeaseManager:
         initial = self._initial_deadline
         max_lease = self._policy.max_lease_duration
         first_margin = margin(initial)
+        claim_refresh = claim_ttl - margin(claim_ttl)
         earliest = math.inf
         for item in items:
             received = item.delivery.received_at
@@ -148,6 +149,7 @@ class LeaseManager:
             # a claim, if the batch is claimed, is taken just after this (at about received)
             item.claim_deadline = received + claim_ttl
             item.claim_length = claim_ttl
+            item.claim_refresh_at = received + claim_refresh
             self._leases.add(item)
             earliest = min(earliest, received + initial - first_margin)
         self._schedule(earliest)
@@ -159,19 +161,20 @@ class LeaseManager:
     def claim_needs_refresh(self, item: InFlight[Any]) -> bool:
         """True when ``item``'s claim (taken at receipt, not renewed while it waited to start)
         has too little time left to start a handler under it."""
-        return item.claim_deadline - margin(item.claim_length) <= self._clock.now()
+        return item.claim_refresh_at <= self._clock.now()
 
     def claim_taken(self, item: InFlight[Any], ttl: float) -> None:
         """``item``'s claim was (re)taken now for ``ttl`` seconds."""
         item.claim_deadline = self._clock.now() + ttl
         item.claim_length = ttl
+        item.claim_refresh_at = item.claim_deadline - margin(ttl)
 
     def started(self, item: InFlight[Any]) -> None:
         """The handler starts now: time is measured from here and the claim is kept alive."""
         item.started_at = self._clock.now()
         if item.claim is not None and item.leased:
             item.claim_active = True
-            self._schedule(item.claim_deadline - margin(item.claim_length))
+            self._schedule(item.claim_refresh_at)
 
     def finished(self, item: InFlight[Any]) -> float | None:
         """The handler returned: record its processing time (the lease stays until settled)."""
