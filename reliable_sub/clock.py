@@ -107,7 +107,8 @@ class ManualClock:
         that loop went idle: a driver must not move the clock again before, or a later
         sleeper there (a timeout around the call that slept) could fire in the same turn."""
         with self._lock:
-            return any(count and not loop.is_closed() for loop, count in self._waking.items())
+            # a loop that stopped (or closed) before running the wake-up never will
+            return any(count and loop.is_running() for loop, count in self._waking.items())
 
     def _drop_cancelled(self) -> None:
         while self._sleepers and self._sleepers[0][2].done():

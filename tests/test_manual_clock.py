@@ -71,7 +71,7 @@ async def test_pass_time_waits_for_a_stalled_loop_before_the_next_jump() -> None
     assert results == [1.0]
 
 
-async def test_a_closed_loop_never_counts_as_waking() -> None:
+async def test_a_loop_that_is_not_running_never_counts_as_waking() -> None:
     clock = ManualClock()
     loop = asyncio.new_event_loop()
     future = loop.create_future()
@@ -79,3 +79,17 @@ async def test_a_closed_loop_never_counts_as_waking() -> None:
     loop.close()
     clock.set(1)
     assert not clock.waking()
+
+
+def test_a_stopped_loop_with_a_wake_up_pending_never_counts_as_waking() -> None:
+    clock = ManualClock()
+    loop = asyncio.new_event_loop()
+    try:
+        future = loop.create_future()
+        clock._sleepers.append((1.0, 0, future))
+        clock.set(1)  # the wake-up is queued on a loop that is not running
+        assert not clock.waking()
+        loop.run_until_complete(asyncio.sleep(0))  # it runs once the loop does
+        assert future.done()
+    finally:
+        loop.close()
