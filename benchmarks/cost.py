@@ -72,7 +72,8 @@ METRICS = (
            "the harness's own excepted"),
     Metric("c_calls", "C calls", "C functions called from Python code (`c_call` events)"),
     Metric("tasks", "tasks created", "asyncio tasks made, however (each registers with "
-           "asyncio's set of all tasks; redis-py's own left out: it makes some per command, as its socket allows)"),
+           "asyncio's set of all tasks; redis-py's own left out: it makes some per command, "
+           "as its socket allows)"),
     Metric("round_trips", "broker + store calls", "calls of the adapter's receive, ack, nack, "
            "extend, ack_with_completions and the dedup store's claim, complete, release and "
            "renew methods"),

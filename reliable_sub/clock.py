@@ -61,8 +61,10 @@ class ManualClock:
         self._lock = threading.Lock()
         self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._sequence = itertools.count()
-        # sleepers woken on another thread's loop whose wake-up has not yet run to idle there
-        self._waking: dict[asyncio.AbstractEventLoop, int] = {}
+        # per loop of another thread: sleepers woken there (queued) and how many of them have
+        # run (resolved) but not yet until the loop went idle; the one loop checking for idle
+        self._waking: dict[asyncio.AbstractEventLoop, tuple[int, int]] = {}
+        self._checking: set[asyncio.AbstractEventLoop] = set()
 
     def now(self) -> float:
         return self._now
@@ -107,8 +109,11 @@ class ManualClock:
         that loop went idle: a driver must not move the clock again before, or a later
         sleeper there (a timeout around the call that slept) could fire in the same turn."""
         with self._lock:
-            # a loop that stopped (or closed) before running the wake-up never will
-            return any(count and loop.is_running() for loop, count in self._waking.items())
+            for loop in [loop for loop in self._waking if not loop.is_running()]:
+                # stopped (or closed) before running the wake-up: it may never; forget it
+                del self._waking[loop]
+                self._checking.discard(loop)
+            return bool(self._waking)
 
     def _drop_cancelled(self) -> None:
         while self._sleepers and self._sleepers[0][2].done():
@@ -126,28 +131,36 @@ class ManualClock:
             _resolve(future)
             return
         with self._lock:
-            self._waking[loop] = self._waking.get(loop, 0) + 1
+            queued, resolved = self._waking.get(loop, (0, 0))
+            self._waking[loop] = (queued + 1, resolved)
         try:
             loop.call_soon_threadsafe(self._resolve_there, future, loop)
         except RuntimeError:  # the loop closed meanwhile
-            self._woken(loop)
+            with self._lock:
+                self._waking.pop(loop, None)
 
     def _resolve_there(self, future: asyncio.Future[None], loop: asyncio.AbstractEventLoop) -> None:
         _resolve(future)
+        with self._lock:
+            queued, resolved = self._waking.get(loop, (0, 0))
+            if not queued:
+                return  # forgotten while the loop was stopped
+            self._waking[loop] = (queued, resolved + 1)
+            if loop in self._checking:
+                return  # one idle check per loop: its own handle would keep another busy
+            self._checking.add(loop)
         loop.call_soon(self._idle_there, loop, 0)
 
     def _idle_there(self, loop: asyncio.AbstractEventLoop, turns: int) -> None:
         ready = getattr(loop, "_ready", None)
         if ready and turns < _MAX_IDLE_TURNS:
             loop.call_soon(self._idle_there, loop, turns + 1)
-        else:
-            self._woken(loop)
-
-    def _woken(self, loop: asyncio.AbstractEventLoop) -> None:
+            return
         with self._lock:
-            left = self._waking.get(loop, 0) - 1
-            if left > 0:
-                self._waking[loop] = left
+            self._checking.discard(loop)
+            queued, resolved = self._waking.get(loop, (0, 0))
+            if queued > resolved:  # a wake-up counted but not yet run here: its turn comes
+                self._waking[loop] = (queued - resolved, 0)
             else:
                 self._waking.pop(loop, None)
 

@@ -93,3 +93,31 @@ def test_a_stopped_loop_with_a_wake_up_pending_never_counts_as_waking() -> None:
         assert future.done()
     finally:
         loop.close()
+
+
+def test_sleepers_woken_together_on_another_loop_share_one_idle_check() -> None:
+    clock = ManualClock()
+    checks: list[int] = []
+
+    async def main() -> None:
+        idle_there = clock._idle_there
+
+        def counted(loop: asyncio.AbstractEventLoop, turns: int) -> None:
+            checks.append(turns)
+            idle_there(loop, turns)
+
+        clock._idle_there = counted  # type: ignore[method-assign]
+        sleepers = [asyncio.ensure_future(clock.sleep(1)) for _ in range(3)]
+        await asyncio.sleep(0)
+        setter = threading.Thread(target=clock.set, args=(1,))  # woken from another thread
+        setter.start()
+        await asyncio.gather(*sleepers)
+        await asyncio.to_thread(setter.join)
+        for _ in range(10_000):  # until the idle check saw this loop idle (here, on a timer)
+            if not clock.waking():
+                break
+            await asyncio.sleep(0.001)
+
+    asyncio.run(main())
+    assert not clock.waking()
+    assert len(checks) < 10, f"{len(checks)} idle checks for three sleepers woken at once"

@@ -127,16 +127,21 @@ async def pass_time(clock: Clock, seconds: float) -> None:
         return
     target = clock.now() + seconds
     while True:
-        await settle()
-        if clock.waking():  # a sleeper on another thread's loop runs first
-            await drive_until(SystemClock(), lambda: not clock.waking(), WALL_LIMIT,
-                              what="a sleeper on another thread's loop", poll=THREAD_GRACE)
+        await _settle_all(clock)
         wake = clock.next_wakeup()
         if wake is None or wake > target:
             clock.set(target)
-            await settle()
+            await _settle_all(clock)
             return
         clock.set(wake)
+
+
+async def _settle_all(clock: ManualClock) -> None:
+    """Settle this loop, and wait until sleepers woken on other threads' loops have run."""
+    await settle()
+    if clock.waking():
+        await drive_until(SystemClock(), lambda: not clock.waking(), WALL_LIMIT,
+                          what="a sleeper on another thread's loop", poll=THREAD_GRACE)
 
 
 async def run_driven(clock: Clock, awaitable: Awaitable[T], within: float) -> T:

@@ -101,8 +101,9 @@ async def under_load(
             if time.monotonic() > give_up:
                 effects = await world.effects()
                 missing = [n for n in range(world.messages) if not effects.get(n)]
+                elapsed = time.monotonic() - started
                 raise AssertionError(
-                    f"{len(missing)} messages without an effect after {time.monotonic() - started:.0f}s "
+                    f"{len(missing)} messages without an effect after {elapsed:.0f}s "
                     f"(first {missing[:10]}); consumers' output:\n{fleet.output()}")
             if max_faults is None or faults < max_faults:
                 await fault()
