@@ -192,7 +192,8 @@ class Dispatcher:
             if eager:
                 item.task = _new_task(self._run(item))
             else:
-                item.task = asyncio.get_running_loop().create_task(self._run(item))
+                # not through the loop's task factory either, as new_task does
+                item.task = asyncio.Task(self._run(item), loop=asyncio.get_running_loop())
         finally:
             if token is not None:
                 otel_context.detach(token)
