@@ -586,10 +586,8 @@ class RedisStreamsAdapter:
             return []
         if not reply:
             return []
-        return read_each(_entries_of(reply),
-                         lambda entry: self._delivery(sub, entry[0], entry[1], 1),
-                         lambda entry, problem: self._unreadable(sub, entry[0], entry[1], 1,
-                                                                 problem))
+        return read_each(_entries_of(reply), functools.partial(self._delivery, sub),
+                         functools.partial(self._unreadable, sub))
 
     async def _reclaim_due(
         self, sub: _Subscription, max_messages: int
@@ -610,19 +608,21 @@ class RedisStreamsAdapter:
         self._count_gone(sub, len(gone), [_text(g) for g in gone])
         entries = [(_text(entry[0]), _field_map(entry[1]), int(count))
                    for entry, count in zip(claimed, counts, strict=True)]
-        deliveries = read_each(entries, lambda entry: self._delivery(sub, *entry),
-                               lambda entry, problem: self._unreadable(sub, *entry, problem))
+        deliveries = read_each(entries, functools.partial(self._delivery, sub),
+                               functools.partial(self._unreadable, sub))
         self.stats["reclaimed"] += len(deliveries)
         return deliveries, sub.reclaim_from != "-"
 
-    def _delivery(
-        self, sub: _Subscription, entry_id: str, fields: dict[bytes, bytes], attempt: int
-    ) -> Delivery:
+    def _delivery(self, sub: _Subscription, entry: _Entry) -> Delivery:
+        entry_id, fields, attempt = entry
         problem = None
-        try:
-            attributes = attributes_from_json(fields.get(b"attributes"))
-        except ValueError as error:
-            attributes, problem = {}, f"attributes field: {error}"
+        attributes: dict[str, str] = {}
+        raw_attributes = fields.get(b"attributes")
+        if raw_attributes:
+            try:
+                attributes = attributes_from_json(raw_attributes)
+            except ValueError as error:
+                problem = f"attributes field: {error}"
         ordering_key = None
         raw_key = fields.get(b"ordering-key")
         if raw_key:
@@ -647,12 +647,10 @@ class RedisStreamsAdapter:
             return self._malformed(sub, message, attempt, problem)
         return Delivery(message, f"{entry_id}/{attempt}")
 
-    def _unreadable(
-        self, sub: _Subscription, entry_id: str, fields: dict[bytes, bytes], attempt: int,
-        problem: str,
-    ) -> Delivery:
+    def _unreadable(self, sub: _Subscription, entry: _Entry, problem: str) -> Delivery:
         """The delivery of an entry whose parse raised ``problem``: its data if it has a
         ``data`` field, and nothing else of it."""
+        entry_id, fields, attempt = entry
         message = Message(id=entry_id, data=fields.get(b"data") or b"",
                           delivery_attempt=attempt, subscription=sub.name)
         return self._malformed(sub, message, attempt, problem)
@@ -847,10 +845,15 @@ def _field_map(flat: Any) -> dict[bytes, bytes]:
     return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
 
 
-def _entries_of(reply: Any) -> list[tuple[str, dict[bytes, bytes]]]:
-    """Entries of an XREADGROUP reply, in RESP2 (list) or RESP3 (dict) shape."""
+# An entry as the adapter reads it: its id, its fields, and its delivery attempt.
+_Entry = tuple[str, dict[bytes, bytes], int]
+
+
+def _entries_of(reply: Any) -> list[_Entry]:
+    """Entries of an XREADGROUP reply (first deliveries), in RESP2 (list) or RESP3 (dict)
+    shape."""
     streams = reply.items() if isinstance(reply, dict) else reply
-    entries: list[tuple[str, dict[bytes, bytes]]] = []
+    entries: list[_Entry] = []
     for stream in streams:
         records = stream[1]
         if records and isinstance(records[0], list | tuple) and len(records[0]) == 1:
@@ -858,5 +861,5 @@ def _entries_of(reply: Any) -> list[tuple[str, dict[bytes, bytes]]]:
         for entry_id, fields in records:
             if fields is None:
                 continue  # deleted while pending: only XREADGROUP of history shows these
-            entries.append((_text(entry_id), _field_map(fields)))
+            entries.append((_text(entry_id), _field_map(fields), 1))
     return entries
