@@ -41,18 +41,22 @@ def _serve_in_thread(clock: ManualClock, results: list[object]) -> tuple[
     return thread, loops, sleeping
 
 
-async def _until_both_sleep(clock: ManualClock, sleeping: threading.Event) -> None:
+async def _stalled_when_woken(
+    clock: ManualClock, results: list[object]
+) -> threading.Thread:
+    """The call of ``_serve_in_thread``, asleep, on a loop that will be descheduled for
+    0.2 s (far past any grace) when its sleeper wakes."""
+    thread, loops, sleeping = _serve_in_thread(clock, results)
     await asyncio.to_thread(sleeping.wait, 10)
     await drive_until(SystemClock(), lambda: clock.next_wakeup() == 1, 10, what="both sleepers")
+    loops[0].call_soon_threadsafe(time.sleep, 0.2)
+    return thread
 
 
 async def test_drive_until_waits_for_a_stalled_loop_before_the_next_jump() -> None:
     clock = ManualClock()
     results: list[object] = []
-    thread, loops, sleeping = _serve_in_thread(clock, results)
-    await _until_both_sleep(clock, sleeping)
-    # the other thread's loop is descheduled when its sleeper wakes: 0.2 s, far past any grace
-    loops[0].call_soon_threadsafe(time.sleep, 0.2)
+    thread = await _stalled_when_woken(clock, results)
     await drive_until(clock, lambda: bool(results), 10, what="the call")
     await asyncio.to_thread(thread.join, 10)
     assert results == [1.0]
@@ -63,9 +67,7 @@ async def test_drive_until_waits_for_a_stalled_loop_before_the_next_jump() -> No
 async def test_pass_time_waits_for_a_stalled_loop_before_the_next_jump() -> None:
     clock = ManualClock()
     results: list[object] = []
-    thread, loops, sleeping = _serve_in_thread(clock, results)
-    await _until_both_sleep(clock, sleeping)
-    loops[0].call_soon_threadsafe(time.sleep, 0.2)
+    thread = await _stalled_when_woken(clock, results)
     await pass_time(clock, 10)
     await asyncio.to_thread(thread.join, 10)
     assert results == [1.0]
