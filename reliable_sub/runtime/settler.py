@@ -118,10 +118,9 @@ class _Lane:
         self._slot_free = asyncio.Event()
 
     def add(self, settle: Settle) -> None:
-        waiting = self.waiting
-        waiting.append(settle)
-        if len(waiting) == 1:  # with more, the event is set already (run clears it, then
-            self._queued.set()  # takes all that wait, with no await between)
+        self.waiting.append(settle)
+        if len(self.waiting) == 1:  # with more, the event is set already (run clears it,
+            self._queued.set()  # then takes all that wait, with no await between)
 
     def extend(self, settles: list[Settle]) -> None:
         self.waiting.extend(settles)
