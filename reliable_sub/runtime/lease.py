@@ -7,8 +7,9 @@ lifetime p99 of whole seconds):
   measured from the moment the handler starts, so queueing behind flow control does not inflate
   it and a workload that gets faster is followed within minutes;
 * a tick extends only the deliveries that are due (less than ``SAFETY_FRACTION`` of their lease
-  left, and never less than ``MIN_SAFETY_MARGIN`` seconds or half a short lease), together with
-  those due soon (``BATCH_FRACTION``), in one batched ``extend`` call;
+  left, and never less than ``MIN_SAFETY_MARGIN`` seconds or half a short lease; the margins
+  are in :mod:`.lease_basics`), together with those due soon (``BATCH_FRACTION``), in one
+  batched ``extend`` call;
 * a delivery stays leased until the settler has confirmed its ack or nack, not just until its
   handler returned: a completion being written (or retried) is never left without a lease;
 * the dedup claim of a delivery is renewed in the same tick, from the moment its handler starts
@@ -48,18 +49,11 @@ from .inflight import InFlight, Stage
 from .lease_basics import (
     BATCH_FRACTION,
     MIN_CALL_BOUND,
-    MIN_SAFETY_MARGIN,
     RETRY_FRACTION,
-    SAFETY_FRACTION,
     LeaseStats,
     due_at,
     margin,
 )
-
-__all__ = [
-    "BATCH_FRACTION", "MIN_SAFETY_MARGIN", "SAFETY_FRACTION", "ClaimRenewer", "LeaseManager",
-    "LeaseStats",
-]
 
 logger = logging.getLogger(__name__)
 
