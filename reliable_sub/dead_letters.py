@@ -68,6 +68,9 @@ class DeadLetter:
         delivery_attempts, handler_failures: the broker's count and the failed handler runs.
         error_type, error_message: the last error (the message cut to 1000 bytes).
         published: when the copy was published.
+        reason: why it was dead-lettered: ``max-delivery-attempts``, ``rejected`` (``Reject``
+            or a non-retryable error), ``unreadable``, ``running-too-long`` (empty for copies
+            written before the reason was recorded).
     """
 
     id: str
@@ -80,6 +83,7 @@ class DeadLetter:
     error_type: str
     error_message: str
     published: datetime | None
+    reason: str = ""
 
     @property
     def idempotency_key(self) -> str:
@@ -102,6 +106,7 @@ class DeadLetter:
             error_type=ours.get("error-type", ""),
             error_message=ours.get("error-message", ""),
             published=message.publish_time,
+            reason=ours.get("dead-letter-reason", ""),
         )
 
 

@@ -67,6 +67,22 @@ class MalformedMessageError(ReliableSubError, ValueError):
     """A broker entry could not be read as a message; it is dead-lettered without a handler."""
 
 
+class Reject(ReliableSubError):
+    """Raise it from a handler to dead-letter this delivery at once: one attempt, no in-process
+    retry, no backoff, whatever the RetryPolicy allows (for a message that can never succeed:
+    a body that fails validation, an account that does not exist). ``reason`` becomes the dead
+    letter's ``error-message``; its ``dead-letter-reason`` is ``rejected``.
+
+    Without a DeadLetterPolicy the message is logged at ERROR and redelivered after
+    ``RetryPolicy.max_backoff``: nothing is dropped. ``RetryPolicy.non_retryable`` makes other
+    exception types behave the same.
+    """
+
+    def __init__(self, reason: str = "rejected by the handler") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class HandlerTimeoutError(ReliableSubError, TimeoutError):
     """A handler was still running at ``LeasePolicy.max_lease_duration``: a failed attempt."""
 

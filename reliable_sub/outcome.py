@@ -79,6 +79,7 @@ class SubscriberStats:
     acks_refused: int = 0
     lost_claims: int = 0
     malformed: int = 0
+    rejected: int = 0  # dead-lettered at once: Reject, or a RetryPolicy.non_retryable error
     purged_records: int = 0  # expired dedup records deleted by the periodic purge
 
     def __getitem__(self, name: Outcome | str) -> int:

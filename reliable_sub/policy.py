@@ -10,7 +10,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, Reject
 
 # Redelivery delays are spread upward by up to this fraction so that a burst of failures does not
 # come back as a burst; the upper bound is what the dedup window check has to cover.
@@ -98,6 +98,9 @@ class RetryPolicy:
             exceptions in ``retry_on`` are retried in process.
         retry_on: exception types treated as transient and retried in process.
         in_process_wait: seconds between in-process attempts, doubled each time (>= 0).
+        non_retryable: exception types that fail a message for good, as
+            :class:`~reliable_sub.Reject` does: dead-lettered after one attempt, never retried
+            in process (they win over ``retry_on``).
     """
 
     min_backoff: float = 10.0
@@ -105,18 +108,26 @@ class RetryPolicy:
     in_process_attempts: int = 1
     retry_on: tuple[type[BaseException], ...] = field(default_factory=_default_retry_on)
     in_process_wait: float = 0.1
+    non_retryable: tuple[type[BaseException], ...] = ()
 
     def __post_init__(self) -> None:
         _check_range("RetryPolicy", "min_backoff", self.min_backoff, 0)
         _check_range("RetryPolicy", "max_backoff", self.max_backoff, self.min_backoff)
         check_count("RetryPolicy", "in_process_attempts", self.in_process_attempts)
         _check_range("RetryPolicy", "in_process_wait", self.in_process_wait, 0)
-        if not isinstance(self.retry_on, tuple) or not all(
-            isinstance(t, type) and issubclass(t, BaseException) for t in self.retry_on
-        ):
-            raise ConfigurationError(
-                f"RetryPolicy.retry_on must be a tuple of exception types, got {self.retry_on!r}"
-            )
+        for name in ("retry_on", "non_retryable"):
+            types = getattr(self, name)
+            if not isinstance(types, tuple) or not all(
+                isinstance(t, type) and issubclass(t, BaseException) for t in types
+            ):
+                raise ConfigurationError(
+                    f"RetryPolicy.{name} must be a tuple of exception types, got {types!r}"
+                )
+
+    def is_permanent(self, error: BaseException | None) -> bool:
+        """Whether ``error`` fails its message for good: a :class:`~reliable_sub.Reject`, or
+        an instance of ``non_retryable``."""
+        return isinstance(error, (Reject, *self.non_retryable))
 
     def _base_backoff(self, attempt: int) -> float:
         exponent = min(max(attempt, 1) - 1, 64)

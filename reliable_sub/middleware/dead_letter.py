@@ -26,7 +26,13 @@ DEAD_LETTER_ATTRIBUTES = (
     "handler-failures",
     "error-type",
     "error-message",
+    "dead-letter-reason",
 )
+# Why a message was dead-lettered (the ``dead-letter-reason`` attribute).
+ATTEMPTS_USED_UP = "max-delivery-attempts"
+REJECTED = "rejected"  # Reject, or a RetryPolicy.non_retryable exception
+UNREADABLE = "unreadable"  # a broker entry that cannot be read as a message
+RUNNING_TOO_LONG = "running-too-long"  # still running on a peer, period after period
 PUBLISHER_ATTRIBUTE_PREFIX = "publisher-"
 
 
@@ -34,7 +40,9 @@ class DeadLetterOrBackoff:
     """Turns a failed attempt into a decision: the failure is counted; below
     ``max_delivery_attempts`` failures the message is redelivered after the RetryPolicy's
     backoff, at it a copy is published to the dead-letter topic (and the original acked).
-    Without a DeadLetterPolicy failures are redelivered forever.
+    Without a DeadLetterPolicy failures are redelivered forever. A permanent failure
+    (:meth:`RetryPolicy.is_permanent`) is dead-lettered at its first attempt; without a policy
+    it is logged at ERROR and redelivered after ``max_backoff``.
 
     The first failure of a message is logged at WARNING with its traceback, later ones without;
     a dead letter at ERROR. A dead-letter publish that fails is logged and the message
@@ -65,6 +73,8 @@ class DeadLetterOrBackoff:
         """The decision after ``message`` failed with ``error``."""
         failures = failures_before + 1
         policy = self._policy
+        if self._retry.is_permanent(error):
+            return await self._rejected(message, failures, error)
         if policy is not None and failures >= policy.max_delivery_attempts:
             return await self.dead_letter(message, failures, error)
         delay = self._retry.backoff(failures, self._rng)
@@ -76,15 +86,31 @@ class DeadLetterOrBackoff:
         )
         return Decision(Verdict.REDELIVER, error=error, delay=delay, failures=failures)
 
-    async def dead_letter(
+    async def _rejected(
         self, message: Message, failures: int, error: BaseException
+    ) -> Decision:
+        if self._policy is not None:
+            return await self.dead_letter(message, failures, error, REJECTED)
+        delay = self._retry.max_backoff
+        logger.error(
+            "message %s of %r was rejected (%s) and there is no dead-letter policy to take it; "
+            "redelivering in %.1fs", message.id, message.subscription,
+            describe_error(error, 500), delay, exc_info=error,
+            extra=log_fields(message, failures, "retried"),
+        )
+        return Decision(Verdict.REDELIVER, error=error, delay=delay, failures=failures)
+
+    async def dead_letter(
+        self, message: Message, failures: int, error: BaseException,
+        reason: str = ATTEMPTS_USED_UP,
     ) -> Decision:
         """Publish ``message`` to the dead-letter topic; redeliver it if that fails."""
         policy = self._policy
         assert policy is not None
         try:
             await self._publisher.publish(
-                policy.topic, message.data, dead_letter_attributes(message, failures, error)
+                policy.topic, message.data,
+                dead_letter_attributes(message, failures, error, reason),
             )
         except Exception:
             logger.error(
@@ -95,8 +121,9 @@ class DeadLetterOrBackoff:
             delay = self._retry.backoff(failures, self._rng)
             return Decision(Verdict.REDELIVER, error=error, delay=delay, failures=failures)
         logger.error(
-            "message %s of %r dead-lettered to %r after %d failed attempts (%s)",
-            message.id, message.subscription, policy.topic, failures,
+            "message %s of %r dead-lettered to %r (%s) after %d failed attempt%s (%s)",
+            message.id, message.subscription, policy.topic, reason, failures,
+            "" if failures == 1 else "s",
             describe_error(error, 500), exc_info=error if failures <= 1 else None,
             extra=log_fields(message, failures, "dead_lettered"),
         )
@@ -104,7 +131,7 @@ class DeadLetterOrBackoff:
 
 
 def dead_letter_attributes(
-    message: Message, failures: int, error: BaseException
+    message: Message, failures: int, error: BaseException, reason: str = ATTEMPTS_USED_UP,
 ) -> dict[str, str]:
     """The attributes of a dead-letter copy: the publisher's (each named like ours, behind any
     number of ``PUBLISHER_ATTRIBUTE_PREFIX``, gets one prefix more: ``error-type`` becomes
@@ -122,6 +149,7 @@ def dead_letter_attributes(
         "handler-failures": str(failures),
         "error-type": error_type(error),
         "error-message": _cut(safe_str(error), ERROR_MESSAGE_LIMIT),
+        "dead-letter-reason": reason,
     })
     return attributes
 

@@ -20,8 +20,9 @@ from . import CallNext, Context, Decision, Verdict
 
 class InProcessRetry:
     """Calls the rest of the chain again while it fails with an exception in
-    ``RetryPolicy.retry_on``, up to ``in_process_attempts`` calls, waiting ``in_process_wait``
-    seconds (doubled each time) on ``clock``; then passes the last decision on.
+    ``RetryPolicy.retry_on`` (and not a permanent one), up to ``in_process_attempts`` calls,
+    waiting ``in_process_wait`` seconds (doubled each time) on ``clock``; then passes the last
+    decision on.
 
     ``on_retry`` is called before each retry with the number of the attempt that failed and its
     error (telemetry's span event).
@@ -36,9 +37,10 @@ class InProcessRetry:
         self._on_retry = on_retry
 
     def _transient(self, decision: Decision) -> bool:
-        return decision.verdict is Verdict.FAILED and isinstance(
-            decision.error, self._policy.retry_on
-        )
+        error = decision.error
+        policy = self._policy
+        return (decision.verdict is Verdict.FAILED and isinstance(error, policy.retry_on)
+                and not policy.is_permanent(error))
 
     async def __call__(self, context: Context, call_next: CallNext) -> Decision:
         policy = self._policy

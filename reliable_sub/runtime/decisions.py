@@ -32,7 +32,12 @@ from ..errors import (
 from ..idempotency.transactional import Committed
 from ..message import Message
 from ..middleware import Decision, Verdict
-from ..middleware.dead_letter import DeadLetterOrBackoff, log_fields
+from ..middleware.dead_letter import (
+    RUNNING_TOO_LONG,
+    UNREADABLE,
+    DeadLetterOrBackoff,
+    log_fields,
+)
 from ..outcome import Outcome, SubscriberStats
 from ..telemetry.consumer import DeliveryTelemetry
 from .claims import Claims
@@ -146,6 +151,8 @@ class Decisions:
         item.error = decision.error
         self._claims.set_failures(lane.namespace, item, decision.failures)
         if verdict is Verdict.DEAD_LETTERED:
+            if self._config.retry.is_permanent(decision.error):
+                self._stats.rejected += 1
             self._dead_lettered(item)
             self._claims.forget(lane.namespace, item)
             self.settle(item, Outcome.DEAD_LETTERED, ack=True,
@@ -202,7 +209,7 @@ class Decisions:
                 f"{verdict.failures} periods of max_lease_duration="
                 f"{self._config.lease.max_lease_duration:g}s"
             )
-            self._state.track(self._dead_letter_unhandled(item, error))
+            self._state.track(self._dead_letter_unhandled(item, error, RUNNING_TOO_LONG))
             return
         self.settle(item, Outcome.DEFERRED, ack=False,
                     delay=self.defer_delay(verdict.expires_in))
@@ -224,18 +231,18 @@ class Decisions:
         item.stage = Stage.SETTLING
         config = self._config
         if config.dead_letter is not None:
-            self._state.track(self._dead_letter_unhandled(item, error))
+            self._state.track(self._dead_letter_unhandled(item, error, UNREADABLE))
             return
         logger.error("%s; no dead-letter policy, so it is redelivered in %gs", error,
                      config.retry.max_backoff,
                      extra=log_fields(item.delivery.message, item.failures, "retried"))
         self.settle(item, Outcome.RETRY, ack=False, delay=config.retry.max_backoff)
 
-    async def _dead_letter_unhandled(self, item: Item, error: BaseException) -> None:
+    async def _dead_letter_unhandled(self, item: Item, error: BaseException, reason: str) -> None:
         """Dead-letter a message no handler ran for (unreadable, or hung on a peer)."""
         item.stage = Stage.SETTLING
         message = item.delivery.message
-        decision = await self._failure.dead_letter(message, item.failures, error)
+        decision = await self._failure.dead_letter(message, item.failures, error, reason)
         item.error = error
         self._claims.forget(item.lane.namespace, item)
         if decision.verdict is Verdict.DEAD_LETTERED:

@@ -15,8 +15,10 @@ from reliable_sub import (
     LeasePolicy,
     Message,
     Outcome,
+    Reject,
     Subscriber,
 )
+from reliable_sub.dead_letters import DeadLetter
 from reliable_sub.ports import Adapter
 from reliable_sub.testing.harness import Harness, Recorder
 
@@ -60,6 +62,52 @@ async def test_only_handler_failures_use_up_attempts_across_deferrals_and_restar
     assert dead.message.attributes["handler-failures"] == "3"
     assert int(dead.message.attributes["delivery-attempts"]) >= 3
     await adapter.ack([dead])
+
+
+async def test_a_rejected_message_is_dead_lettered_at_its_first_failure(harness: Harness) -> None:
+    """``Reject`` and a ``non_retryable`` type skip in-process retries and backoff, even when
+    ``retry_on`` would take them; other failures keep their attempts."""
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    dlq_topic, dlq_sub = await harness.topic_and_subscription()
+    recorder = Recorder()
+    calls: Counter[bytes] = Counter()
+    subscriber = harness.subscriber(
+        adapter, on_outcome=recorder,
+        retry=harness.retry_policy(in_process_attempts=3, in_process_wait=0,
+                                   retry_on=(Exception,), non_retryable=(KeyError,)),
+        dead_letter=DeadLetterPolicy(dlq_topic, max_delivery_attempts=5),
+    )
+
+    @subscriber.handler(sub)
+    async def handle(message: Message) -> None:
+        calls[message.data] += 1
+        if message.data == b"negative":
+            raise Reject("amount must be positive, got -5")
+        if message.data == b"unknown":
+            raise KeyError("sku-404")
+        if calls[message.data] == 1:  # a transient failure: retried in process
+            raise ConnectionError("reset")
+
+    for payload in (b"negative", b"unknown", b"fine"):
+        await adapter.publish(topic, payload)
+    async with harness.serving(subscriber):
+        await harness.wait_until(
+            lambda: [recorder.count(o) for o in (Outcome.DEAD_LETTERED, Outcome.ACKED)] == [2, 1],
+            10 * harness.ack_deadline, "two rejections and one ack",
+        )
+    assert calls == {b"negative": 1, b"unknown": 1, b"fine": 2}
+    assert recorder.count(Outcome.RETRY) == 0, "nothing waited for a backoff"
+    assert subscriber.stats["rejected"] == 2
+    dead = await harness.receive_count(adapter, dlq_sub, 2)
+    letters = {d.message.data: DeadLetter.of(d) for d in dead}
+    assert set(letters) == {b"negative", b"unknown"}
+    assert {letter.reason for letter in letters.values()} == {"rejected"}
+    assert [letters[b"negative"].handler_failures, letters[b"unknown"].handler_failures] == [1, 1]
+    assert letters[b"negative"].error_type == "reliable_sub.errors.Reject"
+    assert letters[b"negative"].error_message == "amount must be positive, got -5"
+    assert letters[b"unknown"].error_type == "builtins.KeyError"
+    await adapter.ack(dead)
 
 
 async def test_a_hung_sync_handler_starves_nothing_and_is_dead_lettered_in_the_end(
