@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from ._bodies import jsonable
 from ._text import describe_error
 from .errors import ResultNotSerializableError, StoredResultError
 
-_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+# pydantic models and dataclasses are stored as their JSON form (``default`` is called only for
+# values json cannot encode itself, so plain results pay nothing for it)
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=jsonable)
 
 
 def encode_result(result: Any) -> str:
@@ -22,7 +25,8 @@ def encode_result(result: Any) -> str:
                   else describe_error(error, 300))
         raise ResultNotSerializableError(
             f"handler result of type {type(result).__name__} cannot be stored as JSON "
-            f"({reason}); return None, a str, number, bool, list or dict"
+            f"({reason}); return None, a str, number, bool, list or dict, a pydantic model "
+            "or a dataclass"
         ) from error
 
 

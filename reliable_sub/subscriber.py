@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import TracerProvider
 
+from ._bodies import typed_handler
 from ._callables import check_not_generator, check_takes, is_async_callable
 from ._checks import check_subscriber_arguments
 from .clock import Clock, SystemClock
@@ -214,9 +215,17 @@ class Subscriber(Service):
         """Register the decorated function as the handler of ``subscription``.
 
         Sync functions run in a worker thread, coroutine functions in their own task. The
-        return value is stored (as JSON) in the dedup store. ``namespace`` scopes dedup keys
-        (default: the adapter's name for the broker, topic and subscription). ``middleware``
-        wraps this handler only, inside the Subscriber-wide ones.
+        return value is stored (as JSON; a pydantic model or dataclass as its JSON form) in the
+        dedup store.
+
+        A handler whose first parameter is annotated with a pydantic model, a dataclass or a
+        TypedDict gets the body decoded from JSON and validated (``def charge(order: Order)``),
+        and the Message as well when its second parameter is annotated ``Message`` or named
+        ``message``. A body that does not validate fails the message for good (a
+        :class:`~reliable_sub.Reject`): it is dead-lettered at its first attempt.
+
+        ``namespace`` scopes dedup keys (default: the adapter's name for the broker, topic and
+        subscription). ``middleware`` wraps this handler only, inside the Subscriber-wide ones.
 
         ``transactional=True`` (needs a :class:`~reliable_sub.dedup.SqlDedupStore`): the
         handler is called as ``handler(message, connection)``, with a SQLAlchemy connection in
@@ -244,10 +253,11 @@ class Subscriber(Service):
                 raise ConfigurationError(f"handler: {function!r} is not callable")
             where = f"handler of {subscription!r}"
             check_not_generator(function, where)
+            typed = typed_handler(function, where)
+            arguments = ["message"] if typed is None else typed.arguments
             if transactional:
-                check_takes(function, 2, "handler(message, connection)", where)
-            else:
-                check_takes(function, 1, "handler(message)", where)
+                arguments.append("connection")
+            check_takes(function, len(arguments), f"handler({', '.join(arguments)})", where)
             if subscription in self._routes:
                 raise ConfigurationError(
                     f"subscription {subscription!r} already has a handler "
@@ -257,7 +267,7 @@ class Subscriber(Service):
                 raise ConfigurationError("register handlers before the Subscriber starts")
             self._routes[subscription] = Route(
                 subscription=subscription,
-                handler=function,
+                handler=function if typed is None else typed.call,
                 is_async=is_async_callable(function),
                 namespace=namespace,
                 name=_name_of(function),

@@ -15,9 +15,9 @@ against it::
 The suite covers the adapter contract (ack, deadline expiry, nack delays, extend, fan-out,
 ordering), the Subscriber's guarantees on top of it (no loss, lease extension, dead letters,
 deduplication), stop, restart and close, hostile handlers, settling under failure, hung
-handlers, telemetry (spans per attempt, linked to the producer; metrics), and seek, snapshots
-and replay modes (on adapters that can seek), and the dead-letter tools. It needs pytest,
-pytest-asyncio and opentelemetry-sdk (``pip install "reliable-sub[testing]"``).
+handlers, telemetry (spans per attempt, linked to the producer; metrics), seek, snapshots and
+replay modes (on adapters that can seek), the dead-letter tools, and typed bodies. It needs
+pytest, pytest-asyncio and opentelemetry-sdk (``pip install "reliable-sub[testing]"``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import pytest
 import pytest_asyncio
 
 from reliable_sub.testing.adapter_suite import (
+    bodies,
     dead_letter_tools,
     delivery,
     failures,
@@ -45,7 +46,7 @@ from reliable_sub.testing.harness import Harness
 
 MODULES: tuple[ModuleType, ...] = (
     delivery, guarantees, lifecycle, hostile_handlers, hostile_results, settling, failures,
-    telemetry, replay, dead_letter_tools, inspection,
+    telemetry, replay, dead_letter_tools, inspection, bodies,
 )
 
 
