@@ -8,8 +8,9 @@ message off for ever.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 from ._text import safe_repr
 from .errors import ConfigurationError
@@ -155,3 +156,49 @@ __all__ = [
     "check_subscriber_arguments",
     "check_with",
 ]
+
+
+def handler_policies(
+    where: str, retry: object, dead_letter: object, non_retryable: object,
+    defaults: tuple[RetryPolicy, DeadLetterPolicy | None],
+) -> tuple[RetryPolicy, DeadLetterPolicy | None]:
+    """A handler's retry and dead-letter policies: its own where it gave them, else the
+    Subscriber's (``defaults``); its ``non_retryable`` types added to the retry policy's."""
+    if retry is not None:
+        check_instance(f"{where} retry", retry, RetryPolicy, "pass RetryPolicy(...)")
+    if dead_letter is not None:
+        check_instance(f"{where} dead_letter", dead_letter, DeadLetterPolicy,
+                       "pass DeadLetterPolicy(topic)")
+    own_retry = cast(RetryPolicy, retry) if retry is not None else defaults[0]
+    if non_retryable:
+        if not isinstance(non_retryable, tuple):
+            raise ConfigurationError(
+                f"{where} non_retryable must be a tuple of exception types, got "
+                f"{_described(non_retryable)}"
+            )
+        own_retry = dataclasses.replace(
+            own_retry, non_retryable=(*own_retry.non_retryable, *non_retryable))
+    own_dead_letter = cast(DeadLetterPolicy, dead_letter) if dead_letter is not None else (
+        defaults[1])
+    return own_retry, own_dead_letter
+
+
+def check_dedup_window(
+    where: str, dedup_ttl: float, retry: RetryPolicy, dead_letter: DeadLetterPolicy | None,
+    lease: LeasePolicy,
+) -> None:
+    """Every dedup mechanism has a window, and the window is the bug: refuse a dedup_ttl
+    shorter than the longest span over which a message's copies can arrive. ``where`` starts
+    the error (``"handler 'billing': "``; empty for the Subscriber's own policies)."""
+    if dead_letter is None:
+        return
+    attempts = dead_letter.max_delivery_attempts
+    backoffs = sum(retry.max_backoff_for(a) for a in range(1, attempts))
+    span = backoffs + lease.max_lease_duration
+    if dedup_ttl < span:
+        raise ConfigurationError(
+            f"{where}Subscriber.dedup_ttl={dedup_ttl:g}s is shorter than the longest "
+            f"redelivery span {span:g}s (backoffs for {attempts} attempts, {backoffs:g}s, "
+            f"plus max_lease_duration {lease.max_lease_duration:g}s): a duplicate could "
+            f"arrive after its record expired; raise dedup_ttl to at least {span:g}"
+        )

@@ -25,7 +25,7 @@ from opentelemetry.trace import TracerProvider
 
 from ._bodies import typed_handler
 from ._callables import check_not_generator, check_takes, is_async_callable
-from ._checks import check_subscriber_arguments
+from ._checks import check_dedup_window, check_subscriber_arguments, handler_policies
 from .clock import Clock, SystemClock
 from .dedup import DedupStore
 from .errors import ConfigurationError
@@ -180,27 +180,13 @@ class Subscriber(Service):
             telemetry=SubscriberTelemetry(tracer_provider, meter_provider, telemetry),
             unhealthy_after=float(unhealthy_after),
         )
-        self._check_dedup_window()
+        config = self._config
+        if config.dedup is not None:
+            check_dedup_window("", dedup_ttl, config.retry, config.dead_letter,
+                               config.lease)
         self.stats = SubscriberStats()
         self._routes: dict[str, Route] = {}
         self._runtime: Runtime | None = None
-
-    def _check_dedup_window(self) -> None:
-        """Every dedup mechanism has a window, and the window is the bug: refuse a short one."""
-        config = self._config
-        if config.dedup is None or config.dead_letter is None:
-            return
-        attempts = config.dead_letter.max_delivery_attempts
-        backoffs = sum(config.retry.max_backoff_for(a) for a in range(1, attempts))
-        span = backoffs + config.lease.max_lease_duration
-        if config.dedup_ttl < span:
-            raise ConfigurationError(
-                f"Subscriber.dedup_ttl={config.dedup_ttl:g}s is shorter than the longest "
-                f"redelivery span {span:g}s (backoffs for {attempts} attempts, {backoffs:g}s, "
-                f"plus max_lease_duration {config.lease.max_lease_duration:g}s): a "
-                "duplicate could arrive after its record expired; raise dedup_ttl to at least "
-                f"{span:g}"
-            )
 
     # -- registration ----------------------------------------------------------------------
 
@@ -211,6 +197,9 @@ class Subscriber(Service):
         namespace: str | None = None,
         middleware: Sequence[Middleware] = (),
         transactional: bool = False,
+        retry: RetryPolicy | None = None,
+        dead_letter: DeadLetterPolicy | None = None,
+        non_retryable: tuple[type[BaseException], ...] = (),
     ) -> Callable[[HandlerT], HandlerT]:
         """Register the decorated function as the handler of ``subscription``.
 
@@ -226,6 +215,9 @@ class Subscriber(Service):
 
         ``namespace`` scopes dedup keys (default: the adapter's name for the broker, topic and
         subscription). ``middleware`` wraps this handler only, inside the Subscriber-wide ones.
+        ``retry`` and ``dead_letter`` replace the Subscriber's policies for this handler (an
+        omitted one is the Subscriber's); ``non_retryable`` adds exception types to the retry
+        policy's (see :class:`~reliable_sub.RetryPolicy`).
 
         ``transactional=True`` (needs a :class:`~reliable_sub.dedup.SqlDedupStore`): the
         handler is called as ``handler(message, connection)``, with a SQLAlchemy connection in
@@ -247,6 +239,13 @@ class Subscriber(Service):
 
         if transactional:
             self._check_transactional(subscription)
+        config = self._config
+        own_retry, own_dead_letter = handler_policies(
+            f"handler {subscription!r}", retry, dead_letter, non_retryable,
+            (config.retry, config.dead_letter))
+        if config.dedup is not None and (retry, dead_letter) != (None, None):
+            check_dedup_window(f"handler {subscription!r}: ", config.dedup_ttl, own_retry,
+                               own_dead_letter, config.lease)
 
         def register(function: HandlerT) -> HandlerT:
             if not callable(function):
@@ -273,6 +272,8 @@ class Subscriber(Service):
                 name=_name_of(function),
                 middleware=route_middleware,
                 transactional=transactional,
+                retry=own_retry,
+                dead_letter=own_dead_letter,
             )
             return function
 

@@ -496,7 +496,7 @@ def test_every_counter_reads_the_same_way() -> None:
     assert counts["acked"] == 2 and counts["store_errors"] == 3
     assert set(counts) == {o.value for o in Outcome} | {
         "handler_errors", "receive_errors", "ack_errors", "store_errors", "acks_refused",
-        "lost_claims", "malformed", "purged_records"}
+        "lost_claims", "malformed", "purged_records", "rejected"}
     with pytest.raises(KeyError, match=r"'acks' is neither an outcome nor a counter.*acks_refused"):
         sub.stats["acks"]
 

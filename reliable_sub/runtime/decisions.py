@@ -35,10 +35,10 @@ from ..middleware import Decision, Verdict
 from ..middleware.dead_letter import (
     RUNNING_TOO_LONG,
     UNREADABLE,
-    DeadLetterOrBackoff,
     log_fields,
 )
 from ..outcome import Outcome, SubscriberStats
+from ..policy import RetryPolicy
 from ..telemetry.consumer import DeliveryTelemetry
 from .claims import Claims
 from .inflight import CancelReason, Stage
@@ -79,7 +79,6 @@ class Decisions:
         state: RunState,
         claims: Claims,
         stats: SubscriberStats,
-        failure: DeadLetterOrBackoff,
         workers: WorkerThreads,
         telemetry: DeliveryTelemetry | None,
         add_settle: Callable[[Settle], None],
@@ -88,7 +87,6 @@ class Decisions:
         self._state = state
         self._claims = claims
         self._stats = stats
-        self._failure = failure
         self._workers = workers
         self._telemetry = telemetry
         self._add_settle = add_settle
@@ -151,21 +149,21 @@ class Decisions:
         item.error = decision.error
         self._claims.set_failures(lane.namespace, item, decision.failures)
         if verdict is Verdict.DEAD_LETTERED:
-            if self._config.retry.is_permanent(decision.error):
+            if lane.route.retry.is_permanent(decision.error):
                 self._stats.rejected += 1
             self._dead_lettered(item)
             self._claims.forget(lane.namespace, item)
             self.settle(item, Outcome.DEAD_LETTERED, ack=True,
                         release=self._claims.release_dead_lettered(item))
         else:
-            self.settle(item, Outcome.RETRY, ack=False, delay=self._redelivery_delay(decision),
+            self.settle(item, Outcome.RETRY, ack=False,
+                        delay=self._redelivery_delay(decision, lane.route.retry),
                         release=self._claims.release(item))
 
-    def _redelivery_delay(self, decision: Decision) -> float:
+    def _redelivery_delay(self, decision: Decision, retry: RetryPolicy) -> float:
         """``decision.delay`` as seconds the broker can take: a middleware of the user's may
         return anything (NaN, inf, a str), which must not fail the nack of the batch."""
         delay = decision.delay
-        retry = self._config.retry
         if isinstance(delay, int | float) and not isinstance(delay, bool) and delay >= 0:
             return min(float(delay), retry.max_backoff)
         logger.warning("a middleware's redelivery delay %s is not a number of seconds >= 0; "
@@ -184,7 +182,8 @@ class Decisions:
     async def decide_failure(self, item: Item, error: BaseException) -> None:
         """The attempt failed with ``error``, outside the route's chain: decide and settle."""
         item.stage = Stage.SETTLING
-        decision = await self._failure.after_failure(item.delivery.message, item.failures, error)
+        decision = await item.lane.failure.after_failure(item.delivery.message, item.failures,
+                                                         error)
         self.apply(item, decision)
 
     def encode(self, result: Any, message: Message) -> str:
@@ -201,7 +200,7 @@ class Decisions:
     def in_progress_elsewhere(self, item: Item, verdict: InProgress) -> None:
         """A live peer holds ``item``'s claim: defer it, or dead-letter it when the peer's
         handler has overrun max_lease_duration max_delivery_attempts times."""
-        policy = self._config.dead_letter
+        policy = item.lane.route.dead_letter
         if policy is not None and verdict.failures >= policy.max_delivery_attempts:
             item.failures = verdict.failures
             error = HandlerTimeoutError(
@@ -229,20 +228,20 @@ class Decisions:
             f"read: {item.delivery.malformed}"
         )
         item.stage = Stage.SETTLING
-        config = self._config
-        if config.dead_letter is not None:
+        route = item.lane.route
+        if route.dead_letter is not None:
             self._state.track(self._dead_letter_unhandled(item, error, UNREADABLE))
             return
         logger.error("%s; no dead-letter policy, so it is redelivered in %gs", error,
-                     config.retry.max_backoff,
+                     route.retry.max_backoff,
                      extra=log_fields(item.delivery.message, item.failures, "retried"))
-        self.settle(item, Outcome.RETRY, ack=False, delay=config.retry.max_backoff)
+        self.settle(item, Outcome.RETRY, ack=False, delay=route.retry.max_backoff)
 
     async def _dead_letter_unhandled(self, item: Item, error: BaseException, reason: str) -> None:
         """Dead-letter a message no handler ran for (unreadable, or hung on a peer)."""
         item.stage = Stage.SETTLING
         message = item.delivery.message
-        decision = await self._failure.dead_letter(message, item.failures, error, reason)
+        decision = await item.lane.failure.dead_letter(message, item.failures, error, reason)
         item.error = error
         self._claims.forget(item.lane.namespace, item)
         if decision.verdict is Verdict.DEAD_LETTERED:
@@ -254,8 +253,9 @@ class Decisions:
                         release=self._claims.release(item))
 
     def _dead_lettered(self, item: Item) -> None:
-        if self._telemetry is not None and self._config.dead_letter is not None:
-            self._telemetry.dead_lettered(item, self._config.dead_letter.topic)
+        policy = item.lane.route.dead_letter
+        if self._telemetry is not None and policy is not None:
+            self._telemetry.dead_lettered(item, policy.topic)
 
     # -- giving back ---------------------------------------------------------------------------
 

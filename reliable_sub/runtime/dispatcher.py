@@ -92,7 +92,6 @@ class Dispatcher:
         claims: Claims,
         stats: SubscriberStats,
         health: Health,
-        failure: DeadLetterOrBackoff,
         telemetry: DeliveryTelemetry | None,
         *,
         settle: SettleCall,
@@ -110,7 +109,6 @@ class Dispatcher:
         self._claims = claims
         self._stats = stats
         self._health = health
-        self._failure = failure
         self._telemetry = telemetry
         self._settle = settle
         self._succeeded = succeeded
@@ -120,17 +118,17 @@ class Dispatcher:
         self._in_progress_elsewhere = in_progress_elsewhere
         self._defer_delay = defer_delay
 
-    def chain_of(self, route: Route) -> CallNext | None:
+    def chain_of(self, route: Route, failure: DeadLetterOrBackoff) -> CallNext | None:
         """The route's middleware chain (built once), or None for the direct fast path."""
         config = self._config
         layers: list[Middleware] = [*config.middleware, *route.middleware]
-        retries = config.retry.in_process_attempts > 1
+        retries = route.retry.in_process_attempts > 1
         if not layers and not retries:
             return None
-        layers.append(self._failure)
+        layers.append(failure)
         if retries:
             on_retry = self._retried if self._telemetry is not None else None
-            layers.append(InProcessRetry(config.retry, config.clock, on_retry))
+            layers.append(InProcessRetry(route.retry, config.clock, on_retry))
 
         async def call_handler(context: Context) -> Decision:
             return await self._call_handler()
@@ -229,7 +227,7 @@ class Dispatcher:
         except Exception:  # a bug of ours must not lose the message
             logger.exception("processing message %s failed unexpectedly", item.message_id)
             if item.stage is not Stage.SETTLING:
-                retry = self._config.retry
+                retry = item.lane.route.retry
                 self._settle(item, Outcome.RETRY, ack=False,
                              delay=retry.backoff(1, self._config.rng),
                              release=self._claims.release(item))
@@ -282,7 +280,7 @@ class Dispatcher:
                     # Anything a handler raises is its failure: Exception, SystemExit,
                     # KeyboardInterrupt, a CancelledError it raised itself, a BaseException.
                     item.duration = lane.lease.finished(item)
-                    decision = await self._failure.after_failure(message, item.failures, error)
+                    decision = await lane.failure.after_failure(message, item.failures, error)
                     self._apply(item, decision)
                     return
                 item.duration = lane.lease.finished(item)
@@ -299,11 +297,11 @@ class Dispatcher:
                 if isinstance(error, ClaimLostError):
                     self._claim_lost(lane, item, error)
                     return
-                decision = await self._failure.after_failure(message, item.failures, error)
+                decision = await lane.failure.after_failure(message, item.failures, error)
             finally:
                 _current_item.reset(item_token)
             if type(decision) is not Decision:  # a middleware of the user's returned that
-                decision = await self._failure.after_failure(message, item.failures, TypeError(
+                decision = await lane.failure.after_failure(message, item.failures, TypeError(
                     f"the middleware of {lane.route.name} returned {safe_repr(decision, 100)}, "
                     "not a Decision; return what call_next(context) returned, or a Decision"))
             item.duration = lane.lease.finished(item)

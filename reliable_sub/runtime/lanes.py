@@ -19,6 +19,7 @@ from ..clock import Clock
 from ..dedup import Claimed, DedupStore
 from ..message import Delivery, Message
 from ..middleware import CallNext, Middleware
+from ..middleware.dead_letter import DeadLetterOrBackoff
 from ..outcome import DeliveryEvent, Outcome
 from ..policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
 from ..ports import Adapter
@@ -61,6 +62,9 @@ class Route:
     is_async: bool
     namespace: str | None
     name: str
+    # the Subscriber's policies, or the handler's own where it gave them
+    retry: RetryPolicy
+    dead_letter: DeadLetterPolicy | None
     middleware: tuple[Middleware, ...] = ()
     # handler(message, connection): its writes and its dedup record commit in one transaction
     transactional: bool = False
@@ -80,6 +84,8 @@ class Lane:
     # the handler as called with the message alone (a transactional one wrapped in its
     # transaction)
     handler: Callable[[Message], Any]
+    # the route's retry and dead-letter policies at work: a failure becomes a decision
+    failure: DeadLetterOrBackoff
     receive_call: asyncio.Task[list[Delivery]] | None = None
     # deliveries were given back at max_lease_duration for want of a worker thread: receive
     # again only once one is free, so peers get them rather than this Subscriber again

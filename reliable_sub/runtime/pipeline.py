@@ -75,8 +75,6 @@ class Runtime:
             on_settled=self._on_settled, clock=config.clock, health=self.health,
         )
         self.supervisor = Supervisor(config.clock.sleep, config.clock.now)
-        self.failure = DeadLetterOrBackoff(config.retry, config.dead_letter, config.adapter,
-                                           config.rng)
         self.watchdog: LoopWatchdog | None = None
         self.telemetry: DeliveryTelemetry | None = None  # this run's, if an SDK records
 
@@ -84,19 +82,19 @@ class Runtime:
         """Check names, build the stages and lanes, start receiving (raises why not, having
         started nothing)."""
         config, adapter = self.config, self.config.adapter
-        policy = config.dead_letter
-        if policy is not None and not await adapter.topic_exists(policy.topic):
-            raise UnknownTopicError(
-                f"dead-letter topic {policy.topic!r} does not exist; create it before "
-                f"starting (adapter.ensure_topic_sync({policy.topic!r}))"
-            )
+        for topic in dict.fromkeys(r.dead_letter.topic for r in self.routes if r.dead_letter):
+            if not await adapter.topic_exists(topic):
+                raise UnknownTopicError(
+                    f"dead-letter topic {topic!r} does not exist; create it before "
+                    f"starting (adapter.ensure_topic_sync({topic!r}))"
+                )
         telemetry = self.telemetry = config.telemetry.for_run(
             adapter.capabilities.messaging_system)
         state, claims, stats, health = self.state, self.claims, self.stats, self.health
         decisions = self._decisions = Decisions(
-            config, state, claims, stats, self.failure, self.workers, telemetry, self.settler.add)
+            config, state, claims, stats, self.workers, telemetry, self.settler.add)
         dispatcher = Dispatcher(
-            config, state, self.flow, self.workers, claims, stats, health, self.failure,
+            config, state, self.flow, self.workers, claims, stats, health,
             telemetry, settle=decisions.settle, succeeded=decisions.succeeded,
             apply=decisions.apply, claim_lost=decisions.claim_lost,
             cancelled=decisions.cancelled, in_progress_elsewhere=decisions.in_progress_elsewhere,
@@ -122,13 +120,15 @@ class Runtime:
                 on_max_lease=decisions.max_lease_reached, on_extended=on_extended,
                 health=health, subscription=route.subscription,
             )
+            failure = DeadLetterOrBackoff(route.retry, route.dead_letter, adapter, config.rng)
             self.lanes[route.subscription] = Lane(
                 route=route,
                 namespace=route.namespace or adapter.dedup_namespace(route.subscription),
                 lease=lease,
                 ordered=adapter.capabilities.ordering,
-                call=dispatcher.chain_of(route),
+                call=dispatcher.chain_of(route, failure),
                 handler=self._handler_of(route),
+                failure=failure,
                 telemetry=route_telemetry,
                 receive_name=f"receiving from {route.subscription!r}",
             )

@@ -1,0 +1,94 @@
+"""Per-handler retry and dead-letter policies: each handler's own where it gave them, the
+Subscriber's otherwise, checked at registration."""
+
+from __future__ import annotations
+
+import pytest
+
+from reliable_sub import (
+    ConfigurationError,
+    DeadLetterPolicy,
+    MemoryDedupStore,
+    Message,
+    Outcome,
+    RetryPolicy,
+    UnknownTopicError,
+)
+from reliable_sub.testing.timing import drive_until
+from tests.memory_world import serving, setup
+
+
+async def test_each_handler_fails_by_its_own_policies() -> None:
+    clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 4),
+                               retry=RetryPolicy(min_backoff=1, max_backoff=2))
+    broker.ensure_subscription_sync("orders-dlq", "orders-dlq-ops")
+    broker.ensure_subscription_sync("shipments", "shipping")
+    broker.ensure_subscription_sync("shipments-dlq", "shipments-dlq-ops")
+    broker.ensure_subscription_sync("refunds", "refunding")
+    calls: dict[str, list[float]] = {"billing": [], "shipping": [], "refunding": []}
+
+    @sub.handler("billing")
+    async def bill(message: Message) -> None:
+        calls["billing"].append(clock.now())
+        raise KeyError("sku")
+
+    @sub.handler("shipping", dead_letter=DeadLetterPolicy("shipments-dlq", 2),
+                 retry=RetryPolicy(min_backoff=30, max_backoff=30))
+    async def ship(message: Message) -> None:
+        calls["shipping"].append(clock.now())
+        raise KeyError("address")
+
+    @sub.handler("refunding", non_retryable=(KeyError,))
+    async def refund(message: Message) -> None:
+        calls["refunding"].append(clock.now())
+        raise KeyError("account")
+
+    for topic in ("orders", "shipments", "refunds"):
+        broker.publish_sync(topic, b"x")
+    task = await serving(sub, clock)
+    try:
+        await drive_until(clock, lambda: sub.stats[Outcome.DEAD_LETTERED] == 3, 600,
+                          what="three dead letters")
+    finally:
+        await sub.shutdown()
+        await task
+    assert [len(calls[name]) for name in ("billing", "shipping", "refunding")] == [4, 2, 1]
+    assert calls["shipping"][1] - calls["shipping"][0] >= 30, "the handler's own backoff"
+    assert calls["billing"][1] - calls["billing"][0] < 30, "the Subscriber's backoff"
+    assert sub.stats["rejected"] == 1
+    assert len(await broker.receive("orders-dlq-ops", 10, 0)) == 2  # billing's and refunding's
+    [shipped] = await broker.receive("shipments-dlq-ops", 10, 0)
+    assert shipped.message.attributes["original-subscription"] == "shipping"
+
+
+async def test_a_handler_s_dead_letter_topic_must_exist_at_start() -> None:
+    _, _, sub = setup()
+
+    @sub.handler("billing", dead_letter=DeadLetterPolicy("nowhere"))
+    async def bill(message: Message) -> None: ...
+
+    with pytest.raises(UnknownTopicError, match="'nowhere' does not exist"):
+        await sub.serve()
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"retry": "3 times"}, r"handler 'billing' retry must be a RetryPolicy.*RetryPolicy\("),
+        ({"dead_letter": "dlq"}, r"dead_letter must be a DeadLetterPolicy.*DeadLetterPolicy\("),
+        ({"non_retryable": [KeyError]}, r"non_retryable must be a tuple of exception types"),
+        ({"non_retryable": (KeyError, "ValueError")}, r"non_retryable must be a tuple"),
+    ],
+)
+def test_wrong_handler_policies_are_refused_at_registration(options: dict, error: str) -> None:
+    _, _, sub = setup()
+    with pytest.raises(ConfigurationError, match=error):
+        sub.handler("billing", **options)
+
+
+def test_a_handler_s_policies_must_fit_the_dedup_window() -> None:
+    _, _, sub = setup(dedup=MemoryDedupStore(), dedup_ttl=4000,
+                      dead_letter=DeadLetterPolicy("orders-dlq", 3))
+    with pytest.raises(ConfigurationError, match=r"handler 'billing': Subscriber\.dedup_ttl=4000s"):
+        sub.handler("billing", retry=RetryPolicy(min_backoff=3600, max_backoff=3600))
+    sub.handler("billing", retry=RetryPolicy(min_backoff=1, max_backoff=2))(lambda m: None)
