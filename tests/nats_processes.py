@@ -22,16 +22,19 @@ class NatsServer(ServerProcess):
     def __init__(self, directory: Path) -> None:
         self.executable = self.find_executable("nats-server", " (Debian package nats-server)")
         self.directory = directory
-        self.port = free_port()
-        self.monitor_port = free_port()
+        self._choose_ports()
         self.log_path = directory / "nats-server.log"
         self.process: subprocess.Popen[bytes] | None = None
+
+    def _choose_ports(self) -> None:
+        self.port = free_port()
+        self.monitor_port = free_port()
 
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
+    def _launch(self) -> None:
         """Start the server (again, on the same ports and store) and wait until JetStream is
         healthy."""
         assert self.process is None, "already running"
@@ -51,10 +54,7 @@ class NatsServer(ServerProcess):
         while True:
             assert self.process is not None
             if self.process.poll() is not None:
-                raise AssertionError(
-                    f"nats-server on port {self.port} exited with {self.process.returncode}:\n"
-                    f"{self.log()}"
-                )
+                raise self.exited("nats-server", self.port)
             try:
                 with urllib.request.urlopen(health, timeout=0.5) as response:
                     if response.status == 200:

@@ -83,12 +83,58 @@ def free_cluster_port() -> int:
     raise AssertionError("no free pair of ports for a cluster node")
 
 
+class PortTaken(AssertionError):
+    """A server could not bind the free port chosen for it: another process (a server of
+    another test, or of a suite running beside this one) took it between the choice and the
+    bind."""
+
+
+# A first start whose port was taken is tried again on new ports, this many times in all.
+PORT_ATTEMPTS = 5
+
+
 class ServerProcess:
     """What the private servers of the tests share: finding the executable (a missing one fails
-    under ``CI=true`` and skips elsewhere), a SIGKILL, and the tail of the log for messages."""
+    under ``CI=true`` and skips elsewhere), a start that moves to new ports when its free ones
+    were taken meanwhile, a SIGKILL, and the tail of the log for messages."""
 
     process: subprocess.Popen[bytes] | None
     log_path: Path
+    started = False  # once up, a restart keeps its ports (clients and cluster peers know them)
+    _log_offset = 0
+
+    def start(self) -> None:
+        """Start the server and wait until it is up."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+                self._launch()
+            except PortTaken:
+                self.process = None
+                if self.started or attempt == PORT_ATTEMPTS:
+                    raise
+                self._choose_ports()
+                continue
+            self.started = True
+            return
+
+    def _launch(self) -> None:
+        raise NotImplementedError
+
+    def _choose_ports(self) -> None:
+        raise NotImplementedError
+
+    def exited(self, name: str, port: int) -> AssertionError:
+        """The error for a server that exited while starting (PortTaken if it could not bind)."""
+        assert self.process is not None
+        try:
+            with self.log_path.open("rb") as log:
+                log.seek(self._log_offset)
+                this_start = log.read().decode(errors="replace")
+        except OSError:
+            this_start = ""
+        kind = PortTaken if "address already in use" in this_start.lower() else AssertionError
+        return kind(f"{name} on port {port} exited with {self.process.returncode}:\n{self.log()}")
 
     @staticmethod
     def find_executable(name: str, hint: str = "") -> str:
@@ -129,16 +175,19 @@ class RedisServer(ServerProcess):
         self.directory = directory
         self.appendonly = appendonly
         self.cluster = cluster
-        self.port = free_cluster_port() if cluster else free_port()
+        self._choose_ports()
         self.log_path = directory / "redis-server.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.starts = 0
+
+    def _choose_ports(self) -> None:
+        self.port = free_cluster_port() if self.cluster else free_port()
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> None:
+    def _launch(self) -> None:
         """Start the server (again, on the same port and directory) and wait for PING."""
         assert self.process is None, "already running"
         command = [
@@ -175,10 +224,7 @@ class RedisServer(ServerProcess):
             while True:
                 assert self.process is not None
                 if self.process.poll() is not None:
-                    raise AssertionError(
-                        f"redis-server on port {self.port} exited with {self.process.returncode}"
-                        f":\n{self.log()}"
-                    )
+                    raise self.exited("redis-server", self.port)
                 try:
                     if client.ping():
                         return
