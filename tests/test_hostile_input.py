@@ -400,6 +400,7 @@ OURS = {
     "original-message-id": "publisher's id", "original-subscription": "publisher's sub",
     "delivery-attempts": "99", "handler-failures": "-1", "error-type": "none",
     "error-message": "publisher's text", "publisher-delivery-attempts": "also the publisher's",
+    "dead-letter-reason": "the publisher's reason",
 }
 
 
@@ -440,12 +441,14 @@ async def test_attributes_named_like_ours_are_kept_renamed_in_a_dead_letter(
     assert attributes == {
         "original-message-id": hostile, "original-subscription": world.subscription,
         "delivery-attempts": "2", "handler-failures": "2", "error-type": "builtins.ValueError",
+        "dead-letter-reason": "max-delivery-attempts",
         "publisher-original-message-id": "publisher's id",
         "publisher-original-subscription": "publisher's sub",
         "publisher-delivery-attempts": "99",
         "publisher-publisher-delivery-attempts": "also the publisher's",
         "publisher-handler-failures": "-1", "publisher-error-type": "none",
         "publisher-error-message": "publisher's text",
+        "publisher-dead-letter-reason": "the publisher's reason",
     }
     assert 990 < len(cut.encode()) <= 1000 and error_text.startswith(cut)
 
