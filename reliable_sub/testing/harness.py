@@ -206,7 +206,8 @@ def memory_harness() -> Harness:
                    features=Features(ordering=True, cancel_safe_receive=True))
 
 
-def redis_harness(url: str | None = None, name: str = "redis") -> Harness:
+def redis_harness(url: str | None = None, name: str = "redis",
+                  ack_deadline: float = 1.0) -> Harness:
     """Real Redis: by default on 127.0.0.1:6379, or at ``url`` (a ``redis+cluster://`` URL for
     a Redis Cluster). Real time: a 1 s ack deadline keeps the suite short."""
     from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
@@ -237,7 +238,7 @@ def redis_harness(url: str | None = None, name: str = "redis") -> Harness:
 
         return RedisDedupStore(url, prefix=f"conf-{run}:dedup", owner=owner)
 
-    return Harness(name=name, clock=SystemClock(), ack_deadline=1.0, tick=0.1,
+    return Harness(name=name, clock=SystemClock(), ack_deadline=ack_deadline, tick=0.1,
                    new_adapter=new_adapter, prefix=f"conf-{run}", cleanup=cleanup,
                    new_store=new_store)
 
