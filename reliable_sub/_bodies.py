@@ -180,6 +180,32 @@ def _typed_dict_decoder(annotation: type) -> Decoder:
     return decode
 
 
+def result_decoder(function: Callable[..., Any]) -> Callable[[Any], Any] | None:
+    """For a replay by ``@idempotent``: turns the stored JSON value back into ``function``'s
+    annotated return type when that is a pydantic model or a dataclass; None otherwise (and for
+    an annotation that cannot be resolved: the replay returns the JSON value)."""
+    try:
+        annotation = inspect.signature(function).return_annotation
+    except (TypeError, ValueError):
+        return None
+    if isinstance(annotation, str):
+        try:
+            annotation = eval(annotation, _globals_of(function))  # as get_annotations does
+        except Exception:
+            return None
+    if not isinstance(annotation, type):
+        return None
+    if _is_pydantic_model(annotation):
+        return annotation.model_validate  # type: ignore[attr-defined, no-any-return]
+    if not dataclasses.is_dataclass(annotation):
+        return None
+    try:
+        from pydantic import TypeAdapter
+    except ImportError:
+        return lambda value: annotation(**value)
+    return TypeAdapter(annotation).validate_python
+
+
 def jsonable(value: Any) -> Any:
     """A handler result the JSON encoder does not know, as JSON-ready data: a pydantic model
     (its JSON mode dump) or a dataclass instance; TypeError for anything else."""
@@ -190,4 +216,4 @@ def jsonable(value: Any) -> Any:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
-__all__ = ["BodyValidationError", "TypedHandler", "jsonable", "typed_handler"]
+__all__ = ["BodyValidationError", "TypedHandler", "jsonable", "result_decoder", "typed_handler"]

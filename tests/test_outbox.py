@@ -143,3 +143,25 @@ async def test_postgresql_relays_are_notified_at_commit_and_not_at_rollback() ->
             await connection.run_sync(box.metadata.drop_all)
         await box.close()
     assert heard == ["", "marker"], "one for the commit, then the marker; none for the rollback"
+
+
+async def test_a_model_or_a_dataclass_is_written_as_json(outbox: Outbox) -> None:
+    import dataclasses
+
+    import pydantic
+
+    class Placed(pydantic.BaseModel):
+        order: int
+        at: str
+
+    @dataclasses.dataclass
+    class Cancelled:
+        order: int
+
+    async with outbox.engine.begin() as connection:
+        await outbox.add(connection, "orders", Placed(order=1, at="2026-11-27"))
+        await outbox.add(connection, "orders", Cancelled(order=1))
+    written = await rows(outbox)
+    assert [json.loads(r["data"]) for r in written] == [{"order": 1, "at": "2026-11-27"},
+                                                        {"order": 1}]
+    assert {json.loads(r["attributes"])["content-type"] for r in written} == {"application/json"}

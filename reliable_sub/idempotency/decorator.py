@@ -87,8 +87,10 @@ from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, cast, overload
 
+from .._bodies import result_decoder
 from .._callables import is_async_callable
 from .._results import encode_result
+from .._text import describe_error, safe_repr
 from ..clock import Clock, SystemClock, sleep_or_event
 from ..errors import (
     ConfigurationError,
@@ -405,6 +407,8 @@ class _Core:
         qualname = getattr(function, "__qualname__", None)
         module = getattr(function, "__module__", None)
         self.name = f"{module}.{qualname}" if qualname and module else repr(function)
+        # a return type that is a pydantic model or a dataclass: a replay returns one, too
+        self.decode_result = result_decoder(function)
         self.settling = Settling(self.name)
         # Calls claim under tokens of their own making, so a call interrupted in its claim
         # knows which claim to release.
@@ -624,7 +628,16 @@ class _Core:
                 "arguments; a key stands for one request -- use a new key for a new request",
                 key=key,
             )
-        return IdempotentResult(stored["r"], True, key)
+        value = stored["r"]
+        if self.decode_result is not None and value is not None:
+            try:
+                value = self.decode_result(value)
+            except Exception as error:  # a record written by another version of the type
+                raise StoredResultError(
+                    f"@idempotent {self.name}: the stored result of key {key!r} does not fit "
+                    f"the return type ({describe_error(error, 300)}): {safe_repr(value, 80)}"
+                ) from error
+        return IdempotentResult(value, True, key)
 
     def in_progress(
         self, key: str, found: InProgress, waited: float | None

@@ -20,6 +20,7 @@ import json
 from collections.abc import Coroutine, Mapping
 from typing import Any, overload
 
+from .._bodies import jsonable
 from ..clock import Clock, SystemClock
 from ..errors import MissingExtraError
 from ..idempotency.keys import new_idempotency_key
@@ -106,13 +107,13 @@ class Outbox(OnSqlEngines):
         written before ``add`` returns) or an ``AsyncConnection`` or ``AsyncSession`` (then
         ``await`` it). Nothing is committed: your commit publishes, your rollback discards.
 
-        ``data`` is bytes, or a JSON-serialisable value (a str too: it becomes a JSON string),
-        sent as UTF-8 JSON with ``content-type: application/json`` unless ``attributes`` name
-        another. The relay publishes ``idempotency_key`` (default: a fresh UUIDv7, returned) as
-        the ``idempotency-key`` attribute, so a consumer's dedup store drops the relay's
-        duplicates. The current OpenTelemetry context is kept with the row: the relay's send
-        span is its child. Bad input raises ``TypeError`` or ``ValueError`` before anything is
-        written.
+        ``data`` is bytes, or a pydantic model, a dataclass or a JSON-serialisable value (a str
+        too: it becomes a JSON string), sent as UTF-8 JSON with ``content-type:
+        application/json`` unless ``attributes`` name another. The relay publishes
+        ``idempotency_key`` (default: a fresh UUIDv7, returned) as the ``idempotency-key``
+        attribute, so a consumer's dedup store drops the relay's duplicates. The current
+        OpenTelemetry context is kept with the row: the relay's send span is its child. Bad
+        input raises ``TypeError`` or ``ValueError`` before anything is written.
         """
         row = self._row(topic, data, attributes, ordering_key, idempotency_key)
         statement = sa.insert(self.table).values(row)
@@ -170,10 +171,11 @@ class Outbox(OnSqlEngines):
 
 def _json_bytes(data: Any) -> bytes:
     try:  # ASCII output (non-ASCII characters escaped), so it always encodes
-        text = json.dumps(data, allow_nan=False, separators=(",", ":"))
+        text = json.dumps(data, allow_nan=False, separators=(",", ":"), default=jsonable)
     except (TypeError, ValueError, RecursionError) as error:
         raise TypeError(
-            f"Outbox.add: data must be bytes or JSON-serialisable, got {type(data).__name__} "
+            f"Outbox.add: data must be bytes, a pydantic model, a dataclass or JSON-serialisable, "
+            f"got {type(data).__name__} "
             f"({error})"
         ) from error
     return text.encode("ascii")
