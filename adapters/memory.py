@@ -33,7 +33,13 @@ from reliable_sub.errors import (
     UnknownTopicError,
 )
 from reliable_sub.message import Delivery, Message
-from reliable_sub.ports import Capabilities, Snapshot, SubscriptionStats, checked_message
+from reliable_sub.ports import (
+    Capabilities,
+    Payload,
+    Snapshot,
+    SubscriptionStats,
+    checked_message,
+)
 from reliable_sub.replay import check_target
 from reliable_sub.telemetry import send_span
 
@@ -226,7 +232,7 @@ class MemoryAdapter:
     def publish_sync(
         self,
         topic: str,
-        data: bytes,
+        data: Payload,
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
@@ -234,7 +240,7 @@ class MemoryAdapter:
             return self._publish(topic, data, attributes, ordering_key)
 
     def _publish(
-        self, topic: str, data: bytes, attributes: dict[str, str] | None,
+        self, topic: str, data: Payload, attributes: dict[str, str] | None,
         ordering_key: str | None,
     ) -> str:
         payload, attrs = checked_message(data, attributes)
@@ -256,7 +262,7 @@ class MemoryAdapter:
     async def publish(
         self,
         topic: str,
-        data: bytes,
+        data: Payload,
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:

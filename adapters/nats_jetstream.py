@@ -61,6 +61,7 @@ from reliable_sub.message import IDEMPOTENCY_KEY_ATTRIBUTE, Delivery, Message
 from reliable_sub.ports import (
     Capabilities,
     Outgoing,
+    Payload,
     SubscriptionStats,
     attributes_from_json,
     checked_message,
@@ -601,7 +602,7 @@ class NatsJetStreamAdapter:
     # -- publishing ------------------------------------------------------------------------
 
     def _headers(
-        self, data: bytes, attributes: dict[str, str] | None, ordering_key: str | None
+        self, data: Payload, attributes: dict[str, str] | None, ordering_key: str | None
     ) -> tuple[bytes, dict[str, str]]:
         payload, checked = checked_message(data, attributes)
         headers: dict[str, str] = {}
@@ -617,7 +618,7 @@ class NatsJetStreamAdapter:
     async def publish(
         self,
         topic: str,
-        data: bytes,
+        data: Payload,
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
@@ -660,7 +661,7 @@ class NatsJetStreamAdapter:
     def publish_sync(
         self,
         topic: str,
-        data: bytes,
+        data: Payload,
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:

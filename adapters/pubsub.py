@@ -43,7 +43,13 @@ from reliable_sub.errors import (
 from reliable_sub.loops import PerLoop
 from reliable_sub.message import Delivery, Message
 from reliable_sub.policy import DeadLetterPolicy, RetryPolicy
-from reliable_sub.ports import Capabilities, Snapshot, SubscriptionStats, checked_message
+from reliable_sub.ports import (
+    Capabilities,
+    Payload,
+    Snapshot,
+    SubscriptionStats,
+    checked_message,
+)
 from reliable_sub.replay import check_target
 from reliable_sub.telemetry import send_span
 
@@ -424,7 +430,7 @@ class PubSubAdapter:
     async def publish(
         self,
         topic: str,
-        data: bytes,
+        data: Payload,
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
@@ -443,7 +449,7 @@ class PubSubAdapter:
     def publish_sync(
         self,
         topic: str,
-        data: bytes,
+        data: Payload,
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
@@ -657,7 +663,7 @@ def _new_subscriber_client() -> SubscriberAsyncClient:
 
 def _publishable(
     topic: str,
-    data: bytes | bytearray | memoryview,
+    data: Payload,
     attributes: dict[str, str] | None,
     ordering_key: str | None,
 ) -> tuple[bytes, dict[str, str]]:

@@ -68,6 +68,7 @@ from reliable_sub.ports import (
     Completion,
     DedupStore,
     Outgoing,
+    Payload,
     Snapshot,
     SubscriptionStats,
     attributes_from_json,
@@ -483,7 +484,7 @@ class RedisStreamsAdapter:
     # -- publishing ------------------------------------------------------------------------
 
     def _fields(
-        self, data: bytes, attributes: dict[str, str] | None, ordering_key: str | None
+        self, data: Payload, attributes: dict[str, str] | None, ordering_key: str | None
     ) -> dict[str, bytes]:
         payload, checked = checked_message(data, attributes)
         fields: dict[str, bytes] = {"data": payload}
@@ -496,7 +497,7 @@ class RedisStreamsAdapter:
     async def publish(
         self,
         topic: str,
-        data: bytes,
+        data: Payload,
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
@@ -533,7 +534,7 @@ class RedisStreamsAdapter:
     def publish_sync(
         self,
         topic: str,
-        data: bytes,
+        data: Payload,
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:

@@ -206,6 +206,19 @@ def result_decoder(function: Callable[..., Any]) -> Callable[[Any], Any] | None:
     return TypeAdapter(annotation).validate_python
 
 
+def json_payload(data: object, where: str) -> bytes:
+    """``data`` (a pydantic model, a dataclass or a JSON value) as ASCII JSON (non-ASCII
+    characters escaped, so it always encodes), or a TypeError naming its type."""
+    try:
+        text = json.dumps(data, allow_nan=False, separators=(",", ":"), default=jsonable)
+    except (TypeError, ValueError, RecursionError) as error:
+        raise TypeError(
+            f"{where}: data must be bytes, a pydantic model, a dataclass or JSON-serialisable, "
+            f"got {type(data).__name__} ({error})"
+        ) from error
+    return text.encode("ascii")
+
+
 def jsonable(value: Any) -> Any:
     """A handler result the JSON encoder does not know, as JSON-ready data: a pydantic model
     (its JSON mode dump) or a dataclass instance; TypeError for anything else."""
@@ -216,4 +229,11 @@ def jsonable(value: Any) -> Any:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
-__all__ = ["BodyValidationError", "TypedHandler", "jsonable", "result_decoder", "typed_handler"]
+__all__ = [
+    "BodyValidationError",
+    "TypedHandler",
+    "json_payload",
+    "jsonable",
+    "result_decoder",
+    "typed_handler",
+]

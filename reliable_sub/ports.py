@@ -34,8 +34,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, NamedTuple, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
+from ._bodies import json_payload
 from ._results import decode_result
 from .message import Delivery
 
@@ -83,20 +84,36 @@ class Capabilities:
         return min(self.max_ack_deadline, max(self.min_ack_deadline, seconds))
 
 
+# What ``publish`` takes as a message's data: bytes, or a pydantic model, a dataclass or a JSON
+# value, sent as JSON with ``content-type: application/json`` (see checked_message).
+Payload: TypeAlias = object
+
+
 def checked_message(
-    data: bytes | bytearray | memoryview, attributes: dict[str, str] | None
+    data: Payload, attributes: dict[str, str] | None
 ) -> tuple[bytes, dict[str, str]]:
     """``data`` as bytes and a copy of ``attributes``, or a TypeError naming what is wrong.
+    Data that is not bytes (a pydantic model, a dataclass, a dict, list, number or bool) is
+    sent as JSON with ``content-type: application/json`` unless the attributes name another. A
+    str or None is refused: text or a JSON string, and a bug or an empty body, look alike.
 
     Every adapter's ``publish`` checks its arguments with this before anything is sent.
     """
-    if not isinstance(data, bytes | bytearray | memoryview):
-        raise TypeError(f"publish: data must be bytes, got {type(data).__name__}")
     checked = dict(attributes or {})
     for key, value in checked.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"publish: attributes must map str to str, got {key!r}: {value!r}")
-    return bytes(data), checked
+    if isinstance(data, bytes | bytearray | memoryview):
+        return bytes(data), checked
+    if data is None or isinstance(data, str):
+        raise TypeError(
+            f"publish: data must be bytes or a JSON value other than a str or None, got "
+            f"{type(data).__name__}; pass text as bytes (text.encode()), a document as a "
+            "dict, a list or a model"
+        )
+    payload = json_payload(data, "publish")
+    checked.setdefault("content-type", "application/json")
+    return payload, checked
 
 
 def attributes_from_json(raw: str | bytes | None) -> dict[str, str]:
@@ -180,7 +197,7 @@ class Publisher(Protocol):
     async def publish(
         self,
         topic: str,
-        data: bytes,
+        data: Payload,
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
@@ -190,7 +207,7 @@ class Publisher(Protocol):
     def publish_sync(
         self,
         topic: str,
-        data: bytes,
+        data: Payload,
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
@@ -248,7 +265,7 @@ class Outgoing(NamedTuple):
     """One message to publish: the arguments of :meth:`Publisher.publish`."""
 
     topic: str
-    data: bytes
+    data: Payload
     attributes: dict[str, str] | None = None
     ordering_key: str | None = None
 

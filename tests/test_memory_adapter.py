@@ -85,3 +85,26 @@ async def test_close_wakes_waiting_receivers() -> None:
     await asyncio.sleep(0)
     await broker.close()
     assert await asyncio.wait_for(receiving, timeout=5) == []
+
+
+async def test_a_model_a_dataclass_or_a_json_value_is_published_as_json() -> None:
+    import dataclasses
+
+    import pydantic
+
+    class Placed(pydantic.BaseModel):
+        order: int
+
+    @dataclasses.dataclass
+    class Cancelled:
+        order: int
+
+    broker = MemoryAdapter()
+    broker.ensure_subscription_sync("t", "s")
+    await broker.publish("t", Placed(order=1))
+    broker.publish_sync("t", Cancelled(order=2), {"content-type": "application/vnd.x+json"})
+    await broker.publish("t", [1, "two"])
+    got = await broker.receive("s", 10, 0)
+    assert [d.message.data for d in got] == [b'{"order":1}', b'{"order":2}', b'[1,"two"]']
+    assert [d.message.attributes["content-type"] for d in got] == [
+        "application/json", "application/vnd.x+json", "application/json"]

@@ -20,7 +20,7 @@ import json
 from collections.abc import Coroutine, Mapping
 from typing import Any, overload
 
-from .._bodies import jsonable
+from .._bodies import json_payload
 from ..clock import Clock, SystemClock
 from ..errors import MissingExtraError
 from ..idempotency.keys import new_idempotency_key
@@ -159,7 +159,8 @@ class Outbox(OnSqlEngines):
         if isinstance(data, bytes | bytearray | memoryview):
             payload, checked = checked_message(data, dict(attributes or {}))
         else:
-            payload, checked = checked_message(_json_bytes(data), dict(attributes or {}))
+            payload, checked = checked_message(json_payload(data, "Outbox.add"),
+                                               dict(attributes or {}))
             checked.setdefault(CONTENT_TYPE, JSON_CONTENT_TYPE)
         return {
             "key": idempotency_key, "topic": topic, "data": payload,
@@ -167,18 +168,6 @@ class Outbox(OnSqlEngines):
             "created_at": self._clock.wall(),
             "trace_context": context_as_json(),  # the caller's span (None without an SDK)
         }
-
-
-def _json_bytes(data: Any) -> bytes:
-    try:  # ASCII output (non-ASCII characters escaped), so it always encodes
-        text = json.dumps(data, allow_nan=False, separators=(",", ":"), default=jsonable)
-    except (TypeError, ValueError, RecursionError) as error:
-        raise TypeError(
-            f"Outbox.add: data must be bytes, a pydantic model, a dataclass or JSON-serialisable, "
-            f"got {type(data).__name__} "
-            f"({error})"
-        ) from error
-    return text.encode("ascii")
 
 
 __all__ = ["CONTENT_TYPE", "JSON_CONTENT_TYPE", "Outbox"]
