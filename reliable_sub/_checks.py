@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ._text import safe_repr
 from .errors import ConfigurationError
 from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, TelemetryPolicy
+
+if TYPE_CHECKING:
+    from .runtime.lanes import Config
 
 # What the Subscriber calls on an adapter and on a dedup store.
 ADAPTER_METHODS = (
@@ -158,12 +161,50 @@ __all__ = [
 ]
 
 
+def check_max_concurrency(where: str, value: object) -> None:
+    """Refuse a ``max_concurrency`` that is neither None nor an int of at least 1."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ConfigurationError(
+            f"{where} max_concurrency must be an int >= 1 or None, got {_described(value)}"
+        )
+
+
+def handler_lease(where: str, timeout: object, lease: LeasePolicy) -> LeasePolicy:
+    """The Subscriber's ``lease`` with the handler's ``timeout`` (its max_lease_duration)."""
+    if timeout is None:
+        return lease
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise ConfigurationError(
+            f"{where} timeout must be a number of seconds > 0 or None, got {_described(timeout)}"
+        )
+    try:
+        return dataclasses.replace(lease, max_lease_duration=float(timeout))
+    except ConfigurationError as error:
+        raise ConfigurationError(f"{where} timeout: {error}") from None
+
+
 def handler_policies(
+    where: str, config: Config, *, retry: object, dead_letter: object, non_retryable: object,
+    timeout: object, max_concurrency: object,
+) -> tuple[RetryPolicy, DeadLetterPolicy | None, LeasePolicy]:
+    """A handler's retry, dead-letter and lease policies: its own where it gave them, else
+    the Subscriber's (``config``), its ``non_retryable`` types added to the retry policy's and
+    its ``timeout`` as the lease's max_lease_duration; all checked, the dedup window too."""
+    own_retry, own_dead_letter = _retry_and_dead_letter(
+        where, retry, dead_letter, non_retryable, (config.retry, config.dead_letter))
+    own_lease = handler_lease(where, timeout, config.lease)
+    check_max_concurrency(where, max_concurrency)
+    if config.dedup is not None and (retry, dead_letter, timeout) != (None, None, None):
+        check_dedup_window(f"{where}: ", config.dedup_ttl, own_retry, own_dead_letter,
+                           own_lease)
+    return own_retry, own_dead_letter, own_lease
+
+
+def _retry_and_dead_letter(
     where: str, retry: object, dead_letter: object, non_retryable: object,
     defaults: tuple[RetryPolicy, DeadLetterPolicy | None],
 ) -> tuple[RetryPolicy, DeadLetterPolicy | None]:
-    """A handler's retry and dead-letter policies: its own where it gave them, else the
-    Subscriber's (``defaults``); its ``non_retryable`` types added to the retry policy's."""
     if retry is not None:
         check_instance(f"{where} retry", retry, RetryPolicy, "pass RetryPolicy(...)")
     if dead_letter is not None:

@@ -200,6 +200,8 @@ class Subscriber(Service):
         retry: RetryPolicy | None = None,
         dead_letter: DeadLetterPolicy | None = None,
         non_retryable: tuple[type[BaseException], ...] = (),
+        timeout: float | None = None,
+        max_concurrency: int | None = None,
     ) -> Callable[[HandlerT], HandlerT]:
         """Register the decorated function as the handler of ``subscription``.
 
@@ -217,7 +219,9 @@ class Subscriber(Service):
         subscription). ``middleware`` wraps this handler only, inside the Subscriber-wide ones.
         ``retry`` and ``dead_letter`` replace the Subscriber's policies for this handler (an
         omitted one is the Subscriber's); ``non_retryable`` adds exception types to the retry
-        policy's (see :class:`~reliable_sub.RetryPolicy`).
+        policy's (see :class:`~reliable_sub.RetryPolicy`); ``timeout`` is this handler's
+        ``LeasePolicy.max_lease_duration``; ``max_concurrency`` bounds its messages in flight
+        (received and not yet acked or nacked), within the Subscriber's ``FlowControl``.
 
         ``transactional=True`` (needs a :class:`~reliable_sub.dedup.SqlDedupStore`): the
         handler is called as ``handler(message, connection)``, with a SQLAlchemy connection in
@@ -239,13 +243,9 @@ class Subscriber(Service):
 
         if transactional:
             self._check_transactional(subscription)
-        config = self._config
-        own_retry, own_dead_letter = handler_policies(
-            f"handler {subscription!r}", retry, dead_letter, non_retryable,
-            (config.retry, config.dead_letter))
-        if config.dedup is not None and (retry, dead_letter) != (None, None):
-            check_dedup_window(f"handler {subscription!r}: ", config.dedup_ttl, own_retry,
-                               own_dead_letter, config.lease)
+        own_retry, own_dead_letter, own_lease = handler_policies(
+            f"handler {subscription!r}", self._config, retry=retry, dead_letter=dead_letter,
+            non_retryable=non_retryable, timeout=timeout, max_concurrency=max_concurrency)
 
         def register(function: HandlerT) -> HandlerT:
             if not callable(function):
@@ -274,6 +274,8 @@ class Subscriber(Service):
                 transactional=transactional,
                 retry=own_retry,
                 dead_letter=own_dead_letter,
+                lease=own_lease,
+                max_concurrency=max_concurrency,
             )
             return function
 

@@ -92,3 +92,94 @@ def test_a_handler_s_policies_must_fit_the_dedup_window() -> None:
     with pytest.raises(ConfigurationError, match=r"handler 'billing': Subscriber\.dedup_ttl=4000s"):
         sub.handler("billing", retry=RetryPolicy(min_backoff=3600, max_backoff=3600))
     sub.handler("billing", retry=RetryPolicy(min_backoff=1, max_backoff=2))(lambda m: None)
+
+
+async def test_a_handler_s_timeout_is_its_own_max_lease_duration() -> None:
+    clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 1))
+    broker.ensure_subscription_sync("orders-dlq", "orders-dlq-ops")
+    broker.ensure_subscription_sync("shipments", "shipping")
+    finished: list[str] = []
+
+    @sub.handler("billing", timeout=20)
+    async def bill(message: Message) -> None:
+        await clock.sleep(100)
+        finished.append("billing")
+
+    @sub.handler("shipping")
+    async def ship(message: Message) -> None:
+        await clock.sleep(100)
+        finished.append("shipping")
+
+    broker.publish_sync("orders", b"x")
+    broker.publish_sync("shipments", b"x")
+    task = await serving(sub, clock)
+    try:
+        await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 1
+                          and sub.stats[Outcome.DEAD_LETTERED] == 1, 600, what="both settled")
+    finally:
+        await sub.shutdown()
+        await task
+    assert finished == ["shipping"]
+    [dead] = await broker.receive("orders-dlq-ops", 10, 0)
+    assert dead.message.attributes["error-type"] == "reliable_sub.errors.HandlerTimeoutError"
+    assert "max_lease_duration=20s" in dead.message.attributes["error-message"]
+
+
+@pytest.mark.parametrize(("timeout", "error"), [
+    ("5", "timeout must be a number of seconds"),
+    (True, "timeout must be a number of seconds"),
+    (-1, "handler 'billing' timeout: LeasePolicy.max_lease_duration"),
+])
+def test_a_wrong_timeout_is_refused_at_registration(timeout: object, error: str) -> None:
+    _, _, sub = setup()
+    with pytest.raises(ConfigurationError, match=error):
+        sub.handler("billing", timeout=timeout)  # type: ignore[arg-type]
+
+
+async def test_max_concurrency_bounds_one_handler_s_messages_in_flight() -> None:
+    import asyncio
+
+    from reliable_sub.testing.timing import pass_time
+
+    clock, broker, sub = setup()
+    broker.ensure_subscription_sync("shipments", "shipping")
+    release = asyncio.Event()
+    running = {"billing": 0, "shipping": 0}
+    peak = dict(running)
+
+    async def work(name: str) -> None:
+        running[name] += 1
+        peak[name] = max(peak[name], running[name])
+        await release.wait()
+        running[name] -= 1
+
+    @sub.handler("billing", max_concurrency=2)
+    async def bill(message: Message) -> None:
+        await work("billing")
+
+    @sub.handler("shipping")
+    async def ship(message: Message) -> None:
+        await work("shipping")
+
+    for _ in range(6):
+        broker.publish_sync("orders", b"x")
+        broker.publish_sync("shipments", b"x")
+    task = await serving(sub, clock)
+    try:
+        await drive_until(clock, lambda: running == {"billing": 2, "shipping": 6}, 60,
+                          what="both handlers' messages to start")
+        await pass_time(clock, 30)  # receive loops go round: billing's stays at its bound
+        assert peak == {"billing": 2, "shipping": 6}
+        release.set()
+        await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 12, 60, what="all acked")
+    finally:
+        release.set()
+        await sub.shutdown()
+        await task
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_a_wrong_max_concurrency_is_refused_at_registration(value: object) -> None:
+    _, _, sub = setup()
+    with pytest.raises(ConfigurationError, match="max_concurrency must be an int >= 1 or None"):
+        sub.handler("billing", max_concurrency=value)  # type: ignore[arg-type]

@@ -177,7 +177,7 @@ class Decisions:
         self._claims.drop(item)  # the peer's now: nothing to release
         logger.warning("%s; deferring it", error, extra={"message_id": item.message_id})
         self.settle(item, Outcome.DEFERRED, ack=False,
-                    delay=self.defer_delay(self._config.lease.max_lease_duration))
+                    delay=self.defer_delay(lane.route.lease.max_lease_duration))
 
     async def decide_failure(self, item: Item, error: BaseException) -> None:
         """The attempt failed with ``error``, outside the route's chain: decide and settle."""
@@ -206,7 +206,7 @@ class Decisions:
             error = HandlerTimeoutError(
                 f"the handler of message {item.message_id} is still running on a peer after "
                 f"{verdict.failures} periods of max_lease_duration="
-                f"{self._config.lease.max_lease_duration:g}s"
+                f"{item.lane.route.lease.max_lease_duration:g}s"
             )
             self._state.track(self._dead_letter_unhandled(item, error, RUNNING_TOO_LONG))
             return
@@ -267,7 +267,7 @@ class Decisions:
             item.duration = lane.lease.finished(item)
             await self.decide_failure(item, HandlerTimeoutError(
                 f"handler {lane.route.name} ran past max_lease_duration="
-                f"{self._config.lease.max_lease_duration:g}s and was cancelled"
+                f"{lane.route.lease.max_lease_duration:g}s and was cancelled"
             ))
             return
         if item.stage is Stage.SETTLING:
@@ -303,9 +303,9 @@ class Decisions:
         peer that receives the redelivery can dead-letter it once the count is reached), and
         the message is given back to the broker; the claim stays held while the thread runs.
         """
-        max_lease = self._config.lease.max_lease_duration
         for item in items:
             lane = item.lane
+            max_lease = lane.route.lease.max_lease_duration
             failures = self._claims.record_failure(lane.namespace, item)
             logger.warning(
                 "sync handler %s has run past max_lease_duration=%gs on message %s (counted as "

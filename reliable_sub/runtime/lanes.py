@@ -24,6 +24,7 @@ from ..outcome import DeliveryEvent, Outcome
 from ..policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
 from ..ports import Adapter
 from ..telemetry.consumer import RouteTelemetry, SubscriberTelemetry
+from .flow import FlowGate
 from .inflight import InFlight
 from .lease import LeaseManager
 
@@ -65,6 +66,9 @@ class Route:
     # the Subscriber's policies, or the handler's own where it gave them
     retry: RetryPolicy
     dead_letter: DeadLetterPolicy | None
+    lease: LeasePolicy
+    # the most messages of this handler in flight at once (None: only the Subscriber's bound)
+    max_concurrency: int | None = None
     middleware: tuple[Middleware, ...] = ()
     # handler(message, connection): its writes and its dedup record commit in one transaction
     transactional: bool = False
@@ -86,6 +90,8 @@ class Lane:
     handler: Callable[[Message], Any]
     # the route's retry and dead-letter policies at work: a failure becomes a decision
     failure: DeadLetterOrBackoff
+    # its own bound on messages in flight (the route's max_concurrency), or None
+    flow: FlowGate | None = None
     receive_call: asyncio.Task[list[Delivery]] | None = None
     # deliveries were given back at max_lease_duration for want of a worker thread: receive
     # again only once one is free, so peers get them rather than this Subscriber again

@@ -35,6 +35,7 @@ from ..idempotency.transactional import TransactionalStore, transactional_handle
 from ..message import Message
 from ..middleware.dead_letter import DeadLetterOrBackoff
 from ..outcome import DeliveryEvent, Outcome, SubscriberStats
+from ..policy import FlowControl
 from ..telemetry.consumer import DeliveryTelemetry
 from .claims import Claims
 from .decisions import Decisions
@@ -115,7 +116,7 @@ class Runtime:
                 route_telemetry = telemetry.route(route.subscription, topic, deadline)
                 on_extended = functools.partial(telemetry.extended, route_telemetry)
             lease = LeaseManager(
-                adapter, config.lease, clock=config.clock, initial_deadline=deadline,
+                adapter, route.lease, clock=config.clock, initial_deadline=deadline,
                 dedup=claims if config.dedup is not None else None,
                 on_max_lease=decisions.max_lease_reached, on_extended=on_extended,
                 health=health, subscription=route.subscription,
@@ -129,6 +130,8 @@ class Runtime:
                 call=dispatcher.chain_of(route, failure),
                 handler=self._handler_of(route),
                 failure=failure,
+                flow=None if route.max_concurrency is None else FlowGate(
+                    FlowControl(max_messages=route.max_concurrency)),
                 telemetry=route_telemetry,
                 receive_name=f"receiving from {route.subscription!r}",
             )
@@ -189,6 +192,8 @@ class Runtime:
         item.lane.lease.drop(item)
         self.items.discard(item)
         self.flow.settled()
+        if item.lane.flow is not None:
+            item.lane.flow.settled()
         outcome = Outcome.ACK_REFUSED if refused else settle.outcome
         self.stats.outcomes[outcome] += 1
         if self.telemetry is not None:
@@ -222,6 +227,9 @@ class Runtime:
         """Undo a failed :meth:`open`: stop what it started and release connections."""
         self.state.receiving = self.state.accepting = False
         self.flow.close()
+        for lane in self.lanes.values():
+            if lane.flow is not None:
+                lane.flow.close()
         await self.supervisor.stop()
         if self.watchdog is not None:
             self.watchdog.stop()

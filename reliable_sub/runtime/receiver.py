@@ -102,6 +102,8 @@ class Receiver:
         config, flow, state = self.config, self._flow, self._state
         while state.receiving:
             free = await flow.free_slots()
+            if lane.flow is not None and free > 0:  # the handler's own max_concurrency
+                free = min(free, await lane.flow.free_slots())
             if not state.receiving or free <= 0:
                 return
             if lane.starved:
@@ -185,6 +187,8 @@ class Receiver:
             telemetry.received(lane.telemetry, items, lane.route.name)
         state, claims, settle = self._state, self._claims, self._settle
         self._flow.taken(len(items))
+        if lane.flow is not None:
+            lane.flow.taken(len(items))
         state.items.update(items)
         ttl = lane.lease.claim_ttl()
         lane.lease.add(items, ttl)

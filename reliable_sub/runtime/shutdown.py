@@ -94,6 +94,9 @@ class Shutdown:
             extra={"running": len(running), "timeout": timeout},
         )
         self._flow.close()
+        for lane in self._lanes:
+            if lane.flow is not None:
+                lane.flow.close()
         if self._config.adapter.capabilities.cancel_safe_receive:
             self._cancel_receive_calls()
         # Messages queued behind a running one of their ordering key stay queued: they go back
