@@ -1,0 +1,252 @@
+"""What typed bodies cost: decoding alone, and the Subscriber with typed handlers.
+
+Run from the repository root::
+
+    python -m benchmarks.typed_bodies            # print the tables
+    python -m benchmarks.typed_bodies --write    # ... and rewrite the README section
+
+**Decoding** one order body (11 fields, about 250 bytes of JSON), ``timeit`` in this process: the
+stdlib's ``json.loads`` to a dict (what an untyped handler does itself), then what a typed
+handler's decoder does: a pydantic model's ``model_validate_json``, pydantic's ``TypeAdapter`` over
+a dataclass (what a dataclass body uses with pydantic installed), the fallback without pydantic
+(``json.loads`` and the dataclass's constructor), and ``msgspec.json.decode`` into a Struct when
+msgspec is installed (a reference: reliable-sub does not use it).
+
+**Pipeline**: the memory pipeline benchmark's harness (``benchmarks.memory_pipeline``: a fresh
+MemoryAdapter backlog, timed until every ack reached the broker), with four handlers interleaved
+over the repetitions: a no-op untyped handler (the floor), an untyped one that calls
+``json.loads(message.data)`` (what users write today), a typed one taking the pydantic model,
+and a typed one taking the dataclass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+import pydantic
+
+from benchmarks._common import (
+    MICROS,
+    README,
+    has_section,
+    positive_int,
+    section_markers,
+    write_section,
+)
+from benchmarks.memory_pipeline import SHUTDOWN_TIMEOUT, SUBSCRIPTION, TOPIC, wait_drained
+from reliable_sub import Message, Subscriber
+from reliable_sub.adapters.memory import MemoryAdapter
+
+SECTION_NAME = "typed_bodies"
+DEFAULT_MESSAGES = 20_000
+DEFAULT_REPETITIONS = 5
+WARMUP_MESSAGES = 2_000
+DECODES = 20_000
+
+
+class OrderModel(pydantic.BaseModel):
+    order_id: int
+    customer: str
+    sku: str
+    quantity: int
+    cents: int
+    currency: str
+    express: bool
+    street: str
+    city: str
+    country: str
+    note: str | None = None
+
+
+@dataclasses.dataclass
+class OrderData:
+    order_id: int
+    customer: str
+    sku: str
+    quantity: int
+    cents: int
+    currency: str
+    express: bool
+    street: str
+    city: str
+    country: str
+    note: str | None = None
+
+
+BODY = json.dumps({
+    "order_id": 184467, "customer": "c-9f2a41", "sku": "lamp-oak-60", "quantity": 2,
+    "cents": 15980, "currency": "EUR", "express": False, "street": "Kastanienallee 12",
+    "city": "Berlin", "country": "DE", "note": "leave at the door, please ring twice",
+}).encode()
+
+
+def decoders() -> dict[str, Callable[[bytes], Any]]:
+    """The decoders compared, by row name."""
+    rows: dict[str, Callable[[bytes], Any]] = {
+        "json.loads → dict (an untyped handler's own)": json.loads,
+        "pydantic model_validate_json": OrderModel.model_validate_json,
+        "pydantic TypeAdapter(dataclass).validate_json": pydantic.TypeAdapter(
+            OrderData).validate_json,
+        "json.loads + dataclass(**fields) (no pydantic)": lambda data: OrderData(
+            **json.loads(data)),
+    }
+    try:
+        import msgspec
+    except ImportError:
+        return rows
+
+    class OrderStruct(msgspec.Struct):
+        order_id: int
+        customer: str
+        sku: str
+        quantity: int
+        cents: int
+        currency: str
+        express: bool
+        street: str
+        city: str
+        country: str
+        note: str | None = None
+
+    rows["msgspec.json.decode(type=Struct) (reference)"] = msgspec.json.Decoder(
+        OrderStruct).decode
+    return rows
+
+
+def measure_decoders(repetitions: int) -> dict[str, float]:
+    """Median µs per decode of :data:`BODY`, over ``repetitions`` interleaved rounds."""
+    rows = decoders()
+    timings: dict[str, list[float]] = {name: [] for name in rows}
+    for _ in range(repetitions):
+        for name, decode in rows.items():
+            seconds = timeit.timeit(lambda decode=decode: decode(BODY), number=DECODES)
+            timings[name].append(seconds / DECODES * MICROS)
+    return {name: statistics.median(values) for name, values in timings.items()}
+
+
+# -- the pipeline ------------------------------------------------------------------------------
+
+
+async def untyped_noop(message: Message) -> None:
+    pass
+
+
+async def untyped_json(message: Message) -> None:
+    json.loads(message.data)
+
+
+async def typed_model(order: OrderModel) -> None:
+    pass
+
+
+async def typed_dataclass(order: OrderData) -> None:
+    pass
+
+
+HANDLERS: dict[str, Callable[..., Any]] = {
+    "untyped, no-op (floor)": untyped_noop,
+    "untyped, json.loads(message.data)": untyped_json,
+    "typed: pydantic model": typed_model,
+    "typed: dataclass (pydantic)": typed_dataclass,
+}
+
+
+async def run_once(handler: Callable[..., Any], messages: int) -> float:
+    adapter = MemoryAdapter()
+    adapter.ensure_subscription_sync(TOPIC, SUBSCRIPTION)
+    for _ in range(messages):
+        adapter.publish_sync(TOPIC, BODY)
+    subscriber = Subscriber(adapter)
+    subscriber.handler(SUBSCRIPTION)(handler)
+    gc.collect()
+    gc.freeze()
+    try:
+        started = time.perf_counter()
+        consumer = asyncio.create_task(subscriber.serve())
+        drained = await wait_drained(adapter, consumer)
+        await subscriber.shutdown(SHUTDOWN_TIMEOUT)
+        await consumer
+    finally:
+        gc.unfreeze()
+    acked = subscriber.stats["acked"]
+    if acked != messages:
+        raise RuntimeError(f"{handler.__name__}: {acked} of {messages} acked")
+    return (drained - started) / messages * MICROS
+
+
+async def measure_pipeline(messages: int, repetitions: int) -> dict[str, float]:
+    """Median µs per message of each handler, interleaved over ``repetitions``."""
+    for handler in HANDLERS.values():
+        await run_once(handler, WARMUP_MESSAGES)
+    timings: dict[str, list[float]] = {name: [] for name in HANDLERS}
+    for repetition in range(1, repetitions + 1):
+        for name, handler in HANDLERS.items():
+            micros = await run_once(handler, messages)
+            timings[name].append(micros)
+            print(f"  run {repetition}/{repetitions}  {name:<36} {micros:6.2f} µs/msg",
+                  file=sys.stderr)
+    return {name: statistics.median(values) for name, values in timings.items()}
+
+
+def report(decoding: dict[str, float], pipeline: dict[str, float], command: str,
+           messages: int, repetitions: int) -> str:
+    today = datetime.date.today().isoformat()
+    base_decode = decoding["json.loads → dict (an untyped handler's own)"]
+    base_pipeline = pipeline["untyped, json.loads(message.data)"]
+    floor = pipeline["untyped, no-op (floor)"]
+    lines = [
+        f"Produced by `{command}` on {today} (CPython {platform.python_version()}, "
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs; pydantic "
+        f"{pydantic.VERSION}). Decoding: median of {repetitions} rounds of {DECODES:,} decodes "
+        f"of one {len(BODY)}-byte order body. Pipeline: median of {repetitions} interleaved "
+        f"runs of {messages:,} messages each on the MemoryAdapter.",
+        "",
+        "| decoding one body | µs | vs json.loads |",
+        "|---|---:|---:|",
+        *(f"| {name} | {micros:.2f} | {micros / base_decode:.2f}× |"
+          for name, micros in decoding.items()),
+        "",
+        "| Subscriber, handler | µs/message | vs untyped json.loads | over the no-op floor |",
+        "|---|---:|---:|---:|",
+        *(f"| {name} | {micros:.2f} | {micros / base_pipeline:.2f}× | "
+          f"{micros - floor:+.2f} µs |" for name, micros in pipeline.items()),
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES)
+    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
+    parser.add_argument("--write", action="store_true", help=f"rewrite the section in {README}")
+    args = parser.parse_args(argv)
+    if args.write and not has_section(SECTION_NAME):
+        start, end = section_markers(SECTION_NAME)
+        parser.error(f"{README}: markers {start} / {end} not found")
+    command = shlex.join(
+        ["python", "-m", "benchmarks.typed_bodies", *(sys.argv[1:] if argv is None else argv)])
+    decoding = measure_decoders(args.repetitions)
+    pipeline = asyncio.run(measure_pipeline(args.messages, args.repetitions))
+    section = report(decoding, pipeline, command, args.messages, args.repetitions)
+    print(section)
+    if args.write:
+        write_section(SECTION_NAME, section)
+        print(f"\nwrote {README}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
