@@ -58,33 +58,15 @@ WARMUP_MESSAGES = 2_000
 DECODES = 20_000
 
 
-class OrderModel(pydantic.BaseModel):
-    order_id: int
-    customer: str
-    sku: str
-    quantity: int
-    cents: int
-    currency: str
-    express: bool
-    street: str
-    city: str
-    country: str
-    note: str | None = None
-
-
-@dataclasses.dataclass
-class OrderData:
-    order_id: int
-    customer: str
-    sku: str
-    quantity: int
-    cents: int
-    currency: str
-    express: bool
-    street: str
-    city: str
-    country: str
-    note: str | None = None
+# One order, described once and declared for each library compared.
+FIELDS: list[tuple[str, Any]] = [
+    ("order_id", int), ("customer", str), ("sku", str), ("quantity", int), ("cents", int),
+    ("currency", str), ("express", bool), ("street", str), ("city", str), ("country", str),
+]
+OrderModel = pydantic.create_model(  # type: ignore[call-overload]
+    "OrderModel", **{name: (kind, ...) for name, kind in FIELDS}, note=(str | None, None))
+OrderData = dataclasses.make_dataclass(
+    "OrderData", [*FIELDS, ("note", str | None, dataclasses.field(default=None))])
 
 
 BODY = json.dumps({
@@ -109,21 +91,10 @@ def decoders() -> dict[str, Callable[[bytes], Any]]:
     except ImportError:
         return rows
 
-    class OrderStruct(msgspec.Struct):
-        order_id: int
-        customer: str
-        sku: str
-        quantity: int
-        cents: int
-        currency: str
-        express: bool
-        street: str
-        city: str
-        country: str
-        note: str | None = None
-
+    order_struct = msgspec.defstruct(
+        "OrderStruct", [*FIELDS, ("note", str | None, None)])
     rows["msgspec.json.decode(type=Struct) (reference)"] = msgspec.json.Decoder(
-        OrderStruct).decode
+        order_struct).decode
     return rows
 
 
