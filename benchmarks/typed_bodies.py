@@ -9,14 +9,14 @@ Run from the repository root::
 stdlib's ``json.loads`` to a dict (what an untyped handler does itself), then what a typed
 handler's decoder does: a pydantic model's ``model_validate_json``, pydantic's ``TypeAdapter`` over
 a dataclass (what a dataclass body uses with pydantic installed), the fallback without pydantic
-(``json.loads`` and the dataclass's constructor), and ``msgspec.json.decode`` into a Struct when
-msgspec is installed (a reference: reliable-sub does not use it).
+(``json.loads`` and the dataclass's constructor), and ``msgspec.json.decode`` into a Struct (a
+handler annotated with a msgspec Struct).
 
 **Pipeline**: the memory pipeline benchmark's harness (``benchmarks.memory_pipeline``: a fresh
 MemoryAdapter backlog, timed until every ack reached the broker), with four handlers interleaved
 over the repetitions: a no-op untyped handler (the floor), an untyped one that calls
-``json.loads(message.data)`` (what users write today), a typed one taking the pydantic model,
-and a typed one taking the dataclass.
+``json.loads(message.data)`` (what users write today), and typed ones taking the pydantic model,
+the dataclass and the msgspec Struct.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import timeit
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import pydantic
 
 from benchmarks._common import (
@@ -67,6 +68,7 @@ OrderModel = pydantic.create_model(  # type: ignore[call-overload]
     "OrderModel", **{name: (kind, ...) for name, kind in FIELDS}, note=(str | None, None))
 OrderData = dataclasses.make_dataclass(
     "OrderData", [*FIELDS, ("note", str | None, dataclasses.field(default=None))])
+OrderStruct = msgspec.defstruct("OrderStruct", [*FIELDS, ("note", str | None, None)])
 
 
 BODY = json.dumps({
@@ -86,15 +88,7 @@ def decoders() -> dict[str, Callable[[bytes], Any]]:
         "json.loads + dataclass(**fields) (no pydantic)": lambda data: OrderData(
             **json.loads(data)),
     }
-    try:
-        import msgspec
-    except ImportError:
-        return rows
-
-    order_struct = msgspec.defstruct(
-        "OrderStruct", [*FIELDS, ("note", str | None, None)])
-    rows["msgspec.json.decode(type=Struct) (reference)"] = msgspec.json.Decoder(
-        order_struct).decode
+    rows["msgspec.json.decode(type=Struct)"] = msgspec.json.Decoder(OrderStruct).decode
     return rows
 
 
@@ -128,11 +122,16 @@ async def typed_dataclass(order: OrderData) -> None:
     pass
 
 
+async def typed_struct(order: OrderStruct) -> None:
+    pass
+
+
 HANDLERS: dict[str, Callable[..., Any]] = {
     "untyped, no-op (floor)": untyped_noop,
     "untyped, json.loads(message.data)": untyped_json,
     "typed: pydantic model": typed_model,
     "typed: dataclass (pydantic)": typed_dataclass,
+    "typed: msgspec Struct": typed_struct,
 }
 
 

@@ -1,5 +1,6 @@
 """Typed message bodies: a handler whose first parameter is annotated with a pydantic model, a
-dataclass or a TypedDict gets the body decoded from JSON and validated, not the Message.
+dataclass, a TypedDict or a msgspec Struct gets the body decoded from JSON and validated, not the
+Message.
 
 The annotation is read once, when the handler is registered; an untyped handler is registered
 as it is and costs nothing more per message. A body that does not decode or validate raises
@@ -126,6 +127,10 @@ def _decoder(annotation: Any) -> Decoder | None:
         return None
     if _is_pydantic_model(annotation):
         return annotation.model_validate_json  # type: ignore[attr-defined, no-any-return]
+    if _is_msgspec_struct(annotation):
+        import msgspec
+
+        return msgspec.json.Decoder(annotation).decode
     is_dataclass = dataclasses.is_dataclass(annotation)
     is_typed_dict = typing.is_typeddict(annotation)
     if not (is_dataclass or is_typed_dict):
@@ -140,6 +145,11 @@ def _decoder(annotation: Any) -> Decoder | None:
 
 def _is_pydantic_model(annotation: type) -> bool:
     return hasattr(annotation, "model_validate_json") and hasattr(annotation, "model_fields")
+
+
+def _is_msgspec_struct(annotation: type) -> bool:
+    return hasattr(annotation, "__struct_fields__") and type(annotation).__module__.startswith(
+        "msgspec")
 
 
 def _pydantic_decoder(annotation: type) -> Decoder | None:
@@ -197,6 +207,10 @@ def result_decoder(function: Callable[..., Any]) -> Callable[[Any], Any] | None:
         return None
     if _is_pydantic_model(annotation):
         return annotation.model_validate  # type: ignore[attr-defined, no-any-return]
+    if _is_msgspec_struct(annotation):
+        import msgspec
+
+        return lambda value: msgspec.convert(value, annotation)
     if not dataclasses.is_dataclass(annotation):
         return None
     try:
@@ -224,6 +238,10 @@ def jsonable(value: Any) -> Any:
     (its JSON mode dump) or a dataclass instance; TypeError for anything else."""
     if _is_pydantic_model(type(value)):
         return value.model_dump(mode="json")
+    if _is_msgspec_struct(type(value)):
+        import msgspec
+
+        return msgspec.to_builtins(value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")

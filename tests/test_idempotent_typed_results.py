@@ -1,10 +1,12 @@
-"""@idempotent with a return type that is a pydantic model or a dataclass: the first call's
-result is stored as its JSON form, and a replay returns the type again, not a dict."""
+"""@idempotent with a return type that is a pydantic model, a dataclass or a msgspec Struct: the
+first call's result is stored as its JSON form, and a replay returns the type again, not a
+dict."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import pydantic
 import pytest
 
@@ -16,6 +18,11 @@ from reliable_sub.idempotency import idempotent
 class Receipt(pydantic.BaseModel):
     order: int
     cents: int
+
+
+class Parcel(msgspec.Struct):
+    parcel_id: str
+    grams: int
 
 
 @dataclasses.dataclass
@@ -59,3 +66,13 @@ async def test_a_record_that_does_not_fit_the_type_is_a_stored_result_error() ->
     await store.complete_many([Completion(claim, '{"p":null,"r":{"order":"one"}}')], 60.0)
     with pytest.raises(StoredResultError, match="does not fit the return type"):
         await charge("k-old")
+
+
+async def test_a_msgspec_struct_comes_back_as_the_struct() -> None:
+    @idempotent(MemoryDedupStore(), key="key")
+    async def weigh(key: str) -> Parcel:
+        return Parcel(parcel_id="p-1", grams=5)
+
+    first = await weigh("k-1")
+    again = await weigh.call_with_info("k-1")
+    assert again.replayed and again.value == first and isinstance(again.value, msgspec.Struct)

@@ -10,6 +10,7 @@ import functools
 import json
 from typing import Any, TypedDict
 
+import msgspec
 import pydantic
 import pytest
 
@@ -37,6 +38,11 @@ class Order(pydantic.BaseModel):
 class Refund:
     order_id: str
     cents: int
+
+
+class Parcel(msgspec.Struct):
+    parcel_id: str
+    grams: int
 
 
 class Shipment(TypedDict):
@@ -186,3 +192,23 @@ async def test_without_pydantic_a_dataclass_is_built_from_the_object(
     for bad in (b"[1]", b'{"order_id": "o"}', b"{"):
         with pytest.raises(bodies.BodyValidationError, match="is not a valid Refund"):
             typed.call(Message(id="m", data=bad, attributes={}, subscription="s"))
+
+
+async def test_a_msgspec_struct_body_and_result() -> None:
+    store = MemoryDedupStore()
+    clock, broker, sub = setup(dedup=store, dead_letter=DeadLetterPolicy("orders-dlq", 5))
+    broker.ensure_subscription_sync("orders-dlq", "dlq")
+    seen: list[Parcel] = []
+
+    @sub.handler("billing")
+    def weigh(parcel: Parcel) -> Parcel:
+        seen.append(parcel)
+        return Parcel(parcel.parcel_id, parcel.grams * 2)
+
+    await run(sub, broker, clock, [b'{"parcel_id": "p-1", "grams": 500}',
+                                   b'{"parcel_id": "p-2", "grams": "heavy"}'], done=2)
+    assert seen == [Parcel("p-1", 500)]
+    [record] = store._records.values()
+    assert json.loads(record[2]) == {"parcel_id": "p-1", "grams": 1000}
+    [letter] = await dead_letters(broker)
+    assert letter.reason == "rejected" and "is not a valid Parcel" in letter.error_message
