@@ -553,7 +553,7 @@ def _revert_defect_4(monkeypatch: pytest.MonkeyPatch) -> None:
     async def finish(coroutine: Any, yielded: Any) -> None:
         await Resume(coroutine, yielded)
 
-    def start_in_the_callers_task(coroutine: Any) -> Any:
+    def start_in_the_callers_task(coroutine: Any, eager: bool = True) -> Any:
         loop = asyncio.get_running_loop()
         context = contextvars.copy_context()
         try:

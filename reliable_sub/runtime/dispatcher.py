@@ -187,11 +187,7 @@ class Dispatcher:
             assert self._telemetry is not None
             token = otel_context.attach(self._telemetry.context_of(item))
         try:
-            if eager:
-                item.task = _new_task(self._run(item))
-            else:
-                # not through the loop's task factory either, as new_task does
-                item.task = asyncio.Task(self._run(item), loop=asyncio.get_running_loop())
+            item.task = _new_task(self._run(item), eager)
         finally:
             if token is not None:
                 otel_context.detach(token)

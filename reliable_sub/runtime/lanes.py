@@ -140,10 +140,11 @@ EAGER_TASKS = sys.version_info >= (3, 12)
 # Both make the Task directly, not through the loop's task factory: one per delivery, and
 # create_task's own checks and naming cost a third of what the task does.
 if sys.version_info >= (3, 12):
-    def new_task(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        """A task that runs its first step at once (eager start), as its own task."""
-        return asyncio.Task(coroutine, loop=asyncio.get_running_loop(), eager_start=True)
+    def new_task(coroutine: Coroutine[Any, Any, None], eager: bool = True) -> asyncio.Task[None]:
+        """A task that runs its first step at once (eager start, unless not ``eager``), as its
+        own task."""
+        return asyncio.Task(coroutine, loop=asyncio.get_running_loop(), eager_start=eager)
 else:
-    def new_task(coroutine: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        """A task, scheduled to start with the loop's next turn."""
+    def new_task(coroutine: Coroutine[Any, Any, None], eager: bool = True) -> asyncio.Task[None]:
+        """A task, scheduled to start with the loop's next turn (no eager start before 3.12)."""
         return asyncio.Task(coroutine, loop=asyncio.get_running_loop())
