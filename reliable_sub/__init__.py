@@ -19,6 +19,7 @@ from .dedup import (
 from .errors import (
     AccessDeniedError,
     AdapterError,
+    BodyValidationError,
     ClaimLostError,
     ConfigurationError,
     HandlerTimeoutError,
@@ -44,6 +45,7 @@ from .subscriber import Subscriber
 __all__ = [
     "AccessDeniedError",
     "AdapterError",
+    "BodyValidationError",
     "ClaimLostError",
     "Claimed",
     "Clock",

@@ -21,16 +21,12 @@ from collections.abc import Callable
 from typing import Any
 
 from ._text import describe_error
-from .errors import ConfigurationError, Reject
+from .errors import BodyValidationError, ConfigurationError
 from .message import Message
 
 # The validation error cut to this many characters in the rejection (the dead letter's
 # error-message holds 1000 bytes).
 ERROR_LIMIT = 800
-
-
-class BodyValidationError(Reject):
-    """A message body did not decode as JSON or did not validate as the handler's body type."""
 
 
 Decoder = Callable[[bytes], Any]
@@ -248,7 +244,6 @@ def jsonable(value: Any) -> Any:
 
 
 __all__ = [
-    "BodyValidationError",
     "TypedHandler",
     "json_payload",
     "jsonable",

@@ -83,6 +83,11 @@ class Reject(ReliableSubError):
         self.reason = reason
 
 
+class BodyValidationError(Reject):
+    """A message body did not decode as JSON or did not validate as the handler's body type
+    (see typed bodies in :meth:`Subscriber.handler`): dead-lettered at its first attempt."""
+
+
 class HandlerTimeoutError(ReliableSubError, TimeoutError):
     """A handler was still running at ``LeasePolicy.max_lease_duration``: a failed attempt."""
 

@@ -51,3 +51,30 @@ def test_what_counts_as_permanent() -> None:
     assert not policy.is_permanent(ValueError("x"))
     assert not policy.is_permanent(None)
     assert not RetryPolicy().is_permanent(KeyError("x"))
+
+
+async def test_a_rejection_s_span_says_why_it_was_dead_lettered() -> None:
+    from reliable_sub import DeadLetterPolicy
+    from reliable_sub.testing.otel import recording_telemetry
+
+    with recording_telemetry() as recorded:
+        clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 5))
+
+        @sub.handler("billing")
+        async def handle(message: Message) -> None:
+            raise Reject("no such account")
+
+        broker.publish_sync("orders", b"order-1")
+        task = await serving(sub, clock)
+        try:
+            await drive_until(clock, lambda: sub.stats[Outcome.DEAD_LETTERED] == 1, 100,
+                              what="the dead letter")
+        finally:
+            await sub.shutdown()
+            await task
+        [span] = recorded.spans("process billing")
+    assert span.attributes is not None
+    assert span.attributes["error.type"] == "reliable_sub.errors.Reject"
+    [event] = [e for e in span.events if e.name == "reliable_sub.dead_letter.published"]
+    assert event.attributes is not None
+    assert event.attributes["reliable_sub.dead_letter.reason"] == "rejected"

@@ -86,7 +86,7 @@ async def test_a_pydantic_body_is_validated_and_a_bad_one_rejected_at_once() -> 
                                                          b'{"sku": "a-2", "quantity": 0}']
     for letter in letters:
         assert letter.reason == "rejected" and letter.handler_failures == 1
-        assert letter.error_type == "reliable_sub._bodies.BodyValidationError"
+        assert letter.error_type == "reliable_sub.errors.BodyValidationError"
         assert "is not a valid Order" in letter.error_message
 
 

@@ -33,6 +33,8 @@ from ..idempotency.transactional import Committed
 from ..message import Message
 from ..middleware import Decision, Verdict
 from ..middleware.dead_letter import (
+    ATTEMPTS_USED_UP,
+    REJECTED,
     RUNNING_TOO_LONG,
     UNREADABLE,
     log_fields,
@@ -149,9 +151,11 @@ class Decisions:
         item.error = decision.error
         self._claims.set_failures(lane.namespace, item, decision.failures)
         if verdict is Verdict.DEAD_LETTERED:
+            reason = ATTEMPTS_USED_UP
             if lane.route.retry.is_permanent(decision.error):
                 self._stats.rejected += 1
-            self._dead_lettered(item)
+                reason = REJECTED
+            self._dead_lettered(item, reason)
             self._claims.forget(lane.namespace, item)
             self.settle(item, Outcome.DEAD_LETTERED, ack=True,
                         release=self._claims.release_dead_lettered(item))
@@ -245,17 +249,17 @@ class Decisions:
         item.error = error
         self._claims.forget(item.lane.namespace, item)
         if decision.verdict is Verdict.DEAD_LETTERED:
-            self._dead_lettered(item)
+            self._dead_lettered(item, reason)
             self.settle(item, Outcome.DEAD_LETTERED, ack=True,
                         release=self._claims.release_dead_lettered(item))
         else:
             self.settle(item, Outcome.RETRY, ack=False, delay=decision.delay,
                         release=self._claims.release(item))
 
-    def _dead_lettered(self, item: Item) -> None:
+    def _dead_lettered(self, item: Item, reason: str) -> None:
         policy = item.lane.route.dead_letter
         if self._telemetry is not None and policy is not None:
-            self._telemetry.dead_lettered(item, policy.topic)
+            self._telemetry.dead_lettered(item, policy.topic, reason)
 
     # -- giving back ---------------------------------------------------------------------------
 

@@ -320,10 +320,11 @@ class DeliveryTelemetry:
             span.add_event(sc.EVENT_RETRY, event)
 
     @never_raises
-    def dead_lettered(self, item: InFlight[Any], topic: str) -> None:
+    def dead_lettered(self, item: InFlight[Any], topic: str, reason: str) -> None:
         span = item.span
         if span is not None and span.is_recording():
-            span.add_event(sc.EVENT_DEAD_LETTER, {sc.DEAD_LETTER_TOPIC: topic})
+            span.add_event(sc.EVENT_DEAD_LETTER,
+                           {sc.DEAD_LETTER_TOPIC: topic, sc.DEAD_LETTER_REASON: reason})
 
     @never_raises
     def settled(self, route: RouteTelemetry, item: InFlight[Any], outcome: Outcome,

@@ -51,6 +51,7 @@ LEASE_EXTENSION = "reliable_sub.lease.extension"
 LEASE_OBSERVED = "reliable_sub.lease.observed_percentile"
 RETRY_ATTEMPT = "reliable_sub.retry.attempt"
 DEAD_LETTER_TOPIC = "reliable_sub.dead_letter.topic"
+DEAD_LETTER_REASON = "reliable_sub.dead_letter.reason"
 REDELIVERY_DELAY = "reliable_sub.redelivery.delay"
 OUTBOX_ROW = "reliable_sub.outbox.row_id"
 

@@ -141,6 +141,8 @@ async def test_a_poison_message_ends_dead_lettered(harness: Harness) -> None:
     last = spans[-1]
     events = [e for e in last.events if e.name == "reliable_sub.dead_letter.published"]
     assert [e.attributes["reliable_sub.dead_letter.topic"] for e in events] == [dlq_topic]
+    assert [e.attributes["reliable_sub.dead_letter.reason"] for e in events] == [
+        "max-delivery-attempts"]
     assert last.attributes["error.type"] == "ValueError"
     assert dead_letter_send.parent is not None
     assert dead_letter_send.parent.span_id == last.context.span_id, \
