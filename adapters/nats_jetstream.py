@@ -709,8 +709,11 @@ class NatsJetStreamAdapter:
         ordering_key = None
         raw_key = headers.get(ORDERING_KEY_HEADER)
         if raw_key:
-            with contextlib.suppress(ValueError):
-                ordering_key = json.loads(raw_key)
+            # only a JSON string is parsed: a hostile header nested deep would make json.loads
+            # recurse to the interpreter's limit
+            if raw_key.startswith('"'):
+                with contextlib.suppress(ValueError):
+                    ordering_key = json.loads(raw_key)
             if not isinstance(ordering_key, str):
                 ordering_key = None
                 problem = f"{ORDERING_KEY_HEADER} header is not a JSON string: {raw_key[:100]!r}"

@@ -116,12 +116,48 @@ def checked_message(
     return payload, checked
 
 
+def _at_most_one_level(raw: str | bytes) -> bool:
+    """Whether the JSON text ``raw`` nests no deeper than one object or array. Checked before
+    ``json.loads``, which recurses once per level: on a hostile entry nested 100,000 deep it
+    runs at the interpreter's recursion limit, where a finalizer the garbage collector runs
+    meanwhile fails too. Two C-speed counts decide almost every entry; brackets inside
+    strings (a value such as ``"a[1]"``) take a scan."""
+    if isinstance(raw, bytes):
+        if raw.count(b"[") + raw.count(b"{") <= 1:
+            return True
+        text = raw.decode("utf-8", "replace")
+    elif raw.count("[") + raw.count("{") <= 1:
+        return True
+    else:
+        text = raw
+    depth, in_string, escaped = 0, False, False
+    for char in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            if depth > 1:
+                return False
+        elif char in "]}":
+            depth -= 1
+    return True
+
+
 def attributes_from_json(raw: str | bytes | None) -> dict[str, str]:
     """Attributes an adapter stored as one JSON object of strings (a Redis field, a NATS
     header), read back; empty for None or empty. Raises ValueError naming what is wrong, for
     the adapter to deliver the message marked malformed."""
     if not raw:
         return {}
+    if not _at_most_one_level(raw):
+        raise ValueError("nested: attributes are one JSON object of strings")
     try:
         value = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as error:

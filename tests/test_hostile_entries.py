@@ -6,7 +6,10 @@ is dead-lettered as malformed (``MalformedMessageError``, the parse error as its
 rest of its batch is handled. Before, an error nobody foresaw (``json.loads`` raising
 RecursionError on deeply nested attributes) escaped the adapter's ``receive``: on Redis the bad
 entry and its valid neighbours stayed pending for good (the reclaim met the same batch every
-time); on NATS the batch was redelivered for ever.
+time); on NATS the batch was redelivered for ever. Deeply nested attributes and ordering keys
+are now refused before ``json.loads`` sees them: its recursion ran at the interpreter's limit,
+where a finalizer the garbage collector ran meanwhile failed too (a loaded run saw pytest's
+unraisable-exception hook fail that way).
 
 Each case writes a valid entry, the hostile one and another valid one, before the Subscriber
 starts, so that all three come in one batch (the test checks it), on the real Redis and on a
@@ -93,12 +96,12 @@ async def wrap_the_counter(adapter: Any, topic: str, subscription: str, entry_id
 
 DEEP_LIST = redis_entry({"data": b"hostile", "attributes": b"[" * DEEP})
 CASES = {
-    "redis: attributes nested 100,000 deep": Hostile("redis", DEEP_LIST, "RecursionError"),
+    "redis: attributes nested 100,000 deep": Hostile("redis", DEEP_LIST, "nested"),
     "redis: attributes nested 100,000 deep, reclaimed": Hostile(
-        "redis", DEEP_LIST, "RecursionError", reclaimed=True),
+        "redis", DEEP_LIST, "nested", reclaimed=True),
     "redis: an attributes object nested 100,000 deep": Hostile(
         "redis", redis_entry({"data": b"hostile", "attributes": b'{"a":' * DEEP}),
-        "RecursionError"),
+        "nested"),
     "redis: no data field, a non-UTF-8 field name": Hostile(
         "redis", redis_entry({b"\xff\xfe": b"hostile"}), "no data field"),
     "redis: a non-UTF-8 field name beside data": Hostile(
@@ -109,9 +112,9 @@ CASES = {
         "redis", redis_entry({"data": b"hostile"}), None, reclaimed=True,
         tamper=wrap_the_counter),
     "nats: attributes header nested 60,000 deep": Hostile(
-        "nats", nats_message("ATTRIBUTES_HEADER", "[" * NATS_DEEP), "RecursionError"),
+        "nats", nats_message("ATTRIBUTES_HEADER", "[" * NATS_DEEP), "nested"),
     "nats: ordering-key header nested 60,000 deep": Hostile(
-        "nats", nats_message("ORDERING_KEY_HEADER", "[" * NATS_DEEP), "RecursionError"),
+        "nats", nats_message("ORDERING_KEY_HEADER", "[" * NATS_DEEP), "not a JSON string"),
 }
 
 
