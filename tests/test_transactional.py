@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from reliable_sub import (
     ClaimLostError,
     ConfigurationError,
+    DeadLetterPolicy,
     LeasePolicy,
     MemoryDedupStore,
     Message,
@@ -425,3 +426,29 @@ async def test_an_orm_session_bound_to_the_connection_joins_the_transaction(
     await world.served(sub, lambda: (message_id, Outcome.ACKED) in world.outcomes,
                        "the second attempt to succeed")
     assert await world.rows() == [(message_id, "orm")], "the first attempt left nothing"
+
+
+@dataclass
+class Payment:
+    order: str
+    cents: int
+
+
+async def test_a_typed_body_in_a_transactional_handler(world: World) -> None:
+    """``handler(body, message, connection)``: the body decoded, the write committed with the
+    record; a body that does not validate is dead-lettered at once and writes nothing."""
+    world.broker.ensure_subscription_sync("orders-dlq", "orders-dlq-ops")
+    sub = world.subscriber(dead_letter=DeadLetterPolicy("orders-dlq", 5))
+
+    @sub.handler("billing", transactional=True)
+    async def charge(payment: Payment, message: Message, connection: Any) -> Payment:
+        await connection.execute(_insert(world, message, f"{payment.order}:{payment.cents}"))
+        return payment
+
+    good = await world.broker.publish("orders", b'{"order": "o-1", "cents": 250}')
+    await world.broker.publish("orders", b'{"order": "o-2"}')
+    await world.served(sub, lambda: len(world.outcomes) == 2, "both settled")
+    assert sorted(o for _, o in world.outcomes) == [Outcome.ACKED, Outcome.DEAD_LETTERED]
+    assert await world.rows() == [(good, "o-1:250")]
+    record = await world.record(good)
+    assert isinstance(record, Completed) and record.result == {"order": "o-1", "cents": 250}
