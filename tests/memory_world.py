@@ -30,13 +30,14 @@ async def serving(sub: Subscriber, clock: ManualClock) -> asyncio.Future[None]:
 
 
 async def serve_until(
-    sub: Subscriber, until: Callable[[], bool], what: str, within: float = 10.0
+    sub: Subscriber, until: Callable[[], bool], what: str, within: float = 10.0,
+    clock: ManualClock | None = None,
 ) -> None:
-    """Serve ``sub`` on the real clock until ``until()`` holds (or fail after ``within`` s),
-    then shut it down."""
+    """Serve ``sub`` until ``until()`` holds (or fail after ``within`` seconds), then shut it
+    down: on the real clock, or driving ``clock``."""
     task = asyncio.ensure_future(sub.serve())
     try:
-        await drive_until(SystemClock(), until, within, what=what)
+        await drive_until(clock or SystemClock(), until, within, what=what)
     finally:
         await sub.shutdown(timeout=5)
         await task

@@ -15,7 +15,7 @@ from reliable_sub import (
     UnknownTopicError,
 )
 from reliable_sub.testing.timing import drive_until
-from tests.memory_world import serving, setup
+from tests.memory_world import serve_until, serving, setup
 
 
 async def test_each_handler_fails_by_its_own_policies() -> None:
@@ -45,13 +45,8 @@ async def test_each_handler_fails_by_its_own_policies() -> None:
 
     for topic in ("orders", "shipments", "refunds"):
         broker.publish_sync(topic, b"x")
-    task = await serving(sub, clock)
-    try:
-        await drive_until(clock, lambda: sub.stats[Outcome.DEAD_LETTERED] == 3, 600,
-                          what="three dead letters")
-    finally:
-        await sub.shutdown()
-        await task
+    await serve_until(sub, lambda: sub.stats[Outcome.DEAD_LETTERED] == 3, "three dead letters",
+                      600, clock)
     assert [len(calls[name]) for name in ("billing", "shipping", "refunding")] == [4, 2, 1]
     assert calls["shipping"][1] - calls["shipping"][0] >= 30, "the handler's own backoff"
     assert calls["billing"][1] - calls["billing"][0] < 30, "the Subscriber's backoff"
@@ -112,13 +107,9 @@ async def test_a_handler_s_timeout_is_its_own_max_lease_duration() -> None:
 
     broker.publish_sync("orders", b"x")
     broker.publish_sync("shipments", b"x")
-    task = await serving(sub, clock)
-    try:
-        await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 1
-                          and sub.stats[Outcome.DEAD_LETTERED] == 1, 600, what="both settled")
-    finally:
-        await sub.shutdown()
-        await task
+    settled = (Outcome.ACKED, Outcome.DEAD_LETTERED)
+    await serve_until(sub, lambda: [sub.stats[o] for o in settled] == [1, 1], "both settled",
+                      600, clock)
     assert finished == ["shipping"]
     [dead] = await broker.receive("orders-dlq-ops", 10, 0)
     assert dead.message.attributes["error-type"] == "reliable_sub.errors.HandlerTimeoutError"

@@ -9,8 +9,7 @@ import logging
 import pytest
 
 from reliable_sub import ConfigurationError, Message, Outcome, Reject, RetryPolicy
-from reliable_sub.testing.timing import drive_until
-from tests.memory_world import serving, setup
+from tests.memory_world import serve_until, setup
 
 
 async def test_without_a_dead_letter_policy_a_rejection_is_logged_and_redelivered_late(
@@ -25,12 +24,7 @@ async def test_without_a_dead_letter_policy_a_rejection_is_logged_and_redelivere
         raise Reject("no such account")
 
     broker.publish_sync("orders", b"order-1")
-    task = await serving(sub, clock)
-    try:
-        await drive_until(clock, lambda: len(calls) == 2, 1000, what="the redelivery")
-    finally:
-        await sub.shutdown()
-        await task
+    await serve_until(sub, lambda: len(calls) == 2, "the redelivery", 1000, clock)
     assert calls[1] - calls[0] >= 300, "redelivered after max_backoff, not min_backoff"
     assert sub.stats[Outcome.RETRY] >= 1 and sub.stats["rejected"] == 0
     [record] = [r for r in caplog.records if "rejected" in r.getMessage()][:1]
@@ -65,13 +59,8 @@ async def test_a_rejection_s_span_says_why_it_was_dead_lettered() -> None:
             raise Reject("no such account")
 
         broker.publish_sync("orders", b"order-1")
-        task = await serving(sub, clock)
-        try:
-            await drive_until(clock, lambda: sub.stats[Outcome.DEAD_LETTERED] == 1, 100,
-                              what="the dead letter")
-        finally:
-            await sub.shutdown()
-            await task
+        await serve_until(sub, lambda: sub.stats[Outcome.DEAD_LETTERED] == 1,
+                          "the dead letter", 100, clock)
         [span] = recorded.spans("process billing")
     assert span.attributes is not None
     assert span.attributes["error.type"] == "reliable_sub.errors.Reject"
