@@ -87,6 +87,9 @@ class Capabilities:
 # What ``publish`` takes as a message's data: bytes, or a pydantic model, a dataclass or a JSON
 # value, sent as JSON with ``content-type: application/json`` (see checked_message).
 Payload: TypeAlias = object
+# The attribute that names the payload's format; JSON payloads get this value.
+CONTENT_TYPE = "content-type"
+JSON_CONTENT_TYPE = "application/json"
 
 
 def checked_message(
@@ -112,7 +115,7 @@ def checked_message(
             "dict, a list or a model"
         )
     payload = json_payload(data, "publish")
-    checked.setdefault("content-type", "application/json")
+    checked.setdefault(CONTENT_TYPE, JSON_CONTENT_TYPE)
     return payload, checked
 
 

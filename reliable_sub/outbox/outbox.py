@@ -24,7 +24,7 @@ from .._bodies import json_payload
 from ..clock import Clock, SystemClock
 from ..errors import MissingExtraError
 from ..idempotency.keys import new_idempotency_key
-from ..ports import checked_message
+from ..ports import CONTENT_TYPE, JSON_CONTENT_TYPE, checked_message
 from ..telemetry.propagation import context_as_json
 from .table import DEFAULT_TABLE, KEY_LIMIT, NAME_LIMIT, outbox_table
 
@@ -37,10 +37,6 @@ except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("Outbox", "sql", "SQLAlchemy") from error
 
 from ..sql_engines import OnSqlEngines, SqlEngines
-
-# The attribute that names the payload's format; JSON payloads get this value.
-CONTENT_TYPE = "content-type"
-JSON_CONTENT_TYPE = "application/json"
 
 _SYNC_CONNECTIONS = (Connection, Session)
 _ASYNC_CONNECTIONS = (AsyncConnection, AsyncSession)
