@@ -149,18 +149,6 @@ def check_subscriber_arguments(
                "an OpenTelemetry MeterProvider", "pass the SDK's MeterProvider(), or None")
 
 
-__all__ = [
-    "check_adapter",
-    "check_callable",
-    "check_clock",
-    "check_dedup_store",
-    "check_instance",
-    "check_methods",
-    "check_subscriber_arguments",
-    "check_with",
-]
-
-
 def check_max_concurrency(where: str, value: object) -> None:
     """Refuse a ``max_concurrency`` that is neither None nor an int of at least 1."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -205,11 +193,9 @@ def _retry_and_dead_letter(
     where: str, retry: object, dead_letter: object, non_retryable: object,
     defaults: tuple[RetryPolicy, DeadLetterPolicy | None],
 ) -> tuple[RetryPolicy, DeadLetterPolicy | None]:
-    if retry is not None:
-        check_instance(f"{where} retry", retry, RetryPolicy, "pass RetryPolicy(...)")
-    if dead_letter is not None:
-        check_instance(f"{where} dead_letter", dead_letter, DeadLetterPolicy,
-                       "pass DeadLetterPolicy(topic)")
+    check_instance(f"{where} retry", retry, RetryPolicy, "pass RetryPolicy(...)")
+    check_instance(f"{where} dead_letter", dead_letter, DeadLetterPolicy,
+                   "pass DeadLetterPolicy(topic)")
     own_retry = cast(RetryPolicy, retry) if retry is not None else defaults[0]
     if non_retryable:
         if not isinstance(non_retryable, tuple):
@@ -243,3 +229,19 @@ def check_dedup_window(
             f"plus max_lease_duration {lease.max_lease_duration:g}s): a duplicate could "
             f"arrive after its record expired; raise dedup_ttl to at least {span:g}"
         )
+
+
+__all__ = [
+    "check_adapter",
+    "check_callable",
+    "check_clock",
+    "check_dedup_store",
+    "check_dedup_window",
+    "check_instance",
+    "check_max_concurrency",
+    "check_methods",
+    "check_subscriber_arguments",
+    "check_with",
+    "handler_lease",
+    "handler_policies",
+]

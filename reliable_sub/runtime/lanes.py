@@ -11,7 +11,7 @@ import asyncio
 import random
 import sys
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
@@ -102,6 +102,15 @@ class Lane:
     telemetry: RouteTelemetry | None = None
     # the receive call's name in the log and in health reports
     receive_name: str = ""
+
+
+def close_gates(flow: FlowGate, lanes: Iterable[Lane]) -> None:
+    """Close the run's flow gate and every lane's own (max_concurrency): each receive loop
+    waiting for a slot wakes and sees the run stopping."""
+    flow.close()
+    for lane in lanes:
+        if lane.flow is not None:
+            lane.flow.close()
 
 
 # A delivery in flight, as the stages that read its lane see it.

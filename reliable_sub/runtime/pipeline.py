@@ -43,7 +43,7 @@ from .dispatcher import Dispatcher, current_claim
 from .flow import FlowGate
 from .health import Health
 from .inflight import Stage
-from .lanes import Config, Item, Lane, Route, RunState
+from .lanes import Config, Item, Lane, Route, RunState, close_gates
 from .lease import LeaseManager
 from .receiver import Receiver
 from .settler import Settle, Settler
@@ -226,10 +226,7 @@ class Runtime:
     async def abort(self) -> None:
         """Undo a failed :meth:`open`: stop what it started and release connections."""
         self.state.receiving = self.state.accepting = False
-        self.flow.close()
-        for lane in self.lanes.values():
-            if lane.flow is not None:
-                lane.flow.close()
+        close_gates(self.flow, self.lanes.values())
         await self.supervisor.stop()
         if self.watchdog is not None:
             self.watchdog.stop()

@@ -25,7 +25,7 @@ from ..outcome import Outcome
 from .decisions import cancel
 from .flow import FlowGate
 from .inflight import CancelReason, Stage
-from .lanes import Config, Item, Lane, RunState, SettleCall
+from .lanes import Config, Item, Lane, RunState, SettleCall, close_gates
 from .settler import Settler
 from .supervisor import Supervisor
 from .watchdog import LoopWatchdog
@@ -93,10 +93,7 @@ class Shutdown:
             len(running), sum(1 for i in state.items if i.stage is Stage.WAITING), timeout,
             extra={"running": len(running), "timeout": timeout},
         )
-        self._flow.close()
-        for lane in self._lanes:
-            if lane.flow is not None:
-                lane.flow.close()
+        close_gates(self._flow, self._lanes)
         if self._config.adapter.capabilities.cancel_safe_receive:
             self._cancel_receive_calls()
         # Messages queued behind a running one of their ordering key stay queued: they go back
