@@ -25,8 +25,7 @@ from reliable_sub import (
 from reliable_sub import _bodies as bodies
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.dead_letters import DeadLetter
-from reliable_sub.testing.timing import drive_until
-from tests.memory_world import serving, setup
+from tests.memory_world import serve_until, setup
 
 
 class Order(pydantic.BaseModel):
@@ -54,14 +53,9 @@ async def run(sub: Subscriber, broker: MemoryAdapter, clock: Any, payloads: list
               done: int) -> None:
     for payload in payloads:
         broker.publish_sync("orders", payload)
-    task = await serving(sub, clock)
-    try:
-        settled = (Outcome.ACKED, Outcome.DEAD_LETTERED)
-        await drive_until(clock, lambda: sum(sub.stats[o] for o in settled) >= done, 60,
-                          what="the messages to settle")
-    finally:
-        await sub.shutdown()
-        await task
+    settled = (Outcome.ACKED, Outcome.DEAD_LETTERED)
+    await serve_until(sub, lambda: sum(sub.stats[o] for o in settled) >= done,
+                      "the messages to settle", 60, clock)
 
 
 async def dead_letters(broker: MemoryAdapter) -> list[DeadLetter]:
@@ -122,7 +116,6 @@ async def test_a_typed_dict_body_through_a_plain_decorator() -> None:
 
 
 async def test_a_model_returned_is_stored_as_its_json() -> None:
-    clock = None
     store = MemoryDedupStore()
     clock, broker, sub = setup(dedup=store)
 
