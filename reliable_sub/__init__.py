@@ -6,6 +6,7 @@ ahead of running handlers from a rolling p99, retries with backoff and dead-lett
 """
 
 from ._version import __version__
+from .batches import BatchResult
 from .clock import Clock, ManualClock, SystemClock
 from .dedup import (
     Claimed,
@@ -45,6 +46,7 @@ from .subscriber import Subscriber
 __all__ = [
     "AccessDeniedError",
     "AdapterError",
+    "BatchResult",
     "BodyValidationError",
     "ClaimLostError",
     "Claimed",

@@ -51,27 +51,21 @@ def typed_handler(function: Callable[..., Any], where: str) -> TypedHandler | No
     """``function`` as a :class:`TypedHandler` when its first parameter is annotated with a
     body type (it gets the Message too when its second parameter is annotated ``Message`` or
     named ``message``); None for an untyped handler."""
-    parameters = _parameters(function)
+    parameters = positional_parameters(function)
     if not parameters:
         return None
-    body_type = _annotation(function, parameters[0], where)
-    decode = _decoder(body_type)
+    body_type = annotation_of(function, parameters[0], where)
+    decode = decoder_for(body_type)
     if decode is None:
         return None
     wants_message = len(parameters) > 1 and (
         parameters[1].name == "message"
-        or _annotation(function, parameters[1], where) is Message
+        or annotation_of(function, parameters[1], where) is Message
     )
-    name = getattr(body_type, "__qualname__", repr(body_type))
+    name = type_name(body_type)
 
     def with_body(message: Message, *rest: Any) -> Any:
-        try:
-            body = decode(message.data)
-        except Exception as error:  # any: a validator of the user's may raise anything
-            raise BodyValidationError(
-                f"the body of message {message.id} is not a valid {name}: "
-                f"{describe_error(error, ERROR_LIMIT)}"
-            ) from error
+        body = body_of(decode, name, message)
         if wants_message:
             return function(body, message, *rest)
         return function(body, *rest)
@@ -79,7 +73,23 @@ def typed_handler(function: Callable[..., Any], where: str) -> TypedHandler | No
     return TypedHandler(with_body, body_type, wants_message)
 
 
-def _parameters(function: Callable[..., Any]) -> list[inspect.Parameter]:
+def type_name(body_type: Any) -> str:
+    """``body_type``'s name, as errors say it."""
+    return getattr(body_type, "__qualname__", repr(body_type))
+
+
+def body_of(decode: Decoder, name: str, message: Message) -> Any:
+    """``message``'s body decoded as the type called ``name``, or a BodyValidationError."""
+    try:
+        return decode(message.data)
+    except Exception as error:  # any: a validator of the user's may raise anything
+        raise BodyValidationError(
+            f"the body of message {message.id} is not a valid {name}: "
+            f"{describe_error(error, ERROR_LIMIT)}"
+        ) from error
+
+
+def positional_parameters(function: Callable[..., Any]) -> list[inspect.Parameter]:
     try:
         signature = inspect.signature(function)
     except (TypeError, ValueError):  # a callable Python cannot read: taken as untyped
@@ -88,7 +98,7 @@ def _parameters(function: Callable[..., Any]) -> list[inspect.Parameter]:
             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
-def _annotation(function: Callable[..., Any], parameter: inspect.Parameter, where: str) -> Any:
+def annotation_of(function: Callable[..., Any], parameter: inspect.Parameter, where: str) -> Any:
     """``parameter``'s annotation, evaluated in the handler's module when it is a string
     (``from __future__ import annotations``, a forward reference). A string naming ``Message``
     that cannot be evaluated (imported under ``TYPE_CHECKING``) is taken as Message."""
@@ -117,7 +127,7 @@ def _globals_of(function: Any) -> dict[str, Any]:
     return namespace if isinstance(namespace, dict) else {}
 
 
-def _decoder(annotation: Any) -> Decoder | None:
+def decoder_for(annotation: Any) -> Decoder | None:
     """How to turn a body into ``annotation`` (None when it is not a body type)."""
     if not isinstance(annotation, type) or issubclass(annotation, Message):
         return None

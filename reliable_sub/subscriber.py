@@ -26,6 +26,7 @@ from opentelemetry.trace import TracerProvider
 from ._bodies import typed_handler
 from ._callables import check_not_generator, check_takes, is_async_callable
 from ._checks import check_dedup_window, check_subscriber_arguments, handler_policies
+from .batches import batch_spec, check_batch_options
 from .clock import Clock, SystemClock
 from .dedup import DedupStore
 from .errors import ConfigurationError
@@ -202,6 +203,9 @@ class Subscriber(Service):
         non_retryable: tuple[type[BaseException], ...] = (),
         timeout: float | None = None,
         max_concurrency: int | None = None,
+        batch: bool = False,
+        max_batch: int | None = None,
+        max_wait: float | None = None,
     ) -> Callable[[HandlerT], HandlerT]:
         """Register the decorated function as the handler of ``subscription``.
 
@@ -230,6 +234,13 @@ class Subscriber(Service):
         this delivery still holding the claim; if a peer took the key over meanwhile,
         everything is rolled back and the message is deferred to the peer. Do not commit on
         the connection yourself.
+
+        ``batch=True``: the handler takes a list of the messages received together (of bodies,
+        when annotated ``list[Order]``; the Messages too as a second parameter annotated
+        ``list[Message]`` or named ``messages``), at most ``max_batch`` (default 100), waiting
+        up to ``max_wait`` seconds after the first for more (default 0: what one receive
+        brought). Claims, leases, acks and dead letters stay per message; return a
+        :class:`~reliable_sub.BatchResult` to fail some of them, raise to fail all.
         """
         route_middleware = _checked_middleware(middleware, "handler middleware")
         if not isinstance(subscription, str) or not subscription:
@@ -241,6 +252,12 @@ class Subscriber(Service):
                 f"handler: namespace must be a non-empty str or None, got {namespace!r}"
             )
 
+        check_batch_options(f"handler {subscription!r}", batch, max_batch, max_wait)
+        if batch and (transactional or route_middleware or self._config.middleware):
+            raise ConfigurationError(
+                f"handler {subscription!r}: a batch handler takes no middleware and cannot be "
+                "transactional (both work per message); wrap the handler function itself, or "
+                "register it without batch=True")
         if transactional:
             self._check_transactional(subscription)
         own_retry, own_dead_letter, own_lease = handler_policies(
@@ -252,8 +269,14 @@ class Subscriber(Service):
                 raise ConfigurationError(f"handler: {function!r} is not callable")
             where = f"handler of {subscription!r}"
             check_not_generator(function, where)
-            typed = typed_handler(function, where)
-            arguments = ["message"] if typed is None else typed.arguments
+            spec = typed = None
+            if batch:
+                spec = batch_spec(function, where, max_batch=max_batch, max_wait=max_wait,
+                                  lease=own_lease)
+                arguments = spec.arguments
+            else:
+                typed = typed_handler(function, where)
+                arguments = ["message"] if typed is None else typed.arguments
             if transactional:
                 arguments.append("connection")
             check_takes(function, len(arguments), f"handler({', '.join(arguments)})", where)
@@ -276,6 +299,7 @@ class Subscriber(Service):
                 dead_letter=own_dead_letter,
                 lease=own_lease,
                 max_concurrency=max_concurrency,
+                batch=spec,
             )
             return function
 

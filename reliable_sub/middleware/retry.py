@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tenacity import (
@@ -43,6 +43,11 @@ class InProcessRetry:
                 and not policy.is_permanent(error))
 
     async def __call__(self, context: Context, call_next: CallNext) -> Decision:
+        return await self.run(call_next, context)
+
+    async def run(self, call: Callable[..., Awaitable[Decision]], *arguments: Any) -> Decision:
+        """``call(*arguments)``, again while its decision is a transient failure (a batch
+        handler's call, outside any chain, as well as the rest of a chain)."""
         policy = self._policy
         retrying = AsyncRetrying(
             stop=stop_after_attempt(policy.in_process_attempts),
@@ -52,7 +57,7 @@ class InProcessRetry:
             sleep=self._clock.sleep,
             before_sleep=self._before_retry if self._on_retry is not None else None,
         )
-        decision: Decision = await retrying(call_next, context)
+        decision: Decision = await retrying(call, *arguments)
         return decision
 
 

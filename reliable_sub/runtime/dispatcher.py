@@ -44,7 +44,7 @@ from .claims import CLAIM_CALL, MIN_STORE_CALL_BOUND, Claims
 from .decisions import DEFER_MIN_DELAY
 from .flow import FlowGate
 from .health import Health
-from .inflight import CancelReason, Stage
+from .inflight import CancelReason, Stage, cancel_requested
 from .lanes import EAGER_TASKS, Config, Item, Lane, Route, RunState, SettleCall, new_task
 from .workers import WorkerThreads
 
@@ -181,6 +181,10 @@ class Dispatcher:
     # -- one delivery's task --------------------------------------------------------------------
 
     def _start(self, item: Item, eager: bool = True) -> None:
+        collector = item.lane.collector
+        if collector is not None:  # a batch handler's: the item joins a batch
+            collector.add(item)
+            return
         # the task (and a sync handler's thread) runs with the delivery's span as current
         token = None
         if item.span is not None:
@@ -212,7 +216,7 @@ class Dispatcher:
             if not self._state.accepting:
                 self._settle(item, Outcome.STOPPED, ack=False, release=self._claims.release(item))
             elif (item.claim is None or not lane.lease.claim_needs_refresh(item)
-                    or await self._refresh_claim(lane, item)):
+                    or await self.refresh_claim(lane, item)):
                 await self._attempt(lane, item)
         except asyncio.CancelledError:
             if item.cancel_reason is None:  # not ours (the loop is going away): give it back
@@ -233,7 +237,7 @@ class Dispatcher:
             if holds_thread:
                 self._workers.release()
 
-    async def _refresh_claim(self, lane: Lane, item: Item) -> bool:
+    async def refresh_claim(self, lane: Lane, item: Item) -> bool:
         """Re-claim a claim that lapsed while ``item`` waited to start; False if not ours."""
         ttl = lane.lease.claim_ttl()
         try:
@@ -340,13 +344,5 @@ def _ours(item: Item, error: BaseException) -> bool:
     """Whether ``error`` is a cancellation of the delivery's task by the Subscriber (or by
     whoever owns the loop), as opposed to something the handler raised."""
     return isinstance(error, asyncio.CancelledError) and (
-        item.cancel_reason is not None or _cancel_requested()
+        item.cancel_reason is not None or cancel_requested()
     )
-
-
-def _cancel_requested() -> bool:
-    """Whether the current task was asked to cancel (as opposed to a handler raising
-    CancelledError by itself); Python 3.10 cannot tell, and then only our own reasons count."""
-    task = asyncio.current_task()
-    cancelling = getattr(task, "cancelling", None)
-    return bool(cancelling()) if cancelling is not None else False

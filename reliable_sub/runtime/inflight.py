@@ -109,3 +109,11 @@ class InFlight(Generic[LaneT]):
 
     def __repr__(self) -> str:
         return f"<InFlight {self.delivery.message.id} {self.stage.name}>"
+
+
+def cancel_requested() -> bool:
+    """Whether the current task was asked to cancel (as opposed to a handler raising
+    CancelledError by itself); Python 3.10 cannot tell, and then only our own reasons count."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return bool(cancelling()) if cancelling is not None else False

@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeAlias
 
+from ..batches import BatchSpec
 from ..clock import Clock
 from ..dedup import Claimed, DedupStore
 from ..message import Delivery, Message
@@ -72,6 +73,8 @@ class Route:
     middleware: tuple[Middleware, ...] = ()
     # handler(message, connection): its writes and its dedup record commit in one transaction
     transactional: bool = False
+    # a batch handler's limits and argument types (None: one message per call)
+    batch: BatchSpec | None = None
 
 
 @dataclass(eq=False)
@@ -102,6 +105,14 @@ class Lane:
     telemetry: RouteTelemetry | None = None
     # the receive call's name in the log and in health reports
     receive_name: str = ""
+    # a batch handler's: gathers its deliveries into batches (None: one task per delivery)
+    collector: Collector | None = None
+
+
+class Collector(Protocol):
+    """Gathers a batch handler's deliveries (:class:`reliable_sub.runtime.batches.Batches`)."""
+
+    def add(self, item: Item) -> None: ...
 
 
 def close_gates(flow: FlowGate, lanes: Iterable[Lane]) -> None:

@@ -37,6 +37,7 @@ from ..middleware.dead_letter import DeadLetterOrBackoff
 from ..outcome import DeliveryEvent, Outcome, SubscriberStats
 from ..policy import FlowControl
 from ..telemetry.consumer import DeliveryTelemetry
+from .batches import Batches
 from .claims import Claims
 from .decisions import Decisions
 from .dispatcher import Dispatcher, current_claim
@@ -122,12 +123,12 @@ class Runtime:
                 health=health, subscription=route.subscription,
             )
             failure = DeadLetterOrBackoff(route.retry, route.dead_letter, adapter, config.rng)
-            self.lanes[route.subscription] = Lane(
+            lane = self.lanes[route.subscription] = Lane(
                 route=route,
                 namespace=route.namespace or adapter.dedup_namespace(route.subscription),
                 lease=lease,
                 ordered=adapter.capabilities.ordering,
-                call=dispatcher.chain_of(route, failure),
+                call=None if route.batch is not None else dispatcher.chain_of(route, failure),
                 handler=self._handler_of(route),
                 failure=failure,
                 flow=None if route.max_concurrency is None else FlowGate(
@@ -135,6 +136,13 @@ class Runtime:
                 telemetry=route_telemetry,
                 receive_name=f"receiving from {route.subscription!r}",
             )
+            if route.batch is not None:
+                lane.collector = Batches(
+                    lane, route.batch, config, state, self.flow, self.workers,
+                    refresh_claim=dispatcher.refresh_claim, settle=decisions.settle,
+                    succeeded=decisions.succeeded, apply=decisions.apply,
+                    cancelled=decisions.cancelled, release=claims.release,
+                )
         state.receiving = state.accepting = True
         self.supervisor.spawn("settler", self.settler.run)
         for lane in self.lanes.values():

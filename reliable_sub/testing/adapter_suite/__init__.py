@@ -16,7 +16,8 @@ The suite covers the adapter contract (ack, deadline expiry, nack delays, extend
 ordering), the Subscriber's guarantees on top of it (no loss, lease extension, dead letters,
 deduplication), stop, restart and close, hostile handlers, settling under failure, hung
 handlers, telemetry (spans per attempt, linked to the producer; metrics), seek, snapshots and
-replay modes (on adapters that can seek), the dead-letter tools, and typed bodies. It needs
+replay modes (on adapters that can seek), the dead-letter tools, typed bodies and batch
+handlers. It needs
 pytest, pytest-asyncio and opentelemetry-sdk (``pip install "reliable-sub[testing]"``).
 """
 
@@ -29,6 +30,7 @@ import pytest
 import pytest_asyncio
 
 from reliable_sub.testing.adapter_suite import (
+    batches,
     bodies,
     dead_letter_tools,
     delivery,
@@ -46,7 +48,7 @@ from reliable_sub.testing.harness import Harness
 
 MODULES: tuple[ModuleType, ...] = (
     delivery, guarantees, lifecycle, hostile_handlers, hostile_results, settling, failures,
-    telemetry, replay, dead_letter_tools, inspection, bodies,
+    telemetry, replay, dead_letter_tools, inspection, bodies, batches,
 )
 
 

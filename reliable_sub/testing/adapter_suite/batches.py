@@ -1,0 +1,54 @@
+"""Batch handlers on every adapter: the messages received together arrive in one call as
+decoded bodies with their Messages; a body that does not decode is dead-lettered alone, a
+message the handler names in its BatchResult fails alone, and the rest are acked once."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from reliable_sub import BatchResult, DeadLetterPolicy, Message, Outcome, Reject
+from reliable_sub.dead_letters import DeadLetter
+from reliable_sub.testing.harness import Harness, Recorder
+
+
+@dataclasses.dataclass(frozen=True)
+class _Order:
+    sku: str
+    quantity: int
+
+
+async def test_a_typed_batch_fails_and_acks_each_message_on_its_own(harness: Harness) -> None:
+    adapter = await harness.adapter()
+    topic, sub = await harness.topic_and_subscription()
+    dlq_topic, dlq_sub = await harness.topic_and_subscription()
+    recorder = Recorder()
+    subscriber = harness.subscriber(
+        adapter, on_outcome=recorder,
+        dead_letter=DeadLetterPolicy(dlq_topic, max_delivery_attempts=5),
+    )
+    seen: list[_Order] = []
+
+    @subscriber.handler(sub, batch=True, max_batch=10, max_wait=harness.tick)
+    async def handle(orders: list[_Order], messages: list[Message]) -> BatchResult:
+        seen.extend(orders)
+        return BatchResult(failed={message.id: Reject("out of stock") for order, message
+                                   in zip(orders, messages, strict=True) if order.sku == "gone"})
+
+    for payload in (b'{"sku": "a", "quantity": 1}', b"{not json", b'{"sku": "gone", '
+                    b'"quantity": 1}', b'{"sku": "b", "quantity": 2}'):
+        await adapter.publish(topic, payload)
+    async with harness.serving(subscriber):
+        await harness.wait_until(
+            lambda: [recorder.count(o) for o in (Outcome.DEAD_LETTERED, Outcome.ACKED)] == [2, 2],
+            10 * harness.ack_deadline, "two dead letters and two acks",
+        )
+    assert sorted(order.sku for order in seen) == ["a", "b", "gone"]  # each handled once
+    assert recorder.count(Outcome.RETRY) == 0
+    dead = await harness.receive_count(adapter, dlq_sub, 2)
+    letters = sorted((DeadLetter.of(d) for d in dead), key=lambda letter: letter.data)
+    assert [letter.data for letter in letters] == [b'{"sku": "gone", "quantity": 1}',
+                                                   b"{not json"]
+    assert {(letter.reason, letter.handler_failures) for letter in letters} == {("rejected", 1)}
+    assert "out of stock" in letters[0].error_message
+    assert "is not a valid _Order" in letters[1].error_message
+    await adapter.ack(dead)
