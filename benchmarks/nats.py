@@ -34,6 +34,7 @@ Variants, each run in the benchmark's one event loop, interleaved over the repet
   and stopped with ``await sub.shutdown()`` after the clock stops.
 * ``(d)`` the same with ``dedup=RedisDedupStore(redis_url, prefix=...)``, a prefix unique to the
   run; its keys are deleted after the run.
+* ``(e)`` as ``(c)``, with a batch handler (``@sub.handler(consumer, batch=True)``).
 
 Every client connects before the clock starts. What the consumer's connection sent and received
 while the clock ran is read from the server's ``/connz`` (by connection name) before and after:
@@ -105,14 +106,17 @@ SHUTDOWN_TIMEOUT = 0.5
 # Goals from the issue.
 NO_DEDUP_MIN_RATIO = 0.5  # (c) >= 0.5x (a), and ahead of FastStream
 DEDUP_MIN_RATIO = 0.3  # (d) >= 0.3x (a)
+BATCH_MIN_RATIO = 0.9  # (e) >= 0.9x (a): the batch handler goal of #26
 
 RAW = "(a) raw nats-py: fetch(100), ack each"
 FS_ONE = "(b1) FastStream PullSub(batch_size=100), one message per call"
 FS_BATCH = "(b2) FastStream PullSub(batch_size=100, batch=True)"
 SUB = "(c) Subscriber(NatsJetStreamAdapter), no dedup"
 SUB_DEDUP = "(d) Subscriber + RedisDedupStore"
-VARIANTS = (RAW, FS_ONE, FS_BATCH, SUB, SUB_DEDUP)
-SLUGS = {RAW: "raw", FS_ONE: "fs1", FS_BATCH: "fsb", SUB: "sub", SUB_DEDUP: "dedup"}
+SUB_BATCH = "(e) Subscriber, batch=True handler, no dedup"
+VARIANTS = (RAW, FS_ONE, FS_BATCH, SUB, SUB_DEDUP, SUB_BATCH)
+SLUGS = {RAW: "raw", FS_ONE: "fs1", FS_BATCH: "fsb", SUB: "sub", SUB_DEDUP: "dedup",
+         SUB_BATCH: "batch"}
 SECTION_NAME = "nats"
 RUN_ID = uuid.uuid4().hex[:8]
 ADAPTER_PREFIX = f"bench-{RUN_ID}"  # the adapter's settings bucket: {prefix}-subscriptions
@@ -294,9 +298,11 @@ class FastStreamConsumer(Consumer):
 
 
 class SubscriberConsumer(Consumer):
-    """(c)/(d): our Subscriber on the NatsJetStreamAdapter, with or without dedup."""
+    """(c)/(d)/(e): our Subscriber on the NatsJetStreamAdapter, with or without dedup, with a
+    handler of one message or a batch handler."""
 
-    def __init__(self, bench: Bench, names: Names, tally: Tally, *, dedup: bool) -> None:
+    def __init__(self, bench: Bench, names: Names, tally: Tally, *, dedup: bool,
+                 batch: bool = False) -> None:
         super().__init__(bench, names, tally)
         self.adapter = NatsJetStreamAdapter(bench.url, prefix=ADAPTER_PREFIX,
                                             name=names.connection)
@@ -308,7 +314,14 @@ class SubscriberConsumer(Consumer):
             """The handler under test: does nothing but count."""
             tally.handled += 1
 
-        self.subscriber.handler(names.consumer)(handle_message)
+        async def handle_batch(messages: list[Message]) -> None:
+            """The batch handler under test: does nothing but count."""
+            tally.handled += len(messages)
+
+        if batch:
+            self.subscriber.handler(names.consumer, batch=True)(handle_batch)
+        else:
+            self.subscriber.handler(names.consumer)(handle_message)
         self.task: asyncio.Task[None] | None = None
 
     async def prepare(self) -> None:
@@ -372,7 +385,8 @@ class Bench:
             return RawConsumer(self, names, tally, total)
         if variant in (FS_ONE, FS_BATCH):
             return FastStreamConsumer(self, names, tally, batch=variant == FS_BATCH)
-        return SubscriberConsumer(self, names, tally, dedup=variant == SUB_DEDUP)
+        return SubscriberConsumer(self, names, tally, dedup=variant == SUB_DEDUP,
+                                  batch=variant == SUB_BATCH)
 
     async def publish_backlog(self, names: Names, total: int) -> None:
         await self.js.add_stream(StreamConfig(
@@ -556,6 +570,7 @@ def report(results: dict[str, Throughput], counter: RoundTrips, command: str, me
         goal("(c) / (b1) FastStream, one message per call", sub, results[FS_ONE], 1.0),
         goal("(c) / (b2) FastStream, batch=True", sub, results[FS_BATCH], 1.0),
         goal("(d) / (a)", full, raw, DEDUP_MIN_RATIO),
+        goal("(e) / (a)", results[SUB_BATCH], raw, BATCH_MIN_RATIO),
         "",
         f"By difference of medians, the Subscriber without dedup costs "
         f"{sub.micros_per_message - raw.micros_per_message:.1f} µs/msg more than the raw loop, "
@@ -590,6 +605,8 @@ def report(results: dict[str, Throughput], counter: RoundTrips, command: str, me
         "run, its keys deleted afterwards): one claim script per received batch before the "
         "handlers, the completions of each settled batch in one more call, before the acks "
         "(the `GET`s are the dedup epoch cache's periodic reads).",
+        "* **(e)**: as (c), with a batch handler (`@sub.handler(c, batch=True)`, default "
+        "`max_batch=100`, `max_wait=0`): one call for what one fetch brought.",
         "* Each run: a fresh file-backed stream `s` (subject `s`) with the backlog of 64-byte "
         "messages published by `js.publish_async` before the clock starts, and a fresh durable "
         f"consumer `c` (explicit ack, `AckWait` {ACK_DEADLINE:g} s, deliver all, the server's "

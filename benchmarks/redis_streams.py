@@ -33,6 +33,8 @@ Variants, each run in the benchmark's one event loop, interleaved over the repet
   ``await sub.shutdown()`` after the clock stops, as in ``benchmarks.memory_pipeline``.
 * ``(d)`` the same with ``dedup=RedisDedupStore(adapter.client, prefix=...)``: the dedup store
   shares the adapter's client, as the adapter's docstring suggests.
+* ``(e)`` as ``(c)``, with a batch handler (``@sub.handler(group, batch=True)``, default
+  ``max_batch=100``, ``max_wait=0``): one call for what one read brought.
 
 Every client connects (one PING) before the clock starts. Cyclic GC stays enabled; the time it
 takes is recorded with ``gc.callbacks``. The process CPU time of each run is recorded too: wall
@@ -132,6 +134,8 @@ SHUTDOWN_TIMEOUT = 5.0
 NO_DEDUP_MIN_RATIO = 0.3  # (c) >= 0.3x the raw loop, and ahead of FastStream's batch mode
 DEDUP_MIN_RATIO = 0.15  # (d) >= 0.15x the raw loop ...
 DEDUP_MIN_FACTOR_OVER_FASTSTREAM = 5.0  # ... and >= 5x FastStream one message per call
+BATCH_MIN_RATIO = 0.85  # (e) >= 0.85x the raw loop ...
+BATCH_MIN_FACTOR_OVER_FASTSTREAM = 1.5  # ... and >= 1.5x FastStream's batch mode
 # For scale, the issue's own measurement on this machine kind (2026-11-22), msgs/s.
 ISSUE_RAW_RATE = 146_000
 ISSUE_FASTSTREAM_RATE = 2_900
@@ -142,9 +146,11 @@ FS_ONE = "(b1) FastStream StreamSub, one message per call"
 FS_BATCH = "(b2) FastStream StreamSub, batch=True"
 SUB = "(c) Subscriber(RedisStreamsAdapter), no dedup"
 SUB_DEDUP = "(d) Subscriber + RedisDedupStore"
-VARIANTS = (RAW, FS_ONE, FS_BATCH, SUB, SUB_DEDUP)
-SLUGS = {RAW: "raw", FS_ONE: "fs1", FS_BATCH: "fsb", SUB: "sub", SUB_DEDUP: "dedup"}
-PROFILED = (RAW, SUB, SUB_DEDUP)
+SUB_BATCH = "(e) Subscriber, batch=True handler, no dedup"
+VARIANTS = (RAW, FS_ONE, FS_BATCH, SUB, SUB_DEDUP, SUB_BATCH)
+SLUGS = {RAW: "raw", FS_ONE: "fs1", FS_BATCH: "fsb", SUB: "sub", SUB_DEDUP: "dedup",
+         SUB_BATCH: "batch"}
+PROFILED = (RAW, SUB, SUB_DEDUP, SUB_BATCH)
 
 SECTION_NAME = "redis_streams"
 
@@ -434,9 +440,11 @@ class FastStreamConsumer(Consumer):
 
 
 class SubscriberConsumer(Consumer):
-    """``(c)``/``(d)``: our Subscriber on the RedisStreamsAdapter, with or without dedup."""
+    """``(c)``/``(d)``/``(e)``: our Subscriber on the RedisStreamsAdapter, with or without
+    dedup, with a handler of one message or a batch handler."""
 
-    def __init__(self, url: str, keys: RunKeys, tally: Tally, *, dedup: bool) -> None:
+    def __init__(self, url: str, keys: RunKeys, tally: Tally, *, dedup: bool,
+                 batch: bool = False) -> None:
         super().__init__(url, keys, tally)
         self.adapter = RedisStreamsAdapter(
             url, consumer=keys.consumer, key_prefix=keys.adapter_prefix
@@ -450,7 +458,14 @@ class SubscriberConsumer(Consumer):
             """The handler under test: does nothing but count."""
             tally.handled += 1
 
-        self.subscriber.handler(keys.group)(handle_message)
+        async def handle_batch(messages: list[Message]) -> None:
+            """The batch handler under test: does nothing but count."""
+            tally.handled += len(messages)
+
+        if batch:
+            self.subscriber.handler(keys.group, batch=True)(handle_batch)
+        else:
+            self.subscriber.handler(keys.group)(handle_message)
         self.task: asyncio.Task[None] | None = None
 
     async def prepare(self, control: aioredis.Redis, counter: RoundTrips | None) -> None:
@@ -494,7 +509,8 @@ def make_consumer(variant: str, url: str, keys: RunKeys, tally: Tally, total: in
         return RawConsumer(url, keys, tally, total)
     if variant in (FS_ONE, FS_BATCH):
         return FastStreamConsumer(url, keys, tally, batch=variant == FS_BATCH)
-    return SubscriberConsumer(url, keys, tally, dedup=variant == SUB_DEDUP)
+    return SubscriberConsumer(url, keys, tally, dedup=variant == SUB_DEDUP,
+                              batch=variant == SUB_BATCH)
 
 
 # -- one run -----------------------------------------------------------------------------------
@@ -718,8 +734,9 @@ STAGE_RULES = (
          "_call_handler", "_call"),
     rule(TASK, "reliable_sub/runtime/lanes.py", "new_task"),
     rule(TASK, "reliable_sub/runtime/inflight.py"),
+    rule(TASK, "reliable_sub/runtime/batches.py"),
     rule(TASK, "reliable_sub/middleware/__init__.py"),
-    rule(TASK, THIS_FILE, "raw_loop", "handle_entry", "handle_message"),
+    rule(TASK, THIS_FILE, "raw_loop", "handle_entry", "handle_message", "handle_batch"),
     rule(SETTLE, "reliable_sub/runtime/decisions.py", "settle", "succeeded", "apply", "encode"),
     rule(SETTLE, "reliable_sub/runtime/dispatcher.py", "key_decided"),
     rule(SETTLE, "reliable_sub/runtime/pipeline.py", "_on_settled"),
@@ -813,6 +830,13 @@ GOALS = (
         FS_ONE,
         DEDUP_MIN_FACTOR_OVER_FASTSTREAM,
         f"(d) ≥ {DEDUP_MIN_FACTOR_OVER_FASTSTREAM:g}× FastStream one message per call",
+    ),
+    Goal(SUB_BATCH, RAW, BATCH_MIN_RATIO, f"(e) ≥ {BATCH_MIN_RATIO}× (a)"),
+    Goal(
+        SUB_BATCH,
+        FS_BATCH,
+        BATCH_MIN_FACTOR_OVER_FASTSTREAM,
+        f"(e) ≥ {BATCH_MIN_FACTOR_OVER_FASTSTREAM:g}× FastStream with batch=True",
     ),
 )
 
