@@ -356,3 +356,25 @@ async def test_an_error_that_cannot_be_printed_still_ends_its_span_and_every_log
     for record in caplog.records:
         record.getMessage()  # raised for the lines that formatted the error, before
     assert any("dead-lettered" in r.getMessage() for r in caplog.records)
+
+
+async def test_dead_letters_are_counted_by_reason(recorded: Recorded) -> None:
+    """#26: a dashboard tells a rejected message from one whose attempts were used up."""
+    from reliable_sub import DeadLetterPolicy, Reject
+
+    clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 2))
+    broker.ensure_subscription_sync("orders-dlq", "dead")
+
+    @sub.handler("billing")
+    async def charge(message: Message) -> None:
+        if message.data == b"reject":
+            raise Reject("no such customer")
+        raise ConnectionError("down")
+
+    for data in (b"reject", b"exhaust", b"reject"):
+        broker.publish_sync("orders", data)
+    await run_until(clock, sub, lambda: sub.stats[Outcome.DEAD_LETTERED] == 3, "three letters")
+    reason = "reliable_sub.dead_letter.reason"
+    by_reason = {p.attributes[reason]: p.value
+                 for p in recorded.points("reliable_sub.dead_lettered")}
+    assert by_reason == {"rejected": 2, "max-delivery-attempts": 1}

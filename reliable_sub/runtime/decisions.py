@@ -259,7 +259,8 @@ class Decisions:
     def _dead_lettered(self, item: Item, reason: str) -> None:
         policy = item.lane.route.dead_letter
         if self._telemetry is not None and policy is not None:
-            self._telemetry.dead_lettered(item, policy.topic, reason)
+            assert item.lane.telemetry is not None
+            self._telemetry.dead_lettered(item.lane.telemetry, item, policy.topic, reason)
 
     # -- giving back ---------------------------------------------------------------------------
 

@@ -156,7 +156,9 @@ class _Instruments:
                         "the handler.")
         meter.create_observable_counter(
             sc.DEAD_LETTERED, [self.dead_lettered.observe], unit="{message}",
-            description="Messages published to the dead-letter topic, then acked.")
+            description="Messages published to the dead-letter topic, by why "
+                        "(reliable_sub.dead_letter.reason: rejected, max-delivery-attempts, "
+                        "unreadable, running-too-long).")
         self.attempts = meter.create_histogram(
             sc.ATTEMPTS, unit="{attempt}",
             description="The delivery attempt on which messages succeeded.",
@@ -170,7 +172,8 @@ class _RouteTallies:
     instruments: _Instruments
     inflight: Tally
     duplicates: Tally
-    dead_lettered: Tally
+    # by reliable_sub.dead_letter.reason: a dashboard tells "rejected" from "attempts used up"
+    dead_lettered: dict[str, Tally] = field(default_factory=dict)
     consumed: dict[Outcome, Tally] = field(default_factory=dict)
 
 
@@ -224,8 +227,7 @@ class DeliveryTelemetry:
         if self.instruments is not None:
             instruments = self.instruments
             tallies = _RouteTallies(instruments, instruments.inflight.of(base),
-                                    instruments.duplicates.of(base),
-                                    instruments.dead_lettered.of(base))
+                                    instruments.duplicates.of(base))
         return RouteTelemetry(f"{sc.PROCESS} {subscription}", span_attributes, base, tallies)
 
     # -- the steps of a delivery ---------------------------------------------------------------
@@ -320,7 +322,15 @@ class DeliveryTelemetry:
             span.add_event(sc.EVENT_RETRY, event)
 
     @never_raises
-    def dead_lettered(self, item: InFlight[Any], topic: str, reason: str) -> None:
+    def dead_lettered(self, route: RouteTelemetry, item: InFlight[Any], topic: str,
+                      reason: str) -> None:
+        tallies = route.tallies
+        if tallies is not None:
+            tally = tallies.dead_lettered.get(reason)
+            if tally is None:
+                tally = tallies.dead_lettered[reason] = tallies.instruments.dead_lettered.of(
+                    {**route.metric_attributes, sc.DEAD_LETTER_REASON: reason})
+            tally.value += 1
         span = item.span
         if span is not None and span.is_recording():
             span.add_event(sc.EVENT_DEAD_LETTER,
@@ -346,8 +356,6 @@ class DeliveryTelemetry:
                                             route.metric_attributes)
             elif outcome is Outcome.DUPLICATE:
                 tallies.duplicates.value += 1
-            elif outcome is Outcome.DEAD_LETTERED:
-                tallies.dead_lettered.value += 1
         span = item.span
         if span is None:
             return

@@ -135,7 +135,8 @@ async def test_a_poison_message_ends_dead_lettered(harness: Harness) -> None:
                                      30 * harness.ack_deadline, "dead-lettering")
         spans = recorded.spans(f"process {sub}")
         [dead_letter_send] = recorded.spans(f"send {dlq_topic}")
-        dead_lettered = recorded.sum("reliable_sub.dead_lettered")
+        dead_lettered = recorded.sum("reliable_sub.dead_lettered", **{
+            "reliable_sub.dead_letter.reason": "max-delivery-attempts"})
     assert [s.attributes["reliable_sub.outcome"] for s in spans] == ["retried",
                                                                       "dead_lettered"]
     last = spans[-1]
