@@ -183,7 +183,7 @@ class Batches:
         lane, spec = self._lane, self._spec
         for item in items:
             item.stage = Stage.RUNNING
-            lane.lease.started(item)
+        lane.lease.started_many(items)
         arguments: tuple[Any, ...]
         if spec.decode is None:
             arguments = ([item.delivery.message for item in items],)
@@ -209,14 +209,20 @@ class Batches:
             for item in items:
                 await self._failed(item, decision.error)
             return
-        failed = decision.result.failed if isinstance(decision.result, BatchResult) else {}
+        failed = decision.result.failed if isinstance(decision.result, BatchResult) else None
+        if not failed:
+            lane.lease.finished_many(items)
+            for item in items:
+                self._succeeded(lane, item, None)
+            return
+        succeeded = [item for item in items if item.message_id not in failed]
+        lane.lease.finished_many(succeeded)
+        for item in succeeded:
+            self._succeeded(lane, item, None)
         for item in items:
             failure = failed.get(item.message_id)
             if failure is not None:
                 await self._failed(item, failure)
-            else:
-                item.duration = lane.lease.finished(item)
-                self._succeeded(lane, item, None)
 
     async def _decide(self, items: list[Item], arguments: tuple[Any, ...]) -> Decision:
         """One call of the handler, as a Decision: what it returned, or what it raised."""

@@ -170,6 +170,28 @@ class LeaseManager:
             item.claim_active = True
             self._schedule(item.claim_refresh_at)
 
+    def started_many(self, items: list[InFlight[Any]]) -> None:
+        """A batch handler starts now on ``items``: :meth:`started` for each, one clock read."""
+        now = self._clock.now()
+        due = math.inf
+        for item in items:
+            item.started_at = now
+            if item.claim is not None and item.leased:
+                item.claim_active = True
+                due = min(due, item.claim_refresh_at)
+        if due < math.inf:
+            self._schedule(due)
+
+    def finished_many(self, items: list[InFlight[Any]]) -> None:
+        """A batch handler returned: each item's duration is the batch's, recorded once."""
+        now = self._clock.now()
+        duration = None
+        for item in items:
+            if item.started_at is not None:
+                duration = item.duration = now - item.started_at
+        if duration is not None:
+            self.histogram.add(duration, now)
+
     def finished(self, item: InFlight[Any]) -> float | None:
         """The handler returned: record its processing time (the lease stays until settled)."""
         if item.started_at is None:
