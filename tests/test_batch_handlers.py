@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import re
 import threading
 from typing import Any
@@ -24,6 +25,7 @@ from reliable_sub import (
     Reject,
     RetryPolicy,
     Subscriber,
+    SystemClock,
 )
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.dead_letters import DeadLetter
@@ -300,3 +302,55 @@ async def test_a_batch_holds_one_message_of_an_ordering_key_at_a_time() -> None:
         broker.publish_sync("orders", data, ordering_key=key)
     await serve_until(sub, settled(sub, 4), "four acks", 60, clock)
     assert calls == [[b"k-1", b"free"], [b"k-2"], [b"k-3"]]
+
+
+async def test_a_stop_waits_for_a_sync_batch_and_acks_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    _, broker, _ = setup()
+    sub = Subscriber(broker)  # the real clock: the stop waits for a real thread
+    running, release = threading.Event(), threading.Event()
+
+    @sub.handler("billing", batch=True)
+    def handle(messages: list[Message]) -> None:
+        running.set()
+        release.wait(30)
+
+    publish(broker, 3)
+    task = asyncio.ensure_future(sub.serve())
+    await asyncio.to_thread(running.wait, 30)
+    stopping = asyncio.ensure_future(sub.shutdown(timeout=0.1))
+    # past the stop's timeout: a thread cannot be interrupted, so the stop waits for it
+    await drive_until(SystemClock(), lambda: "still running at the stop deadline" in caplog.text,
+                      10, what="the stop's warning")
+    release.set()
+    await stopping
+    await task
+    assert sub.stats[Outcome.ACKED] == 3 and sub.stats[Outcome.STOPPED] == 0
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("__str__ failed")
+
+
+async def test_hostile_batch_handlers_are_run_and_their_failures_dead_lettered() -> None:
+    clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 1))
+    broker.ensure_subscription_sync("orders-dlq", "dlq")
+    calls: list[int] = []
+
+    async def body(messages: list[Message]) -> BatchResult:
+        calls.append(len(messages))
+        return BatchResult(failed={messages[0].id: _Unprintable()})
+
+    @sub.handler("billing", batch=True)
+    @functools.wraps(body)
+    def handle(messages: list[Message]) -> Any:  # a sync wrapper returning a coroutine
+        return body(messages)
+
+    publish(broker, 2)
+    await serve_until(sub, settled(sub, 2), "an ack and a dead letter", 60, clock)
+    assert calls == [2]  # the coroutine was run, once
+    assert (sub.stats[Outcome.ACKED], sub.stats[Outcome.DEAD_LETTERED]) == (1, 1)
+    (letter,) = [DeadLetter.of(d) for d in await broker.receive("dlq", 10, 0)]
+    assert letter.error_message.startswith("<unprintable _Unprintable")
