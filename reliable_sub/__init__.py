@@ -39,7 +39,7 @@ from .errors import (
 from .message import Delivery, Message
 from .outcome import Outcome, SubscriberStats
 from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, TelemetryPolicy
-from .runtime.dispatcher import current_claim
+from .runtime.current import current_claim
 from .runtime.lease import LeaseManager
 from .subscriber import Subscriber
 

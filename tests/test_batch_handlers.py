@@ -26,6 +26,7 @@ from reliable_sub import (
     RetryPolicy,
     Subscriber,
     SystemClock,
+    current_claim,
 )
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.dead_letters import DeadLetter
@@ -354,3 +355,21 @@ async def test_hostile_batch_handlers_are_run_and_their_failures_dead_lettered()
     assert (sub.stats[Outcome.ACKED], sub.stats[Outcome.DEAD_LETTERED]) == (1, 1)
     (letter,) = [DeadLetter.of(d) for d in await broker.receive("dlq", 10, 0)]
     assert letter.error_message.startswith("<unprintable _Unprintable")
+
+
+async def test_current_claim_of_a_message_in_a_batch() -> None:
+    clock, broker, _ = setup()
+    sub = Subscriber(broker, clock=clock, dedup=MemoryDedupStore(clock=clock))
+    seen: dict[str, tuple[str | None, str | None]] = {}
+
+    @sub.handler("billing", batch=True)
+    def handle(messages: list[Message]) -> None:  # in a thread: the context goes with it
+        for message in messages:
+            claim = current_claim(message)
+            seen[message.data.decode()] = (claim.key.key if claim else None,
+                                           None if current_claim() is None else "a claim")
+
+    broker.publish_sync("orders", b"a", attributes={"idempotency-key": "k-a"})
+    broker.publish_sync("orders", b"b", attributes={"idempotency-key": "k-b"})
+    await serve_until(sub, settled(sub, 2), "two acks", 60, clock)
+    assert seen == {"a": ("k-a", None), "b": ("k-b", None)}

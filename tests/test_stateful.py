@@ -8,9 +8,10 @@ completions for a while, take a lease away from under a running handler, crash a
 stops making any call and its running handlers have no further effect), and stop and start
 consumers. Handlers succeed, fail, raise CancelledError before their first await, raise an
 exception that cannot be printed, return an awaitable that does their work, return a value
-JSON encoding fails on, run long, or hang, by a plan drawn per message; every other consumer
-registers its handler through a plain sync decorator (``functools.wraps``), as tracing
-libraries write them.
+JSON encoding fails on, run long, or hang, by a plan drawn per message; of the consumers, every
+third one runs a batch handler (each message's plan at once, failures returned in a
+BatchResult; half of them gathering for 0.5 s), and of the others every other one registers its
+handler through a plain sync decorator (``functools.wraps``), as tracing libraries write them.
 
 Effects are counted outside the consumers. A success is *committed* when its completion is the
 one the store recorded (as a handler writing its effect in the store's transaction would), and
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import inspect
 import itertools
 import os
 from collections import Counter
@@ -51,6 +53,7 @@ from hypothesis.stateful import (
 )
 
 from reliable_sub import (
+    BatchResult,
     Claimed,
     DeadLetterPolicy,
     LeasePolicy,
@@ -59,6 +62,7 @@ from reliable_sub import (
     Message,
     RetryPolicy,
     Subscriber,
+    current_claim,
 )
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.dedup import Completion
@@ -225,6 +229,7 @@ class World(RuleBasedStateMachine):
         self.committed: list[str] = []  # idempotency keys, in commit order
         self.crashes = 0
         self.crash_affected: set[str] = set()  # keys in flight in a process when it crashed
+        self.batch_failed: set[str] = set()  # keys in a batch whose call failed as a whole
         # keys in flight while the store was out of reach longer than a claim lasts
         self.outage_affected: set[str] = set()
         self.long_store_trouble_until = -1.0
@@ -273,25 +278,43 @@ class World(RuleBasedStateMachine):
             if step == "hang":
                 await self.clock.sleep(3 * MAX_LEASE)
             if step == "awaitable":  # the work is done only if what is returned is awaited
-                return effect(key)
-            return await effect(key, LazyRow() if step == "unencodable" else key)
+                return effect(message, key)
+            return await effect(message, key, LazyRow() if step == "unencodable" else key)
 
-        async def effect(key: str, result: Any = None) -> Any:
+        async def effect(message: Message, key: str, result: Any = None) -> Any:
             if process.dead:
                 raise Outage("the process died during the handler")
             if self.clock.now() < self.long_store_trouble_until:
                 self.outage_affected.add(key)
             self.returned[key] += 1
-            from reliable_sub import current_claim
-
-            claim = current_claim()
+            claim = current_claim(message)
             if claim is not None:
                 self.pending_effects[claim.token] = key
             else:
                 self.committed.append(key)
             return key if result is None else result
 
-        if process.number % 2:
+        async def handle_one_of_a_batch(message: Message) -> Any:
+            result = await handle(message)
+            return await result if inspect.isawaitable(result) else result
+
+        async def handle_batch(messages: list[Message]) -> BatchResult:
+            # each message's plan at once (a hang or a crash holds the whole batch up)
+            try:
+                results = await asyncio.gather(*map(handle_one_of_a_batch, messages),
+                                               return_exceptions=True)
+            except BaseException:  # cancelled (timeout, stop): the batch's effects that ran
+                # are not recorded, so those messages run again (as documented)
+                self.batch_failed.update(message.attributes["key"] for message in messages)
+                raise
+            return BatchResult(failed={message.id: result for message, result
+                                       in zip(messages, results, strict=True)
+                                       if isinstance(result, BaseException)})
+
+        if process.number % 3 == 0:
+            subscriber.handler(SUB, batch=True, max_wait=0.5 if process.number % 2 else 0)(
+                handle_batch)
+        elif process.number % 2:
             subscriber.handler(SUB)(handle)
         else:  # a sync decorator around it, as tracing and logging libraries write them
             @functools.wraps(handle)
@@ -473,7 +496,7 @@ class World(RuleBasedStateMachine):
                     assert committed[key] <= 1, (key, committed[key])
                 else:
                     assert committed[key] == 1, f"{key}: committed {committed[key]} times"
-                if key not in self.crash_affected | self.outage_affected:
+                if key not in self.crash_affected | self.outage_affected | self.batch_failed:
                     assert self.returned[key] <= 1, f"{key} returned {self.returned[key]} times"
         else:
             for key in keys - dead_lettered:

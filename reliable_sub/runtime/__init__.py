@@ -6,7 +6,9 @@ One job per module; each takes the parts and callbacks it needs, never the run t
   lets a delivery go once its settle is confirmed.
 * :mod:`~reliable_sub.runtime.receiver` -- receiving and admission: receive, lease, claim a batch.
 * :mod:`~reliable_sub.runtime.dispatcher` -- ordering keys, a task per delivery, worker threads,
-  the middleware chain or the direct handler call; :func:`current_claim`.
+  the middleware chain or the direct handler call; :mod:`~reliable_sub.runtime.batches` -- a
+  batch handler's batches, a task and a call each; :mod:`~reliable_sub.runtime.current` --
+  :func:`current_claim`.
 * :mod:`~reliable_sub.runtime.decisions` -- what an outcome does to the lease, claim and settle.
 * :mod:`~reliable_sub.runtime.settler` -- batched, confirmed acks and nacks, store writes first.
 * :mod:`~reliable_sub.runtime.lease` -- the lease manager (p99 extensions);

@@ -36,6 +36,7 @@ from ..dedup import Claimed
 from ..middleware import Decision, Verdict
 from ..middleware.retry import InProcessRetry
 from ..outcome import Outcome
+from .current import CURRENT_BATCH, BatchClaims
 from .flow import FlowGate
 from .inflight import CancelReason, Stage, cancel_requested
 from .lanes import Config, Item, Lane, RunState, SettleCall, new_task
@@ -245,22 +246,26 @@ class Batches:
     async def _call(self, items: list[Item], arguments: tuple[Any, ...]) -> Any:
         route = self._lane.route
         handler = self._lane.handler
-        if route.is_async:
-            result = handler(*arguments)
-            if type(result) is CoroutineType:
-                result = await result
-        else:
-            future = self._workers.run(handler, *arguments)
-            for item in items:
-                item.thread_running = True
-            ok, result = await future  # if this task is cancelled, the thread still runs
-            for item in items:
-                item.thread_running = False
-            if not ok:
-                raise result
-        if result is not None:
-            result = await settled_result(result, route.name)
-        return result
+        claims = CURRENT_BATCH.set(BatchClaims(items))
+        try:
+            if route.is_async:
+                result = handler(*arguments)
+                if type(result) is CoroutineType:
+                    result = await result
+            else:
+                future = self._workers.run(handler, *arguments)
+                for item in items:
+                    item.thread_running = True
+                ok, result = await future  # if this task is cancelled, the thread still runs
+                for item in items:
+                    item.thread_running = False
+                if not ok:
+                    raise result
+            if result is not None:
+                result = await settled_result(result, route.name)
+            return result
+        finally:
+            CURRENT_BATCH.reset(claims)
 
     async def _failed(self, item: Item, error: BaseException) -> None:
         """``item`` failed with ``error``: retried or dead-lettered by the lane's policies."""

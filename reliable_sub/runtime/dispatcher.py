@@ -13,9 +13,9 @@
     the decision ─► :class:`~reliable_sub.runtime.decisions.Decisions` (succeeded, apply, ...)
 
 The handler's task runs with the delivery's span as the current one, and with
-:func:`current_claim` set. A cancellation is the Subscriber's (a stop, max_lease_duration) only
-when it says so (``cancel_reason``) or the task was asked to cancel; a CancelledError a handler
-raises by itself is its failure.
+:func:`~reliable_sub.runtime.current.current_claim` set. A cancellation is the Subscriber's (a
+stop, max_lease_duration) only when it says so (``cancel_reason``) or the task was asked to
+cancel; a CancelledError a handler raises by itself is its failure.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from ..middleware.retry import InProcessRetry
 from ..outcome import Outcome, SubscriberStats
 from ..telemetry.consumer import DeliveryTelemetry
 from .claims import CLAIM_CALL, MIN_STORE_CALL_BOUND, Claims
+from .current import CURRENT_CLAIM
 from .decisions import DEFER_MIN_DELAY
 from .flow import FlowGate
 from .health import Health
@@ -53,21 +54,10 @@ logger = logging.getLogger("reliable_sub.subscriber")
 # Outcomes after which the next message of the same ordering key may run.
 _DONE = frozenset({Outcome.ACKED, Outcome.DUPLICATE, Outcome.DEAD_LETTERED})
 
-_current_claim: contextvars.ContextVar[Claimed | None] = contextvars.ContextVar(
-    "reliable_sub_current_claim", default=None
-)
 # The delivery whose handler the current task runs (for the end of the middleware chain).
 _current_item: contextvars.ContextVar[Item] = contextvars.ContextVar("reliable_sub_item")
 # (a module global, so a test can put the old eager start back: tests/test_stateful.py)
 _new_task = new_task
-
-
-def current_claim() -> Claimed | None:
-    """The dedup claim the running handler holds (its key and fencing token), or None.
-
-    Pass ``claim.token`` to a system that can reject writes from a stale claim holder.
-    """
-    return _current_claim.get()
 
 
 class Dispatcher:
@@ -266,7 +256,7 @@ class Dispatcher:
         message = item.delivery.message
         item.stage = Stage.RUNNING
         lane.lease.started(item)
-        claim_token = _current_claim.set(item.claim)
+        claim_token = CURRENT_CLAIM.set(item.claim)
         try:
             if lane.call is None:  # the direct fast path: no per-message objects on success
                 try:
@@ -307,7 +297,7 @@ class Dispatcher:
             item.duration = lane.lease.finished(item)
             self._apply(item, decision)
         finally:
-            _current_claim.reset(claim_token)
+            CURRENT_CLAIM.reset(claim_token)
 
     async def _call_handler(self) -> Decision:
         """The end of a middleware chain: the handler's return value or what it raised."""

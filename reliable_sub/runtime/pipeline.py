@@ -39,8 +39,9 @@ from ..policy import FlowControl
 from ..telemetry.consumer import DeliveryTelemetry
 from .batches import Batches
 from .claims import Claims
+from .current import current_claim
 from .decisions import Decisions
-from .dispatcher import Dispatcher, current_claim
+from .dispatcher import Dispatcher
 from .flow import FlowGate
 from .health import Health
 from .inflight import Stage
