@@ -982,6 +982,8 @@ def report(
         "* **(d)**: the same with `dedup=RedisDedupStore(adapter.client, prefix=...)` (the store "
         "shares the adapter's client): one claim script per received batch before the handlers; "
         f"completions {completion_path(counts[SUB_DEDUP])}.",
+        "* **(e)**: as (c), with a batch handler (`@sub.handler(group, batch=True)`, default "
+        "`max_batch=100`, `max_wait=0`): one call for what one read brought.",
         "* Each run: a fresh `COPY` of one pre-published template stream and a fresh group at "
         "`0`, unique key names, all deleted afterwards. The clock starts when the consumer "
         "starts (its clients already connected) and stops when the handler has seen every entry "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any, TypeVar
 
@@ -67,3 +68,17 @@ def running(server: Server) -> Iterator[Server]:
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture(autouse=True)
+def _postgres_application_name(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Name every PostgreSQL connection a test opens (and its subprocesses) after the test, in
+    ``pg_stat_activity.application_name``: who holds connections when the server runs out."""
+    previous = os.environ.get("PGAPPNAME")
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    os.environ["PGAPPNAME"] = f"{worker} {request.node.name}"[:63]
+    yield
+    if previous is None:
+        os.environ.pop("PGAPPNAME", None)
+    else:
+        os.environ["PGAPPNAME"] = previous
