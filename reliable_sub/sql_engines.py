@@ -12,6 +12,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigurationError, MissingExtraError
@@ -38,12 +39,15 @@ class SqlEngines:
         url_or_engine: a database URL or an ``AsyncEngine`` you own.
         owner: who uses it, for error messages (``"SqlDedupStore"``, ``"Outbox"``).
         sync_engine: the sync engine to use (default: one on the same database, on first use).
+        engine_options: keyword arguments for every engine made here (SQLAlchemy's
+            ``create_engine``: ``pool_size``, ``max_overflow``, ``pool_recycle``, ...).
     """
 
     def __init__(
         self, url_or_engine: str | URL | AsyncEngine, *, owner: str,
-        sync_engine: Engine | None = None,
+        sync_engine: Engine | None = None, engine_options: Mapping[str, Any] | None = None,
     ) -> None:
+        self._options = _checked_options(owner, engine_options, url_or_engine)
         self._given: AsyncEngine | None = None
         self._throwaway = False
         if isinstance(url_or_engine, AsyncEngine):
@@ -103,8 +107,9 @@ class SqlEngines:
 
     def _pool_options(self) -> dict[str, Any]:
         if self.dialect != "sqlite":
-            return {"pool_pre_ping": True}  # a restarted database costs no failed call
-        return {}  # SQLAlchemy's default pool: connections to the file are reused
+            # a restarted database costs no failed call
+            return {"pool_pre_ping": True, **self._options}
+        return dict(self._options)  # SQLAlchemy's default pool: connections to the file reused
 
     def _sqlite_pragmas(self, connection: Any, _record: Any) -> None:
         cursor = connection.cursor()
@@ -182,3 +187,17 @@ def _database_url(url: URL) -> URL:
     return url
 
 
+def _checked_options(
+    owner: str, options: object, url_or_engine: object
+) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ConfigurationError(
+            f"{owner}.engine_options must be a dict of create_engine keyword arguments, got "
+            f"{type(options).__name__}")
+    if isinstance(url_or_engine, AsyncEngine):
+        raise ConfigurationError(
+            f"{owner}: engine_options apply to the engines it makes from a URL; configure the "
+            "AsyncEngine you pass instead")
+    return dict(options)

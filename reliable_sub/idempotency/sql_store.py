@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
 
@@ -90,6 +90,10 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         clock: the time source (``wall()`` is what rows record).
         sync_engine: the engine sync transactional handlers use (default: one on the same
             database, made on first use).
+        engine_options: ``create_engine`` keyword arguments for each engine made from the URL.
+            A Subscriber's loop has two pools (claims and completions; handlers' own
+            transactions), each SQLAlchemy's default of up to 15 connections: bound them for
+            many replicas on one server, e.g. ``{"pool_size": 5, "max_overflow": 5}``.
     """
 
     # A call cancelled while a statement is in flight must not be left to SQLAlchemy, which
@@ -106,6 +110,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         owner: str | None = None,
         clock: Clock | None = None,
         sync_engine: Engine | None = None,
+        engine_options: Mapping[str, Any] | None = None,
     ) -> None:
         self._tokens = TokenSource(check_owner(owner, "SqlDedupStore"))
         self.owner = self._tokens.owner
@@ -115,7 +120,8 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         self._claim_sql: tuple[Any, Any] | None = None
         self._complete_sql: Any = None
         self._update_sql: Any = None
-        self._engines = SqlEngines(url_or_engine, owner="SqlDedupStore", sync_engine=sync_engine)
+        self._engines = SqlEngines(url_or_engine, owner="SqlDedupStore", sync_engine=sync_engine,
+                                   engine_options=engine_options)
         self.dialect = self._engines.dialect
 
     def __repr__(self) -> str:

@@ -54,6 +54,8 @@ class Outbox(OnSqlEngines):
         clock: the time source of ``created_at`` (``wall()``).
         sync_engine: the sync engine for :meth:`create_schema_sync` (default: one on the same
             database).
+        engine_options: ``create_engine`` keyword arguments for each engine made from the URL
+            (``pool_size``, ``max_overflow``, ...).
     """
 
     def __init__(
@@ -64,8 +66,10 @@ class Outbox(OnSqlEngines):
         notify: bool = True,
         clock: Clock | None = None,
         sync_engine: Engine | None = None,
+        engine_options: Mapping[str, Any] | None = None,
     ) -> None:
-        self._engines = SqlEngines(url_or_engine, owner="Outbox", sync_engine=sync_engine)
+        self._engines = SqlEngines(url_or_engine, owner="Outbox", sync_engine=sync_engine,
+                                   engine_options=engine_options)
         self.dialect = self._engines.dialect
         self.metadata = sa.MetaData()
         self.table = outbox_table(self.metadata, table)

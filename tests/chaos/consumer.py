@@ -79,6 +79,10 @@ def make_adapter() -> Adapter:
     return base(*args, **options)  # type: ignore[no-any-return]
 
 
+# Each pool of a consumer process: at most this many PostgreSQL connections (5).
+POOL_BUDGET = {"pool_size": 2, "max_overflow": 3}
+
+
 def make_store() -> Any:
     if cfg["dedup"] == "redis":
         from reliable_sub.dedup import RedisDedupStore
@@ -88,8 +92,10 @@ def make_store() -> Any:
     if cfg["dedup"] == "sql":
         from reliable_sub.dedup import SqlDedupStore
 
+        # a connection budget: three of these processes (two pools each) and the rest of a
+        # suite beside them, twice when two suites run side by side, under PostgreSQL's 100
         return SqlDedupStore(cfg["postgres"], table=cfg["processed_table"],
-                             owner=cfg["consumer"])
+                             owner=cfg["consumer"], engine_options=POOL_BUDGET)
     return None
 
 
