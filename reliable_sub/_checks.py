@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ._text import safe_repr
 from .errors import ConfigurationError
-from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, TelemetryPolicy
+from .policy import (
+    DeadLetterPolicy,
+    FlowControl,
+    LeasePolicy,
+    RetryPolicy,
+    TelemetryPolicy,
+    check_count,
+)
 
 if TYPE_CHECKING:
     from .runtime.lanes import Config
@@ -174,13 +181,18 @@ def handler_lease(where: str, timeout: object, lease: LeasePolicy) -> LeasePolic
 
 def handler_policies(
     where: str, config: Config, *, retry: object, dead_letter: object, non_retryable: object,
-    timeout: object, max_concurrency: object,
+    timeout: object, max_concurrency: object, in_process_retry: object = None,
 ) -> tuple[RetryPolicy, DeadLetterPolicy | None, LeasePolicy]:
     """A handler's retry, dead-letter and lease policies: its own where it gave them, else
-    the Subscriber's (``config``), its ``non_retryable`` types added to the retry policy's and
-    its ``timeout`` as the lease's max_lease_duration; all checked, the dedup window too."""
+    the Subscriber's (``config``), its ``non_retryable`` types added to the retry policy's, its
+    ``in_process_retry`` as the retry policy's in_process_attempts and its ``timeout`` as the
+    lease's max_lease_duration; all checked, the dedup window too."""
     own_retry, own_dead_letter = _retry_and_dead_letter(
         where, retry, dead_letter, non_retryable, (config.retry, config.dead_letter))
+    if in_process_retry is not None:
+        check_count(where, "in_process_retry", in_process_retry)
+        own_retry = dataclasses.replace(own_retry,
+                                        in_process_attempts=cast(int, in_process_retry))
     own_lease = handler_lease(where, timeout, config.lease)
     check_max_concurrency(where, max_concurrency)
     if config.dedup is not None and (retry, dead_letter, timeout) != (None, None, None):

@@ -201,6 +201,7 @@ class Subscriber(Service):
         retry: RetryPolicy | None = None,
         dead_letter: DeadLetterPolicy | None = None,
         non_retryable: tuple[type[BaseException], ...] = (),
+        in_process_retry: int | None = None,
         timeout: float | None = None,
         max_concurrency: int | None = None,
         batch: bool = False,
@@ -223,7 +224,8 @@ class Subscriber(Service):
         subscription). ``middleware`` wraps this handler only, inside the Subscriber-wide ones.
         ``retry`` and ``dead_letter`` replace the Subscriber's policies for this handler (an
         omitted one is the Subscriber's); ``non_retryable`` adds exception types to the retry
-        policy's (see :class:`~reliable_sub.RetryPolicy`); ``timeout`` is this handler's
+        policy's (see :class:`~reliable_sub.RetryPolicy`) and ``in_process_retry`` sets its
+        ``in_process_attempts`` (calls before a failure counts); ``timeout`` is this handler's
         ``LeasePolicy.max_lease_duration``; ``max_concurrency`` bounds its messages in flight
         (received and not yet acked or nacked), within the Subscriber's ``FlowControl``.
 
@@ -262,7 +264,8 @@ class Subscriber(Service):
             self._check_transactional(subscription)
         own_retry, own_dead_letter, own_lease = handler_policies(
             f"handler {subscription!r}", self._config, retry=retry, dead_letter=dead_letter,
-            non_retryable=non_retryable, timeout=timeout, max_concurrency=max_concurrency)
+            non_retryable=non_retryable, timeout=timeout, max_concurrency=max_concurrency,
+            in_process_retry=in_process_retry)
 
         def register(function: HandlerT) -> HandlerT:
             if not callable(function):

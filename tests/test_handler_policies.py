@@ -73,6 +73,8 @@ async def test_a_handler_s_dead_letter_topic_must_exist_at_start() -> None:
         ({"dead_letter": "dlq"}, r"dead_letter must be a DeadLetterPolicy.*DeadLetterPolicy\("),
         ({"non_retryable": [KeyError]}, r"non_retryable must be a tuple of exception types"),
         ({"non_retryable": (KeyError, "ValueError")}, r"non_retryable must be a tuple"),
+        ({"in_process_retry": 0}, r"in_process_retry must be an int in \[1, inf\), got 0"),
+        ({"in_process_retry": "3"}, r"in_process_retry must be an int"),
     ],
 )
 def test_wrong_handler_policies_are_refused_at_registration(options: dict, error: str) -> None:
@@ -174,3 +176,27 @@ def test_a_wrong_max_concurrency_is_refused_at_registration(value: object) -> No
     _, _, sub = setup()
     with pytest.raises(ConfigurationError, match="max_concurrency must be an int >= 1 or None"):
         sub.handler("billing", max_concurrency=value)  # type: ignore[arg-type]
+
+
+async def test_in_process_retry_is_the_handler_s_own() -> None:
+    clock, broker, sub = setup()
+    broker.ensure_subscription_sync("shipments", "shipping")
+    calls = {"billing": 0, "shipping": 0}
+
+    @sub.handler("billing", in_process_retry=3)
+    async def bill(message: Message) -> None:
+        calls["billing"] += 1
+        if calls["billing"] < 3:
+            raise ConnectionError("blip")
+
+    @sub.handler("shipping")  # the Subscriber's: one call per delivery
+    async def ship(message: Message) -> None:
+        calls["shipping"] += 1
+        if calls["shipping"] < 3:
+            raise ConnectionError("blip")
+
+    broker.publish_sync("orders", b"x")
+    broker.publish_sync("shipments", b"x")
+    await serve_until(sub, lambda: sub.stats[Outcome.ACKED] == 2, "two acks", 600, clock)
+    assert calls == {"billing": 3, "shipping": 3}
+    assert sub.stats[Outcome.RETRY] == 2  # shipping's two failed deliveries; billing's none
