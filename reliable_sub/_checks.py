@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from ._text import safe_repr
 from .errors import ConfigurationError
+from .middleware import Middleware
 from .policy import (
     DeadLetterPolicy,
     FlowControl,
@@ -243,6 +244,27 @@ def check_dedup_window(
         )
 
 
+def check_route_names(subscription: object, namespace: object) -> None:
+    """Refuse a handler's subscription or namespace that is not a non-empty str."""
+    if not isinstance(subscription, str) or not subscription:
+        raise ConfigurationError(
+            f"handler: subscription must be a non-empty str, got {subscription!r}")
+    if namespace is not None and (not isinstance(namespace, str) or not namespace):
+        raise ConfigurationError(
+            f"handler: namespace must be a non-empty str or None, got {namespace!r}")
+
+
+def checked_middleware(middleware: object, what: str) -> tuple[Middleware, ...]:
+    """``middleware`` as a tuple, each one callable."""
+    if not isinstance(middleware, list | tuple):
+        raise ConfigurationError(f"{what} must be a list of middleware, got {middleware!r}")
+    for item in middleware:
+        if not callable(item):
+            raise ConfigurationError(
+                f"{what}: {item!r} is not a middleware (async (context, call_next) -> Decision)")
+    return tuple(middleware)
+
+
 __all__ = [
     "check_adapter",
     "check_callable",
@@ -252,8 +274,10 @@ __all__ = [
     "check_instance",
     "check_max_concurrency",
     "check_methods",
+    "check_route_names",
     "check_subscriber_arguments",
     "check_with",
+    "checked_middleware",
     "handler_lease",
     "handler_policies",
 ]

@@ -134,13 +134,20 @@ def _item_type(annotation: Any, where: str) -> Any:
     return None
 
 
-def check_batch_options(where: str, batch: bool, max_batch: object, max_wait: object) -> None:
-    """Refuse ``max_batch`` / ``max_wait`` given without ``batch=True``."""
+def check_batch_options(where: str, batch: bool, max_batch: object, max_wait: object, *,
+                        per_message: bool) -> None:
+    """Refuse ``max_batch`` / ``max_wait`` given without ``batch=True``, and a batch handler
+    with what works per message only (``per_message``: middleware, transactional=True)."""
     if not isinstance(batch, bool):
         raise ConfigurationError(f"{where}: batch must be True or False, got {batch!r}")
     if not batch and (max_batch is not None or max_wait is not None):
         raise ConfigurationError(
             f"{where}: max_batch and max_wait apply to batch handlers; pass batch=True too")
+    if batch and per_message:
+        raise ConfigurationError(
+            f"{where}: a batch handler takes no middleware and cannot be transactional (both "
+            "work per message); wrap the handler function itself, or register it without "
+            "batch=True")
 
 
 __all__ = ["DEFAULT_MAX_BATCH", "BatchResult", "BatchSpec", "batch_spec", "check_batch_options"]

@@ -25,7 +25,13 @@ from opentelemetry.trace import TracerProvider
 
 from ._bodies import typed_handler
 from ._callables import check_not_generator, check_takes, is_async_callable
-from ._checks import check_dedup_window, check_subscriber_arguments, handler_policies
+from ._checks import (
+    check_dedup_window,
+    check_route_names,
+    check_subscriber_arguments,
+    checked_middleware,
+    handler_policies,
+)
 from .batches import batch_spec, check_batch_options
 from .clock import Clock, SystemClock
 from .dedup import DedupStore
@@ -177,7 +183,7 @@ class Subscriber(Service):
             dedup_purge_interval=dedup_purge_interval,
             on_outcome=on_outcome,
             on_event=on_event,
-            middleware=_checked_middleware(middleware, "Subscriber.middleware"),
+            middleware=checked_middleware(middleware, "Subscriber.middleware"),
             telemetry=SubscriberTelemetry(tracer_provider, meter_provider, telemetry),
             unhealthy_after=float(unhealthy_after),
         )
@@ -244,22 +250,11 @@ class Subscriber(Service):
         brought). Claims, leases, acks and dead letters stay per message; return a
         :class:`~reliable_sub.BatchResult` to fail some of them, raise to fail all.
         """
-        route_middleware = _checked_middleware(middleware, "handler middleware")
-        if not isinstance(subscription, str) or not subscription:
-            raise ConfigurationError(
-                f"handler: subscription must be a non-empty str, got {subscription!r}"
-            )
-        if namespace is not None and (not isinstance(namespace, str) or not namespace):
-            raise ConfigurationError(
-                f"handler: namespace must be a non-empty str or None, got {namespace!r}"
-            )
-
-        check_batch_options(f"handler {subscription!r}", batch, max_batch, max_wait)
-        if batch and (transactional or route_middleware or self._config.middleware):
-            raise ConfigurationError(
-                f"handler {subscription!r}: a batch handler takes no middleware and cannot be "
-                "transactional (both work per message); wrap the handler function itself, or "
-                "register it without batch=True")
+        route_middleware = checked_middleware(middleware, "handler middleware")
+        check_route_names(subscription, namespace)
+        check_batch_options(f"handler {subscription!r}", batch, max_batch, max_wait,
+                            per_message=transactional or bool(
+                                route_middleware or self._config.middleware))
         if transactional:
             self._check_transactional(subscription)
         own_retry, own_dead_letter, own_lease = handler_policies(
@@ -404,17 +399,6 @@ def _name_of(function: Callable[..., Any]) -> str:
     module = getattr(function, "__module__", None) or ""
     name = getattr(function, "__qualname__", None) or type(function).__qualname__
     return f"{module}.{name}" if module else name
-
-
-def _checked_middleware(middleware: object, what: str) -> tuple[Middleware, ...]:
-    if not isinstance(middleware, list | tuple):
-        raise ConfigurationError(f"{what} must be a list of middleware, got {middleware!r}")
-    for item in middleware:
-        if not callable(item):
-            raise ConfigurationError(
-                f"{what}: {item!r} is not a middleware (async (context, call_next) -> Decision)"
-            )
-    return tuple(middleware)
 
 
 __all__ = ["Subscriber"]
