@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests.chaos import lane_of
 from tests.nats_processes import NatsServer
 from tests.redis_processes import RedisClusterProcesses
 
@@ -21,7 +22,8 @@ _SLOW_IS_FINE = [HealthCheck.too_slow, HealthCheck.data_too_large]
 # CI: a bounded search that runs in seconds.
 settings.register_profile("ci", max_examples=20, stateful_step_count=25, deadline=None,
                           suppress_health_check=_SLOW_IS_FINE)
-# A long search, for a nightly job or before a release.
+# A long search, for a nightly job or before a release. Run it and "hunt" with --timeout=0: a
+# state machine's whole search is one test, and takes longer than the suite's 120 s per test.
 settings.register_profile("nightly", max_examples=1000, stateful_step_count=60, deadline=None,
                           suppress_health_check=_SLOW_IS_FINE)
 # Longer than CI, shorter than nightly: for checking a fix or a revert by hand.
@@ -31,16 +33,20 @@ settings.load_profile("ci")
 
 
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
-    """Under xdist, the chaos scenarios are one unit of work, run by one worker one after the
-    other (each loads the machine with consumer processes), while the other workers run the
-    rest. (xdist's own ``xdist_group`` marks do not reach the node ids under pytest 9.)"""
+    """Under xdist, each lane of chaos scenarios (tests/chaos/__init__.py) is one unit of work,
+    run by one worker one after the other (each loads the machine with consumer processes),
+    while the other workers run the rest. The suites run on the shared Redis Cluster are
+    another unit, so that one worker starts a cluster, not each. (xdist's own ``xdist_group``
+    marks do not reach the node ids under pytest 9.)"""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ChaosOnOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "chaos" if nodeid.startswith("tests/chaos/") else nodeid
+            if nodeid.startswith("tests/chaos/"):
+                return lane_of(nodeid)
+            return "cluster" if "OnACluster::" in nodeid else nodeid
 
     return ChaosOnOneWorker(config, log)
 

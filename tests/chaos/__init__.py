@@ -1,0 +1,17 @@
+"""The fault-injection scenarios (see conftest.py). They run in two lanes, one scenario at a
+time in each: the Pub/Sub emulator's (its scenarios mostly wait out 10 s ack deadlines) and
+everyone else's. Every scenario on PostgreSQL stays in the second lane: its consumer processes
+hold pools of connections (bounded by consumer.POOL_BUDGET; unbounded, one scenario held 59),
+and two such scenarios beside the other workers' tests went past the server's 100 connections
+("too many clients already")."""
+
+from __future__ import annotations
+
+PUBSUB_LANE, OTHER_LANE = "chaos-pubsub", "chaos"
+
+
+def lane_of(nodeid: str) -> str:
+    """The lane of the chaos scenario ``nodeid``."""
+    _, _, name = nodeid.partition("::")
+    on_the_emulator = "pubsub" in name or "emulator" in name
+    return PUBSUB_LANE if on_the_emulator and "sql" not in name else OTHER_LANE

@@ -1,11 +1,13 @@
 """The fault-injection scenarios: marked ``chaos``; with ``RELIABILITY_REPORT=1`` a session
 that ran them rewrites the table in ``docs/reliability.md``.
 
-Scenarios run one at a time: under xdist they are one unit of work, sent to one worker (see
+Scenarios run one at a time in each of two lanes (``lane_of``: the Pub/Sub emulator's, and the
+others): under xdist each lane is one unit of work, sent to one worker (see
 ``pytest_xdist_make_scheduler`` in ``tests/conftest.py``), so the other workers run the other
-tests instead of waiting; and each holds a lock file while it runs, so two sessions never run
-them at once.
-Each loads the machine with its own consumer processes.
+tests instead of waiting; and each scenario holds its lane's lock file while it runs, so two
+sessions never run two scenarios of a lane at once. Each loads the machine with its own
+consumer processes; the Pub/Sub ones mostly wait out the emulator's 10 s ack deadlines, so the
+two lanes run side by side.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos import report
+from tests.chaos import lane_of, report
 from tests.redis_processes import RedisServer
 
 HERE = Path(__file__).resolve().parent
-LOCK = Path(tempfile.gettempdir()) / "reliable-sub-chaos.lock"
+LOCKS = Path(tempfile.gettempdir())
 
 
 # A scenario runs 6-60 s alone; beside other tests on a busy machine longer, and under xdist it
@@ -50,8 +52,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 @pytest.fixture(autouse=True)
-def one_scenario_at_a_time() -> Iterator[None]:
-    with LOCK.open("w") as lock:
+def one_scenario_at_a_time(request: pytest.FixtureRequest) -> Iterator[None]:
+    with (LOCKS / f"reliable-sub-{lane_of(request.node.nodeid)}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
 
