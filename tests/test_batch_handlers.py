@@ -373,3 +373,35 @@ async def test_current_claim_of_a_message_in_a_batch() -> None:
     broker.publish_sync("orders", b"b", attributes={"idempotency-key": "k-b"})
     await serve_until(sub, settled(sub, 2), "two acks", 60, clock)
     assert seen == {"a": ("k-a", None), "b": ("k-b", None)}
+
+
+async def test_a_stop_while_a_timed_out_batch_is_decided_cuts_no_decision_short() -> None:
+    """A batch past its timeout is decided message by message (here: dead letters, slow to
+    publish). A stop that cancels the batch's task meanwhile must not leave a message
+    undecided."""
+    clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 1))
+    broker.ensure_subscription_sync("orders-dlq", "dlq")
+    publish_now = broker.publish
+
+    async def slow_publish(topic: str, *args: Any, **kwargs: Any) -> str:
+        if topic == "orders-dlq":
+            await clock.sleep(1.5)
+        return await publish_now(topic, *args, **kwargs)
+
+    broker.publish = slow_publish  # type: ignore[method-assign]
+
+    @sub.handler("billing", batch=True, timeout=5)
+    async def handle(messages: list[Message]) -> None:
+        await asyncio.Event().wait()  # never returns
+
+    publish(broker, 2)
+    started = clock.now()
+    task = await serving(sub, clock)
+    # past the timeout (5 s), while the dead letters are published (1.5 s each)
+    await drive_until(clock, lambda: clock.now() >= started + 5.5, 60, what="the timeout")
+    assert sub.stats[Outcome.DEAD_LETTERED] == 0
+    stopping = asyncio.ensure_future(sub.shutdown(timeout=0))
+    await drive_until(clock, stopping.done, 60, what="the stop")
+    await task
+    assert (sub.stats[Outcome.DEAD_LETTERED], sub.stats[Outcome.ACK_REFUSED]) == (2, 0)
+    assert sorted(d.message.data for d in await broker.receive("dlq", 10, 0)) == [b"m0", b"m1"]

@@ -133,7 +133,9 @@ class Batches:
                 holds_thread = True
             if not self._state.accepting:
                 for item in items:
-                    self._settle(item, Outcome.STOPPED, ack=False, release=self._release(item))
+                    if item.stage is Stage.WAITING:
+                        self._settle(item, Outcome.STOPPED, ack=False,
+                                     release=self._release(item))
                 return
             await self._attempt([item for item in items if await self._still_ours(item)])
         except asyncio.CancelledError:
@@ -144,9 +146,11 @@ class Batches:
             for item in items:
                 if item.cancel_reason is None:
                     item.cancel_reason = reason
-            for item in items:
-                if item.stage in (Stage.WAITING, Stage.RUNNING):  # not decided yet
-                    await self._cancelled(item)
+            undecided = [item for item in items if item.stage in (Stage.WAITING, Stage.RUNNING)]
+            if undecided:
+                # beside this task: another delivery of the batch reaching max_lease_duration
+                # cancels it again, which must not cut these decisions short
+                self._state.track(self._give_back(undecided))
             if theirs:  # not ours (the loop is going away): given back, and on it goes
                 raise
         except Exception:  # a bug of ours must not lose the messages
@@ -162,6 +166,12 @@ class Batches:
                 self._flow.release_bytes(size)
             if holds_thread:
                 self._workers.release()
+
+    async def _give_back(self, items: list[Item]) -> None:
+        """Decide each of a cancelled batch's undecided ``items`` by its cancel reason."""
+        for item in items:
+            if item.stage in (Stage.WAITING, Stage.RUNNING):
+                await self._cancelled(item)
 
     async def _gather(self, batch: _Batch) -> None:
         """Wait until ``batch`` is full or its time to gather is up."""
