@@ -4,28 +4,16 @@ message the handler names in its BatchResult fails alone, and the rest are acked
 
 from __future__ import annotations
 
-import dataclasses
-
-from reliable_sub import BatchResult, DeadLetterPolicy, Message, Outcome, Reject
+from reliable_sub import BatchResult, Message, Outcome, Reject
 from reliable_sub.dead_letters import DeadLetter
-from reliable_sub.testing.harness import Harness, Recorder
-
-
-@dataclasses.dataclass(frozen=True)
-class _Order:
-    sku: str
-    quantity: int
+from reliable_sub.testing.adapter_suite.bodies import _Order, dead_letter_setup
+from reliable_sub.testing.harness import Harness
 
 
 async def test_a_typed_batch_fails_and_acks_each_message_on_its_own(harness: Harness) -> None:
-    adapter = await harness.adapter()
-    topic, sub = await harness.topic_and_subscription()
-    dlq_topic, dlq_sub = await harness.topic_and_subscription()
-    recorder = Recorder()
-    subscriber = harness.subscriber(
-        adapter, on_outcome=recorder,
-        dead_letter=DeadLetterPolicy(dlq_topic, max_delivery_attempts=5),
-    )
+    world = await dead_letter_setup(harness)
+    adapter, topic, sub, dlq_sub = world.adapter, world.topic, world.sub, world.dlq_sub
+    recorder, subscriber = world.recorder, world.subscriber
     seen: list[_Order] = []
 
     @subscriber.handler(sub, batch=True, max_batch=10, max_wait=harness.tick)

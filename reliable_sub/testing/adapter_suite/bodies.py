@@ -5,8 +5,9 @@ that does not decode is dead-lettered at its first attempt while its neighbours 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
-from reliable_sub import DeadLetterPolicy, Message, Outcome
+from reliable_sub import DeadLetterPolicy, Message, Outcome, Subscriber
 from reliable_sub.dead_letters import DeadLetter
 from reliable_sub.testing.harness import Harness, Recorder
 
@@ -17,9 +18,20 @@ class _Order:
     quantity: int
 
 
-async def test_a_typed_body_is_decoded_and_a_bad_one_dead_lettered_at_once(
-    harness: Harness,
-) -> None:
+@dataclasses.dataclass(frozen=True)
+class DeadLetterSetup:
+    """A topic and subscription, a dead-letter topic with a subscription to read it, and a
+    Subscriber dead-lettering there (after 5 attempts), its outcomes recorded."""
+
+    adapter: Any
+    topic: str
+    sub: str
+    dlq_sub: str
+    recorder: Recorder
+    subscriber: Subscriber
+
+
+async def dead_letter_setup(harness: Harness) -> DeadLetterSetup:
     adapter = await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
     dlq_topic, dlq_sub = await harness.topic_and_subscription()
@@ -28,6 +40,15 @@ async def test_a_typed_body_is_decoded_and_a_bad_one_dead_lettered_at_once(
         adapter, on_outcome=recorder,
         dead_letter=DeadLetterPolicy(dlq_topic, max_delivery_attempts=5),
     )
+    return DeadLetterSetup(adapter, topic, sub, dlq_sub, recorder, subscriber)
+
+
+async def test_a_typed_body_is_decoded_and_a_bad_one_dead_lettered_at_once(
+    harness: Harness,
+) -> None:
+    world = await dead_letter_setup(harness)
+    adapter, topic, sub, dlq_sub = world.adapter, world.topic, world.sub, world.dlq_sub
+    recorder, subscriber = world.recorder, world.subscriber
     seen: list[tuple[_Order, bytes]] = []
 
     @subscriber.handler(sub)
