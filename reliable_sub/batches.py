@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import inspect
+import types
 import typing
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -127,11 +128,23 @@ def _item_type(annotation: Any, where: str) -> Any:
     if origin in _LISTS:
         arguments = typing.get_args(annotation)
         return arguments[0] if arguments else None
+    if (origin is tuple or origin is typing.Union or origin is types.UnionType) and any(
+            _names_a_body(argument) for argument in typing.get_args(annotation)):
+        raise ConfigurationError(
+            f"{where}: a batch handler gets a list: annotate its parameter list[...], not "
+            f"{safe_repr(annotation, 80)}")
     if isinstance(annotation, type) and (annotation is Message or decoder_for(annotation)):
         raise ConfigurationError(
             f"{where}: a batch handler takes a list; annotate its parameter "
             f"list[{type_name(annotation)}], not {type_name(annotation)}")
     return None
+
+
+def _names_a_body(annotation: Any) -> bool:
+    """Whether ``annotation`` is, or holds, Message or a body type."""
+    if isinstance(annotation, type) and (annotation is Message or decoder_for(annotation)):
+        return True
+    return any(_names_a_body(argument) for argument in typing.get_args(annotation))
 
 
 def check_batch_options(where: str, batch: bool, max_batch: object, max_wait: object, *,

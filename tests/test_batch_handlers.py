@@ -405,3 +405,145 @@ async def test_a_stop_while_a_timed_out_batch_is_decided_cuts_no_decision_short(
     await task
     assert (sub.stats[Outcome.DEAD_LETTERED], sub.stats[Outcome.ACK_REFUSED]) == (2, 0)
     assert sorted(d.message.data for d in await broker.receive("dlq", 10, 0)) == [b"m0", b"m1"]
+
+
+# -- found by review (each failed before its fix) ---------------------------------------------
+
+
+async def test_a_batch_cancelled_before_its_first_step_gives_back_and_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch's task may be cancelled before it ran at all (a stop, max_lease_duration in the
+    same loop turn as its first delivery): Python raises at the coroutine's entry, so its own
+    handling never runs. Its deliveries are given back, and the lane opens a new batch."""
+    from reliable_sub.runtime import batches as runtime_batches
+    from reliable_sub.runtime.decisions import cancel
+    from reliable_sub.runtime.inflight import CancelReason
+
+    clock, broker, sub = setup()
+    calls: list[int] = []
+
+    @sub.handler("billing", batch=True)
+    async def handle(messages: list[Message]) -> None:
+        calls.append(len(messages))
+
+    add, cancelled = runtime_batches.Batches.add, []
+
+    def add_then_cancel(self: Any, item: Any) -> None:
+        add(self, item)
+        if not cancelled:  # the lease manager's report, in the same loop turn
+            cancelled.append(item)
+            cancel(item, CancelReason.EXPIRED)
+
+    monkeypatch.setattr(runtime_batches.Batches, "add", add_then_cancel)
+    publish(broker, 1)
+    task = await serving(sub, clock)
+    try:
+        await drive_until(clock, lambda: bool(cancelled), 10, what="the first delivery")
+        publish(broker, 3)
+        await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 4, 120, what="four acks")
+    finally:
+        await sub.shutdown(timeout=1)
+        await task
+    assert sub.stats[Outcome.REQUEUED] == 1 and sum(calls) == 4
+
+
+async def test_in_process_retries_get_fresh_lists() -> None:
+    clock, broker, sub = setup()
+    attempts: list[list[bytes]] = []
+
+    @sub.handler("billing", batch=True, in_process_retry=3)
+    async def handle(messages: list[Message]) -> None:
+        attempts.append([m.data for m in messages])
+        while messages:  # a handler may consume its list
+            if messages.pop(0).data == b"m1" and len(attempts) == 1:
+                raise ConnectionError("blip")
+
+    publish(broker, 3)
+    await serve_until(sub, settled(sub, 3), "three acks", 60, clock)
+    assert attempts == [[b"m0", b"m1", b"m2"]] * 2
+
+
+async def test_decisions_after_the_call_are_not_cut_short_by_the_timeout() -> None:
+    """Rejected before its timeout, a batch's dead letters are published one by one (slowly):
+    the timeout passing meanwhile must not re-decide them as timed out."""
+    clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 5))
+    broker.ensure_subscription_sync("orders-dlq", "dlq")
+    publish_now = broker.publish
+
+    async def slow_publish(topic: str, *args: Any, **kwargs: Any) -> str:
+        if topic == "orders-dlq":
+            await clock.sleep(1.5)
+        return await publish_now(topic, *args, **kwargs)
+
+    broker.publish = slow_publish  # type: ignore[method-assign]
+
+    @sub.handler("billing", batch=True, timeout=5)
+    async def handle(messages: list[Message]) -> None:
+        await clock.sleep(3)
+        raise Reject("no such sku")
+
+    publish(broker, 5)
+    await serve_until(sub, settled(sub, 5), "five dead letters", 120, clock)
+    assert (sub.stats[Outcome.DEAD_LETTERED], sub.stats[Outcome.RETRY]) == (5, 0)
+    letters = [DeadLetter.of(d) for d in await broker.receive("dlq", 10, 0)]
+    assert {letter.reason for letter in letters} == {"rejected"}
+
+
+class _Fatal(BaseException):
+    pass
+
+
+@dataclasses.dataclass
+class _Picky:
+    sku: str
+
+    def __post_init__(self) -> None:
+        if self.sku == "boom":
+            raise _Fatal("a validator raising a BaseException")
+
+
+async def test_a_validator_raising_a_base_exception_fails_its_message_alone() -> None:
+    clock, broker, sub = setup()
+    seen: list[str] = []
+
+    @sub.handler("billing", batch=True)
+    async def handle(orders: list[_Picky]) -> None:
+        seen.extend(order.sku for order in orders)
+
+    broker.publish_sync("orders", b'{"sku": "boom"}')
+    broker.publish_sync("orders", b'{"sku": "ok"}')
+    task = await serving(sub, clock)
+    try:
+        await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 1
+                          and sub.stats[Outcome.RETRY] >= 1, 60, what="an ack and a retry")
+    finally:
+        await sub.shutdown(timeout=1)
+        await task
+    assert seen[0] == "ok"
+
+
+async def test_a_batch_handler_returning_something_else_fails_the_batch() -> None:
+    clock, broker, sub = setup()
+    calls: list[int] = []
+
+    @sub.handler("billing", batch=True)
+    async def handle(messages: list[Message]) -> Any:
+        calls.append(len(messages))
+        return [messages[0].id] if len(calls) == 1 else None  # "the failed ones"? not read
+
+    publish(broker, 2)
+    await serve_until(sub, settled(sub, 2), "two acks", 60, clock)
+    assert calls[0] == 2 and sum(calls) == 4 and sub.stats[Outcome.RETRY] == 2
+
+
+def test_a_tuple_or_optional_list_of_bodies_is_refused() -> None:
+    _, _, sub = setup()
+
+    def as_tuple(refunds: tuple[Refund, ...]) -> None: ...
+
+    def optional(refunds: list[Refund] | None) -> None: ...
+
+    for function in (as_tuple, optional):
+        with pytest.raises(ConfigurationError, match=r"gets a list: annotate its parameter"):
+            sub.handler("billing", batch=True)(function)

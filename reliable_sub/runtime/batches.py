@@ -23,6 +23,7 @@ failed alike.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from types import CoroutineType
@@ -30,6 +31,7 @@ from typing import Any
 
 from .._bodies import body_of
 from .._callables import settled_result
+from .._text import safe_repr
 from ..batches import BatchResult, BatchSpec
 from ..clock import sleep_or_event
 from ..dedup import Claimed
@@ -48,12 +50,13 @@ logger = logging.getLogger("reliable_sub.subscriber")
 class _Batch:
     """Deliveries gathered for one call."""
 
-    __slots__ = ("full", "items", "task")
+    __slots__ = ("full", "items", "started", "task")
 
     def __init__(self) -> None:
         self.items: list[Item] = []
         self.full = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+        self.started = False  # its task ran its first step
 
 
 class Batches:
@@ -67,6 +70,7 @@ class Batches:
         refresh_claim: re-takes a claim that lapsed while its delivery waited (False: not
             ours any more, and settled).
         settle, succeeded, apply, cancelled, release: the decisions, as the dispatcher has them.
+        retried: telemetry's event for an in-process retry of a delivery, or None.
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class Batches:
         apply: Callable[[Item, Decision], None],
         cancelled: Callable[[Item], Awaitable[None]],
         release: Callable[[Item], Claimed | None],
+        retried: Callable[[Item, int, BaseException | None], None] | None = None,
     ) -> None:
         self._lane = lane
         self._spec = spec
@@ -97,24 +102,34 @@ class Batches:
         self._apply = apply
         self._cancelled = cancelled
         self._release = release
+        self._retried = retried
         self._open: _Batch | None = None
-        retry = lane.route.retry
-        self._retry = (InProcessRetry(retry, config.clock) if retry.in_process_attempts > 1
-                       else None)
+        self._retries = lane.route.retry.in_process_attempts > 1
 
     def add(self, item: Item) -> None:
         """Put ``item`` in the open batch (opening one, and starting its task, if none is)."""
         batch = self._open
         if batch is None:
             batch = self._open = _Batch()
+            # not eager: the task's first step comes after this receive's deliveries are in
             batch.task = new_task(self._run(batch), eager=False)
+            batch.task.add_done_callback(functools.partial(self._ended, batch))
         batch.items.append(item)
         item.task = batch.task
         if len(batch.items) >= self._spec.max_batch:
             self._open = None
             batch.full.set()
 
+    def _ended(self, batch: _Batch, task: asyncio.Task[None]) -> None:
+        """A batch's task is done. One cancelled before its first step never ran ``_run``
+        (Python raises at the coroutine's entry): give its deliveries back here."""
+        if self._open is batch:
+            self._open = None
+        if not batch.started:
+            self._cancelled_batch(batch.items)
+
     async def _run(self, batch: _Batch) -> None:
+        batch.started = True
         items = batch.items
         holds_bytes = holds_thread = False
         size = 0
@@ -140,17 +155,7 @@ class Batches:
             await self._attempt([item for item in items if await self._still_ours(item)])
         except asyncio.CancelledError:
             theirs = not any(item.cancel_reason is not None for item in items)
-            # one cancelled delivery cancels its batch: the others share its reason
-            reason = next((item.cancel_reason for item in items
-                           if item.cancel_reason is not None), CancelReason.STOP)
-            for item in items:
-                if item.cancel_reason is None:
-                    item.cancel_reason = reason
-            undecided = [item for item in items if item.stage in (Stage.WAITING, Stage.RUNNING)]
-            if undecided:
-                # beside this task: another delivery of the batch reaching max_lease_duration
-                # cancels it again, which must not cut these decisions short
-                self._state.track(self._give_back(undecided))
+            self._cancelled_batch(items)
             if theirs:  # not ours (the loop is going away): given back, and on it goes
                 raise
         except Exception:  # a bug of ours must not lose the messages
@@ -166,6 +171,20 @@ class Batches:
                 self._flow.release_bytes(size)
             if holds_thread:
                 self._workers.release()
+
+    def _cancelled_batch(self, items: list[Item]) -> None:
+        """The batch of ``items`` was cancelled: decide each undecided one by its reason."""
+        # one cancelled delivery cancels its batch: the others share its reason
+        reason = next((item.cancel_reason for item in items if item.cancel_reason is not None),
+                      CancelReason.STOP)
+        for item in items:
+            if item.cancel_reason is None:
+                item.cancel_reason = reason
+        undecided = [item for item in items if item.stage in (Stage.WAITING, Stage.RUNNING)]
+        if undecided:
+            # beside the batch's task: another delivery of the batch reaching
+            # max_lease_duration cancels it again, which must not cut these decisions short
+            self._state.track(self._give_back(undecided))
 
     async def _give_back(self, items: list[Item]) -> None:
         """Decide each of a cancelled batch's undecided ``items`` by its cancel reason."""
@@ -195,48 +214,73 @@ class Batches:
         for item in items:
             item.stage = Stage.RUNNING
         lane.lease.started_many(items)
-        arguments: tuple[Any, ...]
-        if spec.decode is None:
-            arguments = ([item.delivery.message for item in items],)
-        else:
-            bodies: list[Any] = []
-            valid: list[Item] = []
+        failures: list[tuple[Item, BaseException]] = []
+        bodies: list[Any] | None = None
+        if spec.decode is not None:
+            bodies, valid = [], []
             for item in items:
                 try:
                     bodies.append(body_of(spec.decode, spec.body_name, item.delivery.message))
-                except Exception as error:  # BodyValidationError: this message alone fails
-                    await self._failed(item, error)
+                except BaseException as error:  # a validator's: this message alone fails
+                    failures.append((item, error))
                     continue
                 valid.append(item)
-            if not valid:
-                return
             items = valid
-            arguments = ((bodies, [item.delivery.message for item in items])
-                         if spec.takes_messages else (bodies,))
-        decision = await (self._retry.run(self._decide, items, arguments)
-                          if self._retry is not None else self._decide(items, arguments))
-        if decision.verdict is not Verdict.ACK:
-            assert decision.error is not None
-            for item in items:
-                await self._failed(item, decision.error)
-            return
-        failed = decision.result.failed if isinstance(decision.result, BatchResult) else None
-        if not failed:
+        if items:
+            decision = await self._decision(items, bodies)
             lane.lease.finished_many(items)
-            for item in items:
-                self._succeeded(lane, item, None)
-            return
-        succeeded = [item for item in items if item.message_id not in failed]
-        lane.lease.finished_many(succeeded)
-        for item in succeeded:
-            self._succeeded(lane, item, None)
-        for item in items:
-            failure = failed.get(item.message_id)
-            if failure is not None:
-                await self._failed(item, failure)
+            if decision.verdict is not Verdict.ACK:
+                assert decision.error is not None
+                failures.extend((item, decision.error) for item in items)
+            else:
+                failed = decision.result.failed if isinstance(decision.result, BatchResult) else {}
+                for item in items:
+                    failure = failed.get(item.message_id)
+                    if failure is None:
+                        self._succeeded(lane, item, None)
+                    else:
+                        failures.append((item, failure))
+        if failures:
+            lane.lease.finished_many([item for item, _ in failures])
+            for item, _ in failures:  # decided from here on (as Decisions.decide_failure)
+                item.stage = Stage.SETTLING
+            # beside this task: the batch's timeout or a stop must not cut the decisions short
+            self._state.track(self._fail_each(failures))
 
-    async def _decide(self, items: list[Item], arguments: tuple[Any, ...]) -> Decision:
+    async def _decision(self, items: list[Item], bodies: list[Any] | None) -> Decision:
+        """The handler's call (again, for transient failures, with in-process retries)."""
+        if not self._retries:
+            return await self._decide(items, bodies)
+        on_retry = None
+        if self._retried is not None:
+            retried = self._retried
+
+            def on_retry(attempt: int, error: BaseException | None) -> None:
+                for item in items:
+                    retried(item, attempt, error)
+
+        attempts = InProcessRetry(self._lane.route.retry, self._config.clock, on_retry)
+        fresh = [bodies]  # the first call's bodies; a retry decodes them again
+        return await attempts.run(self._decide_again, items, fresh)
+
+    async def _decide_again(self, items: list[Item], fresh: list[list[Any] | None]) -> Decision:
+        bodies, fresh[0] = fresh[0], None
+        if bodies is None and self._spec.decode is not None:
+            try:
+                bodies = [self._spec.decode(item.delivery.message.data) for item in items]
+            except Exception as error:  # validated before: a validator that changed its mind
+                return Decision.failed(error)
+        return await self._decide(items, bodies)
+
+    async def _decide(self, items: list[Item], bodies: list[Any] | None) -> Decision:
         """One call of the handler, as a Decision: what it returned, or what it raised."""
+        messages = [item.delivery.message for item in items]  # fresh lists for each call
+        arguments: tuple[Any, ...]
+        if bodies is None:
+            arguments = (messages,)
+        else:
+            arguments = ((list(bodies), messages) if self._spec.takes_messages
+                         else (list(bodies),))
         try:
             result = await self._call(items, arguments)
         except BaseException as error:
@@ -244,13 +288,20 @@ class Batches:
                     cancel_requested() or any(i.cancel_reason is not None for i in items)):
                 raise  # ours: a stop or max_lease_duration
             return Decision.failed(error)
-        if isinstance(result, BatchResult):
-            unknown = result.failed.keys() - {item.message_id for item in items}
-            if unknown:
-                return Decision.failed(TypeError(
-                    f"batch handler {self._lane.route.name} returned a BatchResult naming "
-                    f"messages not in its batch ({', '.join(sorted(unknown)[:5])}); name "
-                    "failed messages by their Message.id"))
+        if result is None:
+            return Decision.ack(None)
+        name = self._lane.route.name
+        if not isinstance(result, BatchResult):
+            return Decision.failed(TypeError(
+                f"batch handler {name} returned {safe_repr(result, 80)}; return None (every "
+                "message succeeded) or a BatchResult(failed={message_id: exception}), or "
+                "raise to fail them all"))
+        unknown = result.failed.keys() - {item.message_id for item in items}
+        if unknown:
+            return Decision.failed(TypeError(
+                f"batch handler {name} returned a BatchResult naming messages not in its "
+                f"batch ({', '.join(sorted(unknown)[:5])}); name failed messages by their "
+                "Message.id"))
         return Decision.ack(result)
 
     async def _call(self, items: list[Item], arguments: tuple[Any, ...]) -> Any:
@@ -277,9 +328,9 @@ class Batches:
         finally:
             CURRENT_BATCH.reset(claims)
 
-    async def _failed(self, item: Item, error: BaseException) -> None:
-        """``item`` failed with ``error``: retried or dead-lettered by the lane's policies."""
-        lane = self._lane
-        item.duration = lane.lease.finished(item)
-        decision = await lane.failure.after_failure(item.delivery.message, item.failures, error)
-        self._apply(item, decision)
+    async def _fail_each(self, failures: list[tuple[Item, BaseException]]) -> None:
+        """Each item failed with its error: retried or dead-lettered by the lane's policies."""
+        failure = self._lane.failure
+        for item, error in failures:
+            decision = await failure.after_failure(item.delivery.message, item.failures, error)
+            self._apply(item, decision)

@@ -143,6 +143,7 @@ class Runtime:
                     refresh_claim=dispatcher.refresh_claim, settle=decisions.settle,
                     succeeded=decisions.succeeded, apply=decisions.apply,
                     cancelled=decisions.cancelled, release=claims.release,
+                    retried=telemetry.retried if telemetry is not None else None,
                 )
         state.receiving = state.accepting = True
         self.supervisor.spawn("settler", self.settler.run)
