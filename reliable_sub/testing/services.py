@@ -33,8 +33,10 @@ KNOWN_LAUNCHER = "/usr/lib/google-cloud-sdk/platform/pubsub-emulator/bin/cloud-p
 # The JVM starts in a few seconds here; allow for a loaded CI machine.
 EMULATOR_START_TIMEOUT = 60.0
 EMULATOR_STOP_TIMEOUT = 30.0
-# Polling a port for the emulator to listen, with the deadline above.
+# Polling the emulator's log for it to listen, with the deadline above.
 PORT_POLL = 0.1
+# A free port taken before the emulator bound it is replaced, this many times in all.
+EMULATOR_PORT_ATTEMPTS = 5
 
 
 def in_ci() -> bool:
@@ -138,14 +140,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class _PortTaken(Exception):
+    """The emulator could not bind its port: another process took it after it was chosen."""
+
+
 class EmulatorProcess:
     """One emulator process on a loopback port (a free one, unless given).
 
     :meth:`start` raises ``RuntimeError`` saying what is wrong (not installed, exited, did not
-    listen); :meth:`stop` kills its whole process group (the launcher script and its JVM).
+    listen, its given port in use); :meth:`stop` kills its whole process group (the launcher
+    script and its JVM). A free port chosen for it and taken before the emulator bound it (a
+    server of another test, or of a suite running beside this one) is replaced by another.
     """
 
     def __init__(self, port: int | None = None) -> None:
+        self._port_given = port is not None
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.log_path = ""
@@ -160,6 +169,18 @@ class EmulatorProcess:
             raise RuntimeError(
                 f"the Pub/Sub emulator is not installed (apt-get install {EMULATOR_PACKAGE})"
             )
+        for attempt in range(1, EMULATOR_PORT_ATTEMPTS + 1):
+            try:
+                self._launch(path)
+                return
+            except _PortTaken:
+                if self._port_given or attempt == EMULATOR_PORT_ATTEMPTS:
+                    raise RuntimeError(
+                        f"the Pub/Sub emulator could not bind port {self.port}: another "
+                        f"process listens there; see {self.log_path}") from None
+                self.port = free_port()
+
+    def _launch(self, path: str) -> None:
         with tempfile.NamedTemporaryFile(prefix="pubsub-emulator-", suffix=".log",
                                          delete=False) as log:
             self.log_path = log.name
@@ -167,22 +188,27 @@ class EmulatorProcess:
                 [path, "--host=127.0.0.1", f"--port={self.port}"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
+        # Up when its own log says so: a connection to the port could reach whoever took it.
+        listening = f"listening on {self.port}"
         give_up_at = time.monotonic() + EMULATOR_START_TIMEOUT
         while True:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the Pub/Sub emulator exited with "
                                    f"{self.process.returncode}; see {self.log_path}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+            with open(self.log_path, errors="replace") as log_file:
+                said = log_file.read()
+            if listening in said:
                 return
-            except OSError:
-                if time.monotonic() > give_up_at:
-                    self.stop()
-                    raise RuntimeError(
-                        f"the Pub/Sub emulator did not listen on {self.port} within "
-                        f"{EMULATOR_START_TIMEOUT:g}s; see {self.log_path}"
-                    ) from None
-                time.sleep(PORT_POLL)  # polling a port with a deadline, not synchronisation
+            if "BindException" in said:  # it logs this and then keeps running
+                self.stop()
+                raise _PortTaken(self.port)
+            if time.monotonic() > give_up_at:
+                self.stop()
+                raise RuntimeError(
+                    f"the Pub/Sub emulator did not listen on {self.port} within "
+                    f"{EMULATOR_START_TIMEOUT:g}s; see {self.log_path}"
+                )
+            time.sleep(PORT_POLL)  # polling its log with a deadline, not synchronisation
 
     def stop(self) -> None:
         process, self.process = self.process, None
