@@ -375,11 +375,8 @@ async def test_current_claim_of_a_message_in_a_batch() -> None:
     assert seen == {"a": ("k-a", None), "b": ("k-b", None)}
 
 
-async def test_a_stop_while_a_timed_out_batch_is_decided_cuts_no_decision_short() -> None:
-    """A batch past its timeout is decided message by message (here: dead letters, slow to
-    publish). A stop that cancels the batch's task meanwhile must not leave a message
-    undecided."""
-    clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 1))
+def slow_dead_letters(broker: MemoryAdapter, clock: Any) -> None:
+    """Subscription ``dlq`` on ``orders-dlq``, whose publishes take 1.5 s of ``clock``."""
     broker.ensure_subscription_sync("orders-dlq", "dlq")
     publish_now = broker.publish
 
@@ -389,6 +386,14 @@ async def test_a_stop_while_a_timed_out_batch_is_decided_cuts_no_decision_short(
         return await publish_now(topic, *args, **kwargs)
 
     broker.publish = slow_publish  # type: ignore[method-assign]
+
+
+async def test_a_stop_while_a_timed_out_batch_is_decided_cuts_no_decision_short() -> None:
+    """A batch past its timeout is decided message by message (here: dead letters, slow to
+    publish). A stop that cancels the batch's task meanwhile must not leave a message
+    undecided."""
+    clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 1))
+    slow_dead_letters(broker, clock)
 
     @sub.handler("billing", batch=True, timeout=5)
     async def handle(messages: list[Message]) -> None:
@@ -468,15 +473,7 @@ async def test_decisions_after_the_call_are_not_cut_short_by_the_timeout() -> No
     """Rejected before its timeout, a batch's dead letters are published one by one (slowly):
     the timeout passing meanwhile must not re-decide them as timed out."""
     clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 5))
-    broker.ensure_subscription_sync("orders-dlq", "dlq")
-    publish_now = broker.publish
-
-    async def slow_publish(topic: str, *args: Any, **kwargs: Any) -> str:
-        if topic == "orders-dlq":
-            await clock.sleep(1.5)
-        return await publish_now(topic, *args, **kwargs)
-
-    broker.publish = slow_publish  # type: ignore[method-assign]
+    slow_dead_letters(broker, clock)
 
     @sub.handler("billing", batch=True, timeout=5)
     async def handle(messages: list[Message]) -> None:
