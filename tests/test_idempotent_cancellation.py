@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import pytest_asyncio
+import sqlalchemy as sa
 
 from reliable_sub import Claimed, Completed, DedupKey, DedupStore
 from reliable_sub.dedup import Completion, SingleKeyMethods
@@ -62,6 +63,11 @@ class Gated(SingleKeyMethods):
     def __init__(self, inner: DedupStore) -> None:
         self.inner = inner
         self.hold: Hold | None = None
+        # what the inner store says of itself: @idempotent lets a SqlDedupStore's calls finish
+        # when its caller is cancelled (a cut aiosqlite statement leaves the file locked); a
+        # wrapper that hid this made the client-timeout test fail under load, when the timeout
+        # landed in the claim rather than in the held completion
+        self.cancel_safe_calls = getattr(inner, "cancel_safe_calls", True)
 
     def hold_at(self, method: str, where: str) -> Hold:
         self.hold = Hold(method, where)
@@ -407,3 +413,39 @@ def test_work_whose_event_loop_closed_is_waited_for_no_longer(
     assert time.monotonic() - started < WITHIN / 2, "it waited for work that never ends"
     assert not settling.has("k")
     assert "settling the claim of idempotency key 'k' was cancelled" in caplog.text
+
+
+async def test_a_client_timeout_in_a_claim_statement_leaves_sqlite_usable() -> None:
+    """A client timeout inside the claim's statement (a trigger makes the INSERT take 0.5 s
+    inside SQLite, so the timeout lands there every time): the claim is let finish and
+    released, and the retry runs the function once. (A loaded run timed out in the claim of the
+    test above, the file stayed locked and its retry failed; there the wrapper hid the store's
+    ``cancel_safe_calls``, so the claim was cut in flight. This test passes with and without
+    that: SQLite released the cut statement's lock here, as it did not under load.)"""
+    inner, peer, prepare, cleanup = _sql("sqlite://")
+    await prepare()
+    engine = inner.engine  # type: ignore[attr-defined]
+    sa.event.listen(engine.sync_engine, "connect", lambda connection, _record:
+                    connection.create_function("pause", 1, _pause))
+    await engine.dispose()  # the pooled connections: made again, with the function
+    table = inner.table.name  # type: ignore[attr-defined]
+    async with engine.begin() as connection:
+        await connection.execute(sa.text(
+            f"CREATE TRIGGER slow_claim AFTER INSERT ON {table} BEGIN SELECT pause(0.5); END"))
+    world = World("sqlite", Gated(inner), peer)
+    subject = AsyncSubject(world)
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(subject.charge("o-1"), 0.1)
+        assert subject.runs == []
+        assert await asyncio.wait_for(subject.charge("o-1"), WITHIN) == charged("o-1")
+        assert subject.runs == ["o-1"]
+    finally:
+        for store in (world.store, peer):
+            await asyncio.to_thread(close_sync_connections, store)
+        await cleanup()
+
+
+def _pause(seconds: float) -> float:
+    time.sleep(seconds)  # inside SQLite's statement, on aiosqlite's thread
+    return seconds
