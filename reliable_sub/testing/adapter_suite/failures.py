@@ -152,9 +152,10 @@ async def test_a_hung_sync_handler_starves_nothing_and_is_dead_lettered_in_the_e
                         lambda: sum(effects[("b", q)] for q in (b"q1", b"q2", b"q3")) == 3,
                         6 * max_lease, "the queued messages to be run by the healthy consumer",
                     )
-                    # A ran none of them: its one thread is hung. (Given back at
-                    # max_lease_duration, "requeued"; on a machine so loaded that A's leases
-                    # lapsed first, B took them over and A's give-back was refused.)
+                    # A ran none of them: its one thread is hung. It gives them back at
+                    # max_lease_duration ("requeued"); on a machine so loaded that A's leases
+                    # lapsed first, B took them over before that, and A's give-back comes after
+                    # B ran them.
                     assert not any(effects[("a", q)] for q in (b"q1", b"q2", b"q3")), effects
                     await harness.wait_until(
                         lambda: sum(recorders["a"].count(o) for o in (
