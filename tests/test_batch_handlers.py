@@ -544,3 +544,18 @@ def test_a_tuple_or_optional_list_of_bodies_is_refused() -> None:
     for function in (as_tuple, optional):
         with pytest.raises(ConfigurationError, match=r"gets a list: annotate its parameter"):
             sub.handler("billing", batch=True)(function)
+
+
+async def test_a_batch_call_is_one_processing_time_sample_whatever_its_failures() -> None:
+    clock, broker, sub = setup()
+    samples: list[int] = []
+
+    @sub.handler("billing", batch=True)
+    async def handle(messages: list[Message]) -> BatchResult:
+        samples.append(len(sub.lease_manager("billing").histogram))
+        return BatchResult(failed={m.id: ConnectionError("later") for m in messages
+                                   if m.data == b"m1" and m.delivery_attempt == 1})
+
+    publish(broker, 2)
+    await serve_until(sub, settled(sub, 2), "two acks", 60, clock)
+    assert samples == [0, 1]  # the first call's, once (not again for its failed message)

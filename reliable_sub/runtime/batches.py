@@ -225,6 +225,8 @@ class Batches:
                     failures.append((item, error))
                     continue
                 valid.append(item)
+            if failures:  # their time is the decoding's: one sample
+                lane.lease.finished_many([item for item, _ in failures])
             items = valid
         if items:
             decision = await self._decision(items, bodies)
@@ -241,7 +243,6 @@ class Batches:
                     else:
                         failures.append((item, failure))
         if failures:
-            lane.lease.finished_many([item for item, _ in failures])
             for item, _ in failures:  # decided from here on (as Decisions.decide_failure)
                 item.stage = Stage.SETTLING
             # beside this task: the batch's timeout or a stop must not cut the decisions short
