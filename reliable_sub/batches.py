@@ -133,7 +133,7 @@ def _item_type(annotation: Any, where: str) -> Any:
         raise ConfigurationError(
             f"{where}: a batch handler gets a list: annotate its parameter list[...], not "
             f"{safe_repr(annotation, 80)}")
-    if isinstance(annotation, type) and (annotation is Message or decoder_for(annotation)):
+    if isinstance(annotation, type) and _names_a_body(annotation):
         raise ConfigurationError(
             f"{where}: a batch handler takes a list; annotate its parameter "
             f"list[{type_name(annotation)}], not {type_name(annotation)}")
