@@ -80,8 +80,8 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, S
 
 from benchmarks._common import GcTimer, positive_int, verdict, write_section
 from benchmarks._common import Throughput as _CommonThroughput
-from benchmarks.redis_streams import RoundTrips, Tally, delete_keys
-from reliable_sub import Message, Subscriber
+from benchmarks.redis_streams import RoundTrips, Tally, count_in, delete_keys
+from reliable_sub import Subscriber
 from reliable_sub.adapters.nats_jetstream import NatsJetStreamAdapter
 from reliable_sub.dedup import RedisDedupStore
 from reliable_sub.outcome import Outcome
@@ -310,18 +310,7 @@ class SubscriberConsumer(Consumer):
                       if dedup else None)
         self.subscriber = Subscriber(self.adapter, dedup=self.store)
 
-        async def handle_message(message: Message) -> None:
-            """The handler under test: does nothing but count."""
-            tally.handled += 1
-
-        async def handle_batch(messages: list[Message]) -> None:
-            """The batch handler under test: does nothing but count."""
-            tally.handled += len(messages)
-
-        if batch:
-            self.subscriber.handler(names.consumer, batch=True)(handle_batch)
-        else:
-            self.subscriber.handler(names.consumer)(handle_message)
+        count_in(self.subscriber, names.consumer, tally, batch=batch)
         self.task: asyncio.Task[None] | None = None
 
     async def prepare(self) -> None:

@@ -168,6 +168,22 @@ class Tally:
         self.handled = 0
 
 
+def count_in(subscriber: Subscriber, subscription: str, tally: Tally, *, batch: bool) -> None:
+    """Register the handler under test on ``subscription``: a no-op that counts in ``tally``,
+    one message per call or (``batch``) a batch handler."""
+
+    async def handle_message(message: Message) -> None:
+        tally.handled += 1
+
+    async def handle_batch(messages: list[Message]) -> None:
+        tally.handled += len(messages)
+
+    if batch:
+        subscriber.handler(subscription, batch=True)(handle_batch)
+    else:
+        subscriber.handler(subscription)(handle_message)
+
+
 # -- keys --------------------------------------------------------------------------------------
 
 
@@ -454,18 +470,7 @@ class SubscriberConsumer(Consumer):
         )
         self.subscriber = Subscriber(self.adapter, dedup=self.store)
 
-        async def handle_message(message: Message) -> None:
-            """The handler under test: does nothing but count."""
-            tally.handled += 1
-
-        async def handle_batch(messages: list[Message]) -> None:
-            """The batch handler under test: does nothing but count."""
-            tally.handled += len(messages)
-
-        if batch:
-            self.subscriber.handler(keys.group, batch=True)(handle_batch)
-        else:
-            self.subscriber.handler(keys.group)(handle_message)
+        count_in(self.subscriber, keys.group, tally, batch=batch)
         self.task: asyncio.Task[None] | None = None
 
     async def prepare(self, control: aioredis.Redis, counter: RoundTrips | None) -> None:
