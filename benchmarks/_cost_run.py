@@ -96,6 +96,10 @@ async def noop_handler(message: Message) -> None:
     """The handler under test: a coroutine function that does nothing."""
 
 
+async def noop_batch_handler(messages: list[Message]) -> None:
+    """The batch handler under test: a coroutine function that does nothing."""
+
+
 @dataclass
 class Pass:
     """One run of a workload through a Subscriber; subclasses decide what is measured."""
@@ -104,7 +108,9 @@ class Pass:
     messages: int
     idle: IdleSignallingSelector
 
-    def handler(self) -> Callable[[Message], Any]:
+    def handler(self) -> Callable[..., Any]:
+        if self.workload.batch_handler:
+            return noop_batch_handler
         if not self.workload.sync_handler:
             return noop_handler
         wait_idle = self.idle.wait_idle
@@ -147,7 +153,8 @@ class Pass:
                 rng=random.Random(0), receive_timeout=RECEIVE_TIMEOUT,
                 sync_workers=SYNC_WORKERS,
             )
-            subscriber.handler(world.subscription)(self.handler())
+            subscriber.handler(world.subscription, batch=self.workload.batch_handler)(
+                self.handler())
             gc.collect()
             gc.freeze()
             gc.disable()
@@ -245,7 +252,7 @@ class AllocationPass(Pass):
 
     in_flight: int = IN_FLIGHT
 
-    def handler(self) -> Callable[[Message], Any]:
+    def handler(self) -> Callable[..., Any]:
         self.in_flight = min(self.in_flight, self.messages)
         self.garbage = self.held = 0
         if self.workload.sync_handler:
@@ -262,7 +269,14 @@ class AllocationPass(Pass):
             if not self.gate.done():
                 await self.gate
 
-        return holding_handler
+        async def holding_batch_handler(messages: list[Message]) -> None:
+            self.entered += len(messages)
+            if self.entered >= self.in_flight:
+                self.all_in.set()
+            if not self.gate.done():
+                await self.gate
+
+        return holding_batch_handler if self.workload.batch_handler else holding_handler
 
     def _holding_sync_handler(self) -> Callable[[Message], Any]:
         """With one worker thread, the first call holds its message; the others wait for the

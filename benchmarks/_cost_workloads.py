@@ -32,6 +32,7 @@ class Workload:
     messages: int
     description: str
     sync_handler: bool = False
+    batch_handler: bool = False
     # The leak measure needs the structures of bounded size (the lease histogram keeps 2,000
     # samples) full after the first pass: messages well above their bound.
     leak_pass: bool = True
@@ -54,6 +55,11 @@ WORKLOADS = {
         description="a `def` no-op handler on one worker thread (`sync_workers=1`) whose calls "
         "return only while the event loop is idle, so every message is received, run and "
         "acked on its own: the sync path with no batching at all",
+    ),
+    "memory, batch handler": Workload(
+        "memory", dedup=False, messages=5_000, batch_handler=True,
+        description="an `async def` no-op batch handler (`batch=True`: up to 100 messages a "
+        "call, what one receive brought), no dedup",
     ),
     # Fewer: a Redis count pass takes about 0.1 s.
     "redis": Workload(

@@ -69,7 +69,8 @@ class Batches:
             threads.
         refresh_claim: re-takes a claim that lapsed while its delivery waited (False: not
             ours any more, and settled).
-        settle, succeeded, apply, cancelled, release: the decisions, as the dispatcher has them.
+        settle, apply, cancelled, release: the decisions, as the dispatcher has them.
+        succeeded: acks the deliveries a call succeeded for.
         retried: telemetry's event for an in-process retry of a delivery, or None.
     """
 
@@ -84,7 +85,7 @@ class Batches:
         *,
         refresh_claim: Callable[[Lane, Item], Awaitable[bool]],
         settle: SettleCall,
-        succeeded: Callable[[Lane, Item, Any], None],
+        succeeded: Callable[[Lane, list[Item]], None],
         apply: Callable[[Item, Decision], None],
         cancelled: Callable[[Item], Awaitable[None]],
         release: Callable[[Item], Claimed | None],
@@ -120,6 +121,12 @@ class Batches:
             self._open = None
             batch.full.set()
 
+    def add_many(self, items: list[Item]) -> None:
+        """:meth:`add` each of ``items``, in order."""
+        add = self.add
+        for item in items:
+            add(item)
+
     def _ended(self, batch: _Batch, task: asyncio.Task[None]) -> None:
         """A batch's task is done. One cancelled before its first step never ran ``_run``
         (Python raises at the coroutine's entry): give its deliveries back here."""
@@ -152,7 +159,7 @@ class Batches:
                         self._settle(item, Outcome.STOPPED, ack=False,
                                      release=self._release(item))
                 return
-            await self._attempt([item for item in items if await self._still_ours(item)])
+            await self._attempt(await self._still_ours(items))
         except asyncio.CancelledError:
             theirs = not any(item.cancel_reason is not None for item in items)
             self._cancelled_batch(items)
@@ -199,12 +206,18 @@ class Batches:
         if self._spec.max_wait:
             await sleep_or_event(self._config.clock, batch.full, self._spec.max_wait)
 
-    async def _still_ours(self, item: Item) -> bool:
-        if item.stage is not Stage.WAITING:
-            return False
+    async def _still_ours(self, items: list[Item]) -> list[Item]:
+        """Those of ``items`` still waiting for this call, with their claims (re-taken when
+        they lapsed meanwhile)."""
         lane = self._lane
-        return (item.claim is None or not lane.lease.claim_needs_refresh(item)
-                or await self._refresh_claim(lane, item))
+        lease = lane.lease
+        ours = []
+        for item in items:
+            if item.stage is Stage.WAITING and (
+                    item.claim is None or not lease.claim_needs_refresh(item)
+                    or await self._refresh_claim(lane, item)):
+                ours.append(item)
+        return ours
 
     async def _attempt(self, items: list[Item]) -> None:
         """Decode, call the handler once for ``items``, and decide each."""
@@ -235,13 +248,18 @@ class Batches:
                 assert decision.error is not None
                 failures.extend((item, decision.error) for item in items)
             else:
-                failed = decision.result.failed if isinstance(decision.result, BatchResult) else {}
-                for item in items:
-                    failure = failed.get(item.message_id)
-                    if failure is None:
-                        self._succeeded(lane, item, None)
-                    else:
-                        failures.append((item, failure))
+                result = decision.result
+                if isinstance(result, BatchResult) and result.failed:
+                    failed, succeeded = result.failed, []
+                    for item in items:
+                        failure = failed.get(item.message_id)
+                        if failure is None:
+                            succeeded.append(item)
+                        else:
+                            failures.append((item, failure))
+                    items = succeeded
+                if items:
+                    self._succeeded(lane, items)
         if failures:
             for item, _ in failures:  # decided from here on (as Decisions.decide_failure)
                 item.stage = Stage.SETTLING

@@ -84,6 +84,7 @@ class Decisions:
         workers: WorkerThreads,
         telemetry: DeliveryTelemetry | None,
         add_settle: Callable[[Settle], None],
+        add_settles: Callable[[list[Settle]], None],
     ) -> None:
         self._config = config
         self._state = state
@@ -92,6 +93,7 @@ class Decisions:
         self._workers = workers
         self._telemetry = telemetry
         self._add_settle = add_settle
+        self._add_settles = add_settles
         # the dispatcher's: after a delivery of an ordering key is decided (see wire_keys)
         self._key_decided: Callable[[Lane, str, Outcome, Item], None] | None = None
 
@@ -135,6 +137,22 @@ class Decisions:
         result_json = "null" if result is None else self.encode(result, item.delivery.message)
         self.settle(item, Outcome.ACKED, ack=True,
                     completion=claims.completion(item, result_json))
+
+    def succeeded_many(self, lane: Lane, items: list[Item]) -> None:
+        """A batch handler's call succeeded for each of ``items``: record null with each ack."""
+        if self._claims.failure_counts:
+            for item in items:
+                self.succeeded(lane, item, None)
+            return
+        ordered = lane.ordered
+        plain: list[Settle] = []  # nothing to record, no ordering key to hand on: queued together
+        for item in items:
+            if item.claim is None and (not ordered or item.delivery.message.ordering_key is None):
+                plain.append(Settle(item, Outcome.ACKED, ack=True))
+            else:
+                self.succeeded(lane, item, None)
+        if plain:
+            self._add_settles(plain)
 
     def apply(self, item: Item, decision: Decision) -> None:
         """Settle ``item`` as ``decision`` says."""

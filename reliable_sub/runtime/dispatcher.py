@@ -144,6 +144,19 @@ class Dispatcher:
             lane.keys[key] = deque()
         self._start(item)
 
+    def dispatch_many(self, lane: Lane, items: list[Item]) -> None:
+        """:meth:`dispatch` each of ``items``, in order: a batch handler's join its batches at
+        once, but for those an ordering key holds back."""
+        collector = lane.collector
+        if collector is not None and not lane.ordered:
+            collector.add_many(items)
+            return
+        for item in items:
+            if collector is not None and item.delivery.message.ordering_key is None:
+                collector.add(item)
+            else:
+                self.dispatch(lane, item)
+
     def key_decided(self, lane: Lane, key: str, outcome: Outcome, item: Item) -> None:
         """After a delivery of ``key`` was decided: start the next one, or give them all back.
 

@@ -114,6 +114,8 @@ class Collector(Protocol):
 
     def add(self, item: Item) -> None: ...
 
+    def add_many(self, items: list[Item]) -> None: ...
+
 
 def close_gates(flow: FlowGate, lanes: Iterable[Lane]) -> None:
     """Close the run's flow gate and every lane's own (max_concurrency): each receive loop

@@ -95,7 +95,8 @@ class Runtime:
             adapter.capabilities.messaging_system)
         state, claims, stats, health = self.state, self.claims, self.stats, self.health
         decisions = self._decisions = Decisions(
-            config, state, claims, stats, self.workers, telemetry, self.settler.add)
+            config, state, claims, stats, self.workers, telemetry, self.settler.add,
+            self.settler.add_many)
         dispatcher = Dispatcher(
             config, state, self.flow, self.workers, claims, stats, health,
             telemetry, settle=decisions.settle, succeeded=decisions.succeeded,
@@ -106,7 +107,8 @@ class Runtime:
         decisions.wire_keys(dispatcher.key_decided)
         receiver = Receiver(
             config, state, self.flow, self.workers, claims, stats, health, telemetry,
-            dispatch=dispatcher.dispatch, settle=decisions.settle,
+            dispatch=dispatcher.dispatch, dispatch_many=dispatcher.dispatch_many,
+            settle=decisions.settle,
             malformed=decisions.malformed, in_progress_elsewhere=decisions.in_progress_elsewhere,
             defer_delay=decisions.defer_delay,
         )
@@ -141,7 +143,7 @@ class Runtime:
                 lane.collector = Batches(
                     lane, route.batch, config, state, self.flow, self.workers,
                     refresh_claim=dispatcher.refresh_claim, settle=decisions.settle,
-                    succeeded=decisions.succeeded, apply=decisions.apply,
+                    succeeded=decisions.succeeded_many, apply=decisions.apply,
                     cancelled=decisions.cancelled, release=claims.release,
                     retried=telemetry.retried if telemetry is not None else None,
                 )
@@ -195,30 +197,41 @@ class Runtime:
         that have kept failing for ``unhealthy_after`` seconds."""
         return self.supervisor.problems() + self.health.problems()
 
-    def _on_settled(self, settle: Settle, refused: bool) -> None:
-        """The settler confirmed ``settle``: let the delivery go and report its outcome."""
-        item: Item = settle.item
-        item.stage = Stage.DONE
-        item.lane.lease.drop(item)
-        self.items.discard(item)
-        self.flow.settled()
-        if item.lane.flow is not None:
-            item.lane.flow.settled()
-        outcome = Outcome.ACK_REFUSED if refused else settle.outcome
-        self.stats.outcomes[outcome] += 1
-        if self.telemetry is not None:
-            assert item.lane.telemetry is not None
-            self.telemetry.settled(item.lane.telemetry, item, outcome, settle.delay)
+    def _on_settled(self, settles: list[Settle], refused: set[str]) -> None:
+        """The settler confirmed ``settles`` (the broker refused the acks of ``refused``): let
+        each delivery go and report its outcome."""
+        items, flow, outcomes = self.items, self.flow, self.stats.outcomes
+        telemetry, config = self.telemetry, self.config
+        for settle in settles:
+            item: Item = settle.item
+            item.stage = Stage.DONE
+            lane = item.lane
+            lane.lease.drop(item)
+            items.discard(item)
+            flow.settled()
+            if lane.flow is not None:
+                lane.flow.settled()
+            outcome = (Outcome.ACK_REFUSED if refused and item.delivery.ack_id in refused
+                       else settle.outcome)
+            outcomes[outcome] += 1
+            if telemetry is not None:
+                assert lane.telemetry is not None
+                telemetry.settled(lane.telemetry, item, outcome, settle.delay)
+            if config.on_outcome is not None or config.on_event is not None:
+                self._report(item, outcome, settle.delay)
+
+    def _report(self, item: Item, outcome: Outcome, delay: float) -> None:
+        """Tell the user's ``on_outcome`` and ``on_event`` callbacks how ``item`` ended."""
         config = self.config
+        message = item.delivery.message
         if config.on_outcome is not None:
             try:
-                config.on_outcome(item.delivery.message, outcome)
+                config.on_outcome(message, outcome)
             except Exception:
                 logger.exception("on_outcome callback failed")
         if config.on_event is not None:
-            message = item.delivery.message
             event = DeliveryEvent(message, outcome, message.delivery_attempt, item.failures,
-                                  item.error, item.duration, settle.delay)
+                                  item.error, item.duration, delay)
             try:
                 config.on_event(event)
             except Exception:

@@ -61,7 +61,7 @@ class Receiver:
         flow, workers: flow-control slots; whether a worker thread is free.
         claims, stats, health: the batch's claim call, and what its failures count as.
         telemetry: the run's telemetry, or None.
-        dispatch: the dispatcher's entry.
+        dispatch, dispatch_many: the dispatcher's entries (for one delivery, for several).
         settle, malformed, in_progress_elsewhere, defer_delay: the
             :class:`~reliable_sub.runtime.decisions.Decisions` methods of those names.
     """
@@ -78,6 +78,7 @@ class Receiver:
         telemetry: DeliveryTelemetry | None,
         *,
         dispatch: Callable[[Lane, Item], None],
+        dispatch_many: Callable[[Lane, list[Item]], None],
         settle: SettleCall,
         malformed: Callable[[Item], None],
         in_progress_elsewhere: Callable[[Item, InProgress], None],
@@ -92,6 +93,7 @@ class Receiver:
         self._health = health
         self._telemetry = telemetry
         self._dispatch = dispatch
+        self._dispatch_many = dispatch_many
         self._settle = settle
         self._malformed = malformed
         self._in_progress_elsewhere = in_progress_elsewhere
@@ -203,11 +205,10 @@ class Receiver:
         if not good:
             return
         if claims.store is None:
-            counts = claims.failure_counts
-            for item in good:
-                if counts:
+            if claims.failure_counts:
+                for item in good:
                     item.failures = claims.failures_without_store(lane.namespace, item)
-                self._dispatch(lane, item)
+            self._dispatch_many(lane, good)
             return
         try:
             # bounded: a store that hangs must not hold this receive loop (and its batch) for

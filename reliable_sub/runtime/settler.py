@@ -166,7 +166,8 @@ class Settler:
         dedup: the store completions and releases go to.
         dedup_ttl: retention of completed records and failure counts.
         stats: counters of store and broker errors and refused acks.
-        on_settled: called with each settle and whether the broker refused its ack.
+        on_settled: called with settles confirmed together and the ack ids the broker
+            refused among them.
         clock: waits between retries and bounds each call (the Subscriber's clock).
         health: where failed and succeeded calls are reported.
     """
@@ -177,7 +178,7 @@ class Settler:
         *,
         claims: Claims,
         stats: SubscriberStats,
-        on_settled: Callable[[Settle, bool], None],
+        on_settled: Callable[[list[Settle], set[str]], None],
         clock: Clock | None = None,
         health: Health | None = None,
     ) -> None:
@@ -210,6 +211,12 @@ class Settler:
             self._recording.add(settle)
         else:
             self._settling.add(settle)
+
+    def add_many(self, settles: list[Settle]) -> None:
+        """Queue ``settles``, none of which has a result to record, for the next batch."""
+        for settle in settles:
+            settle.item.stage = Stage.SETTLING
+        self._settling.extend(settles)
 
     async def drain(self, give_up_at: float) -> None:
         """Wait until everything queued is confirmed; calls still failing at ``give_up_at``
@@ -255,9 +262,7 @@ class Settler:
                     self._claims.store, completions, self._claims.retention,
                 )
                 self._report_lost(lost)
-                refused_ids = self._count_refused(refused)
-                for settle in batch:
-                    self._on_settled(settle, settle.item.delivery.ack_id in refused_ids)
+                self._on_settled(batch, self._count_refused(refused))
                 return
             lost = await self._retry("recording completions in the dedup store",
                                      len(completions), _STORE,
@@ -288,7 +293,7 @@ class Settler:
                          "come back after their ack deadline", len(batch), len(left))
         for settle in left:
             settle.outcome = Outcome.STOPPED
-            self._on_settled(settle, False)
+        self._on_settled(left, set())
 
     async def _settle(self, batch: list[Settle]) -> None:
         acks = [s for s in batch if s.ack]
@@ -299,16 +304,14 @@ class Settler:
             self._abandon(acks, "acked")
             refused = None
         if refused is not None:
-            for settle in acks:
-                self._on_settled(settle, settle.item.delivery.ack_id in refused)
+            self._on_settled(acks, refused)
         if nacks:
             try:
                 await self._send_nacks(nacks)
             except _GiveUp:
                 self._abandon(nacks, "nacked")
                 return
-            for settle in nacks:
-                self._on_settled(settle, False)
+            self._on_settled(nacks, set())
 
     async def _send_acks(self, acks: list[Settle]) -> set[str]:
         """Ack ``acks`` (their results, if any, are recorded already)."""
@@ -397,4 +400,4 @@ class Settler:
                        "their ack deadline", len(settles), verb)
         for settle in settles:
             settle.outcome = Outcome.STOPPED
-            self._on_settled(settle, False)
+        self._on_settled(settles, set())
