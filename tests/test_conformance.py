@@ -52,7 +52,12 @@ class TestRedisStreamsAdapterOnACluster(AdapterSuite):
 
 
 class TestNatsJetStreamAdapter(AdapterSuite):
-    """On a private nats-server with JetStream (tests/conftest.py starts it)."""
+    """On a private nats-server with JetStream (tests/conftest.py starts it).
+
+    With 2 s leases, as on the cluster: with 1 s ones a loop starved past half a second (two
+    suites side by side) let the server redeliver a message whose sync handler still ran, and a
+    forced stop then gave back two deliveries of it where the test expected one (reproduced by
+    blocking the loop 1.6 s: the redelivered copy even ran, its claim having lapsed too)."""
 
     nats_url = ""
 
@@ -61,7 +66,7 @@ class TestNatsJetStreamAdapter(AdapterSuite):
         self.nats_url = nats_server.url
 
     def make_harness(self) -> Harness:
-        return nats_harness(self.nats_url)
+        return nats_harness(self.nats_url, ack_deadline=2.0)
 
 
 class TestPubSubAdapter(AdapterSuite):

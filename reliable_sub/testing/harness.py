@@ -289,7 +289,7 @@ def pubsub_harness() -> Harness:
                    new_adapter=new_adapter, prefix=f"conf-{run}", features=features)
 
 
-def nats_harness(url: str) -> Harness:
+def nats_harness(url: str, ack_deadline: float = 1.0) -> Harness:
     """A real NATS server with JetStream at ``url``. Real time: a 1 s ack deadline keeps the
     suite short. Streams, consumers and the settings bucket of the run are deleted afterwards;
     dedup records live in the in-memory store (the stores have their own suite). Publishes carry
@@ -306,7 +306,7 @@ def nats_harness(url: str) -> Harness:
     async def cleanup() -> None:
         await delete_nats_streams(url, prefix)
 
-    return Harness(name="nats", clock=SystemClock(), ack_deadline=1.0, tick=0.1,
+    return Harness(name="nats", clock=SystemClock(), ack_deadline=ack_deadline, tick=0.1,
                    new_adapter=new_adapter, prefix=prefix, cleanup=cleanup)
 
 
