@@ -202,16 +202,31 @@ class TelemetryPolicy:
         idempotency_key: ``"hashed"`` (default): ``reliable_sub.idempotency_key`` holds the
             first 16 hex digits of the key's SHA-256; ``"raw"``: the key itself (it may be an
             order or payment id: only if your traces may hold those); ``"off"``: not set.
+        trace_first_attempts: the share of first delivery attempts traced in full (1.0, the
+            default: all). Below 1, the dashboard mode: a first attempt left out starts no
+            span, and gets one when it settles only if it did not succeed (retried,
+            dead-lettered, duplicate, deferred, given back), made as it would have been but
+            without the handler's child spans; a first attempt that succeeded leaves nothing.
+            Redeliveries are always traced in full. The tracer provider's sampler still
+            applies to every span made.
     """
 
     producer_as_parent: bool = False
     idempotency_key: str = "hashed"
+    trace_first_attempts: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.producer_as_parent, bool):
             raise ConfigurationError(
                 "TelemetryPolicy.producer_as_parent must be a bool, got "
                 f"{self.producer_as_parent!r}"
+            )
+        ratio = self.trace_first_attempts
+        if (not isinstance(ratio, int | float) or isinstance(ratio, bool)
+                or not 0.0 <= ratio <= 1.0):
+            raise ConfigurationError(
+                "TelemetryPolicy.trace_first_attempts must be a number from 0 to 1 (the share "
+                f"of first delivery attempts traced in full), got {ratio!r}"
             )
         if self.idempotency_key not in IDEMPOTENCY_KEY_MODES:
             raise ConfigurationError(

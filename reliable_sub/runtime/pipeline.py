@@ -92,7 +92,7 @@ class Runtime:
                     f"starting (adapter.ensure_topic_sync({topic!r}))"
                 )
         telemetry = self.telemetry = config.telemetry.for_run(
-            adapter.capabilities.messaging_system)
+            adapter.capabilities.messaging_system, config.rng)
         state, claims, stats, health = self.state, self.claims, self.stats, self.health
         decisions = self._decisions = Decisions(
             config, state, claims, stats, self.workers, telemetry, self.settler.add,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from random import Random
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -41,6 +42,7 @@ from ..outcome import Outcome
 from ..policy import TelemetryPolicy
 from ..ports import Claimed, ClaimResult, Completed
 from . import semconv as sc
+from .deferred import DeferredSpan, unsampled_context
 from .guard import never_raises, record_error, report
 from .propagation import extract, producer_span_context
 from .providers import meter_of, tracer_of
@@ -81,9 +83,9 @@ class SubscriberTelemetry:
         self.policy = policy or TelemetryPolicy()
         self._instruments: dict[int, _Instruments] = {}  # per meter, made on first use
 
-    def for_run(self, system: str) -> DeliveryTelemetry | None:
+    def for_run(self, system: str, rng: Random | None = None) -> DeliveryTelemetry | None:
         """This run's stage for a broker of ``system``, or None when nothing would be
-        recorded (no SDK configured)."""
+        recorded (no SDK configured). ``rng`` draws which first attempts are traced."""
         tracer = tracer_of(self.tracer_provider)
         meter = meter_of(self.meter_provider)
         if tracer is None and meter is None:
@@ -93,7 +95,7 @@ class SubscriberTelemetry:
             instruments = self._instruments.get(id(meter))
             if instruments is None:
                 instruments = self._instruments[id(meter)] = _Instruments(meter)
-        return DeliveryTelemetry(tracer, instruments, self.policy, system)
+        return DeliveryTelemetry(tracer, instruments, self.policy, system, rng)
 
 
 class Tally:
@@ -206,12 +208,14 @@ class DeliveryTelemetry:
     """Spans and metrics of one run's deliveries (see the module's docstring)."""
 
     def __init__(self, tracer: Tracer | None, instruments: _Instruments | None,
-                 policy: TelemetryPolicy, system: str) -> None:
+                 policy: TelemetryPolicy, system: str, rng: Random | None = None) -> None:
         self.tracer = tracer
         self.instruments = instruments
         self.policy = policy
         self.system = system
         self._gcp = system == sc.GCP_PUBSUB
+        self._rng = rng or Random()
+        self._first_attempts = policy.trace_first_attempts  # the ratio traced in full
 
     def route(self, subscription: str, topic: str, ack_deadline: float) -> RouteTelemetry:
         base = {
@@ -239,10 +243,16 @@ class DeliveryTelemetry:
             route.tallies.inflight.value += len(items)
         if self.tracer is None:
             return
+        ratio, draw = self._first_attempts, self._rng.random
         for item in items:
-            item.span = self._start_span(route, item, handler)
+            if (ratio < 1.0 and item.delivery.message.delivery_attempt == 1
+                    and draw() >= ratio):
+                item.span = DeferredSpan(handler)  # decided when it settles
+            else:
+                item.span = self._start_span(route, item, handler)
 
-    def _start_span(self, route: RouteTelemetry, item: InFlight[Any], handler: str) -> Any:
+    def _start_span(self, route: RouteTelemetry, item: InFlight[Any], handler: str,
+                    start_time: int | None = None) -> Any:
         message = item.delivery.message
         producer = extract(message.attributes) if message.attributes else None
         producer_span = producer_span_context(producer)
@@ -273,7 +283,15 @@ class DeliveryTelemetry:
                 else hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16])
         return self.tracer.start_span(  # type: ignore[union-attr]
             route.name, context=parent or Context(), kind=SpanKind.CONSUMER,
-            attributes=attributes, links=links)
+            attributes=attributes, links=links, start_time=start_time)
+
+    def _made_late(self, route: RouteTelemetry, item: InFlight[Any],
+                   deferred: DeferredSpan) -> Any:
+        """The span of a deferred delivery whose outcome asks for one, as it would have been."""
+        span = self._start_span(route, item, deferred.handler, deferred.start)
+        for name, attributes, timestamp in deferred.events or ():
+            span.add_event(name, attributes, timestamp)
+        return span
 
     @never_raises
     def dedup_verdict(self, item: InFlight[Any], verdict: ClaimResult) -> None:
@@ -288,8 +306,11 @@ class DeliveryTelemetry:
             span.add_event(sc.EVENT_DEDUP, event)
 
     def context_of(self, item: InFlight[Any]) -> Context:
-        """The context a handler runs in: its delivery's span (set) as the current span."""
+        """The context a handler runs in: its delivery's span (set) as the current span (an
+        unsampled one for a deferred delivery)."""
         try:
+            if type(item.span) is DeferredSpan:
+                return unsampled_context(self._rng)
             return trace.set_span_in_context(item.span, Context())
         except Exception:
             report("DeliveryTelemetry.context_of")
@@ -360,6 +381,10 @@ class DeliveryTelemetry:
         if span is None:
             return
         item.span = None
+        if type(span) is DeferredSpan:
+            if outcome is Outcome.ACKED or self.tracer is None:
+                return  # a first attempt that succeeded, and the ratio left out
+            span = self._made_late(route, item, span)
         if span.is_recording():
             span.set_attribute(sc.OUTCOME, outcome.value)
             if outcome in _NACKED:
