@@ -15,7 +15,9 @@ a no-op async handler) drains a pre-published backlog:
 
 on the in-memory broker (``--messages``) and on Redis Streams (``--redis``, ``--redis-messages``).
 Then the same on the in-memory broker with a handler that works: 0.5 ms of CPU per message
-(``--work-messages``), off, SDK and sampled, to show the cost beside real work.
+(``--work-messages``), off, SDK and sampled, to show the cost beside real work. In the same
+repetitions, the SDK's floor (``benchmarks._telemetry_floor``): the same spans and metric records
+in a loop of nothing else, so the table tells the SDK's cost from ours.
 """
 
 from __future__ import annotations
@@ -28,27 +30,26 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from opentelemetry.metrics import NoOpMeterProvider
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import (
-    MetricExporter,
-    MetricExportResult,
-    MetricsData,
-    PeriodicExportingMetricReader,
-)
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
-from opentelemetry.trace import NoOpTracerProvider
 
 from benchmarks import memory_pipeline as memory
 from benchmarks import redis_streams as redis_bench
 from benchmarks._common import GcTimer, Rates, positive_int, verdict, write_section
-from reliable_sub import Message, Outcome, Subscriber, TelemetryPolicy
+from benchmarks._telemetry_floor import (
+    API,
+    DASHBOARD,
+    METRICS_ONLY,
+    OFF,
+    SDK,
+    VARIANTS,
+    WORK,
+    WORK_VARIANTS,
+    floor_seconds,
+    providers,
+)
+from reliable_sub import Message, Outcome, Subscriber
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
 
 DEFAULT_MESSAGES = 30_000
@@ -58,64 +59,9 @@ DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 WARMUP_MESSAGES = 2_000
 DEFAULT_WORK_MESSAGES = 4_000
 WORK_SECONDS = 0.0005  # CPU time the working handler spends per message
-# The periodic metric reader's interval: long enough not to run during a timed run.
-METRIC_EXPORT_INTERVAL_MS = 60_000
 SECTION_NAME = "telemetry"
 COMMAND = "python -m benchmarks.telemetry --write"
-
-OFF, API = "off (no-op providers)", "API alone (no SDK)"
-SDK, SAMPLED = "SDK (batch spans, metrics)", "SDK, 1% of traces sampled"
-METRICS_ONLY, SPANS_ONLY = "SDK, metrics only", "SDK, spans only"
-DASHBOARD = "SDK, dashboard mode (1% of first attempts)"
-VARIANTS = (OFF, API, METRICS_ONLY, SPANS_ONLY, SDK, SAMPLED, DASHBOARD)
-WORK_VARIANTS = (OFF, SDK, SAMPLED, DASHBOARD)
-WORK = "memory, 0.5 ms handler"
-SAMPLED_RATIO = 0.01
-
-
-class NoOpSpanExporter(SpanExporter):
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        return SpanExportResult.SUCCESS
-
-
-class NoOpMetricExporter(MetricExporter):
-    def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000,
-               **kwargs: Any) -> MetricExportResult:
-        return MetricExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return True
-
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
-        return None
-
-
-def providers(variant: str) -> tuple[dict[str, Any], list[Any]]:
-    """The Subscriber's provider arguments for ``variant``, and what to shut down after."""
-    if variant == OFF:
-        return {"tracer_provider": NoOpTracerProvider(),
-                "meter_provider": NoOpMeterProvider()}, []
-    if variant == API:
-        return {}, []
-    options: dict[str, Any] = {"tracer_provider": NoOpTracerProvider(),
-                               "meter_provider": NoOpMeterProvider()}
-    owned: list[Any] = []
-    if variant == DASHBOARD:  # the default sampler: the policy decides
-        options["telemetry"] = TelemetryPolicy(trace_first_attempts=SAMPLED_RATIO)
-    if variant != METRICS_ONLY:
-        sampler = ParentBased(TraceIdRatioBased(SAMPLED_RATIO)) if variant == SAMPLED else None
-        tracer_provider = TracerProvider(sampler=sampler)
-        tracer_provider.add_span_processor(BatchSpanProcessor(NoOpSpanExporter()))
-        options["tracer_provider"] = tracer_provider
-        owned.append(tracer_provider)
-    if variant != SPANS_ONLY:
-        reader = PeriodicExportingMetricReader(
-            NoOpMetricExporter(), export_interval_millis=METRIC_EXPORT_INTERVAL_MS)
-        meter_provider = MeterProvider(metric_readers=[reader])
-        options["meter_provider"] = meter_provider
-        owned.append(meter_provider)
-    return options, owned
-
+FLOOR = "SDK floor"
 
 async def working_handler(message: Message) -> None:
     """A handler that computes for WORK_SECONDS (CPU, holding the event loop) per message."""
@@ -214,7 +160,8 @@ def _check(variant: str, subscriber: Subscriber, messages: int) -> None:
 async def measure(args: argparse.Namespace) -> dict[str, dict[str, Rates]]:
     results: dict[str, dict[str, Rates]] = {
         "memory": {v: Rates(v) for v in VARIANTS}, "redis": {v: Rates(v) for v in VARIANTS},
-        WORK: {v: Rates(v) for v in WORK_VARIANTS}}
+        WORK: {v: Rates(v) for v in WORK_VARIANTS},
+        FLOOR: {v: Rates(v) for v in VARIANTS if v not in (OFF, API)}}
     control = aioredis.Redis.from_url(args.redis)
     template = f"{redis_bench.KEY_PREFIX}:telemetry-template"
     await redis_bench.publish_template(control, template, args.redis_messages)
@@ -228,6 +175,9 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, Rates]]:
                 seconds = await run_redis(control, args.redis, template, variant,
                                           args.redis_messages)
                 results["redis"][variant].rates.append(args.redis_messages / seconds)
+                if variant in results[FLOOR]:
+                    seconds = floor_seconds(variant, args.messages)
+                    results[FLOOR][variant].rates.append(args.messages / seconds)
                 print(f"  run {repetition}/{args.repetitions}  {variant:<27} memory "
                       f"{results['memory'][variant].rates[-1]:>9,.0f}  redis "
                       f"{results['redis'][variant].rates[-1]:>8,.0f} msg/s", file=sys.stderr)
@@ -240,6 +190,33 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, Rates]]:
         await control.delete(template)
         await control.aclose()
     return results
+
+
+def floor_table(brokers: dict[str, dict[str, Rates]], floor: dict[str, Rates]) -> list[str]:
+    """Each SDK variant beside the SDK's floor: what the SDK's own calls cost per message, and
+    what the Subscriber adds beyond them (the goal: the full SDK variant within 15%)."""
+    lines = [
+        "Beside the SDK's floor (`benchmarks/_telemetry_floor.py`: the same spans and metric "
+        "records, with the same SDK, processor and exporter, in a loop of nothing else; measured "
+        "in the same repetitions):",
+        "",
+        "| Broker | Variant | SDK floor µs/msg | ours µs/msg added (vs off) | ours beyond the "
+        "floor µs/msg | time vs off + floor |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    goals = []
+    for broker in ("memory", "redis"):
+        off = 1e6 / brokers[broker][OFF].median
+        for variant, rates in floor.items():
+            floor_micros = 1e6 / rates.median
+            ours = 1e6 / brokers[broker][variant].median
+            ratio = ours / (off + floor_micros)
+            lines.append(f"| {broker} | {variant} | {floor_micros:.1f} | {ours - off:+.1f} | "
+                         f"{ours - off - floor_micros:+.1f} | {ratio:.2f}× |")
+            if variant == SDK:
+                goals.append(verdict(f"{broker}: our own cost beyond the SDK's floor",
+                                     (ratio - 1.0) * 100, 15, unit=" %", at_most=True))
+    return [*lines, "", *goals]
 
 
 def report(args: argparse.Namespace, results: dict[str, dict[str, Rates]]) -> str:
@@ -258,7 +235,8 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Rates]]) -> st
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     costs: dict[str, dict[str, float]] = {}
-    for broker, rows in results.items():
+    brokers = {broker: rows for broker, rows in results.items() if broker != FLOOR}
+    for broker, rows in brokers.items():
         off = rows[OFF].median
         for variant, row in rows.items():
             cost = off / row.median - 1.0
@@ -268,7 +246,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Rates]]) -> st
                          f"{min(row.rates):,.0f} – {max(row.rates):,.0f} | "
                          f"{1e6 / row.median:.1f} | {added:+.1f} | {cost:+.1%} |")
     lines.append("")
-    for broker in results:
+    for broker in brokers:
         lines.append(verdict(f"{broker}: SDK cost (time per message, vs off)",
                              costs[broker][SDK] * 100, 25, unit=" %", at_most=True))
         if METRICS_ONLY in costs[broker]:
@@ -280,6 +258,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Rates]]) -> st
         if API in costs[broker]:
             lines.append(verdict(f"{broker}: API-alone cost", costs[broker][API] * 100, 3,
                                  unit=" %", at_most=True))
+    lines += ["", *floor_table(brokers, results[FLOOR])]
     lines += [
         "",
         "Reading the figures:",
