@@ -378,3 +378,22 @@ async def test_dead_letters_are_counted_by_reason(recorded: Recorded) -> None:
     by_reason = {p.attributes[reason]: p.value
                  for p in recorded.points("reliable_sub.dead_lettered")}
     assert by_reason == {"rejected": 2, "max-delivery-attempts": 1}
+
+
+async def test_acked_messages_are_counted_by_the_attempt_that_succeeded(
+        recorded: Recorded) -> None:
+    """#27: a counter by attempt (tallied in process), not a histogram record per message."""
+    clock, broker, sub = setup(retry=RetryPolicy(min_backoff=1, max_backoff=1))
+    fail_until: dict[bytes, int] = {b"first": 1, b"third": 3, b"twelfth": 12}
+
+    @sub.handler("billing")
+    async def charge(message: Message) -> None:
+        if message.delivery_attempt < fail_until[message.data]:
+            raise ConnectionError("down")
+
+    for data in fail_until:
+        broker.publish_sync("orders", data)
+    await run_until(clock, sub, lambda: sub.stats[Outcome.ACKED] == 3, "three acks")
+    by_attempt = {p.attributes["reliable_sub.delivery.attempt"]: p.value
+                  for p in recorded.points("reliable_sub.delivery.attempts")}
+    assert by_attempt == {"1": 1, "3": 1, ">10": 1}

@@ -161,10 +161,12 @@ class _Instruments:
             description="Messages published to the dead-letter topic, by why "
                         "(reliable_sub.dead_letter.reason: rejected, max-delivery-attempts, "
                         "unreadable, running-too-long).")
-        self.attempts = meter.create_histogram(
-            sc.ATTEMPTS, unit="{attempt}",
-            description="The delivery attempt on which messages succeeded.",
-            explicit_bucket_boundaries_advisory=sc.ATTEMPT_BUCKETS)
+        self.attempts = _Tallies()
+        meter.create_observable_counter(
+            sc.ATTEMPTS, [self.attempts.observe], unit="{message}",
+            description="Messages acked, by the delivery attempt on which they succeeded "
+                        f"(reliable_sub.delivery.attempt: 1 to {sc.MAX_ATTEMPT_VALUE}, then "
+                        f"{sc.LATER_ATTEMPTS!r}).")
 
 
 @dataclass
@@ -177,6 +179,8 @@ class _RouteTallies:
     # by reliable_sub.dead_letter.reason: a dashboard tells "rejected" from "attempts used up"
     dead_lettered: dict[str, Tally] = field(default_factory=dict)
     consumed: dict[Outcome, Tally] = field(default_factory=dict)
+    # by the attempt on which messages succeeded, capped (see semconv.MAX_ATTEMPT_VALUE)
+    attempts: dict[int, Tally] = field(default_factory=dict)
 
 
 @dataclass
@@ -195,6 +199,15 @@ class RouteTelemetry:
             attributes = self.by_outcome[outcome] = {
                 **self.metric_attributes, sc.OUTCOME: outcome.value}
         return attributes
+
+    def succeeded_on(self, tallies: _RouteTallies, attempt: int) -> Tally:
+        attempt = min(attempt, sc.MAX_ATTEMPT_VALUE + 1)
+        tally = tallies.attempts.get(attempt)
+        if tally is None:
+            value = str(attempt) if attempt <= sc.MAX_ATTEMPT_VALUE else sc.LATER_ATTEMPTS
+            tally = tallies.attempts[attempt] = tallies.instruments.attempts.of(
+                {**self.metric_attributes, sc.ATTEMPT: value})
+        return tally
 
     def consumed(self, tallies: _RouteTallies, outcome: Outcome) -> Tally:
         tally = tallies.consumed.get(outcome)
@@ -373,8 +386,7 @@ class DeliveryTelemetry:
                     attributes = {**attributes, sc.ERROR_TYPE: error_type(item.error)}
                 instruments.duration.record(item.duration, attributes)
             if outcome is Outcome.ACKED:
-                instruments.attempts.record(item.delivery.message.delivery_attempt,
-                                            route.metric_attributes)
+                route.succeeded_on(tallies, item.delivery.message.delivery_attempt).value += 1
             elif outcome is Outcome.DUPLICATE:
                 tallies.duplicates.value += 1
         span = item.span

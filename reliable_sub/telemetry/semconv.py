@@ -78,8 +78,11 @@ OUTBOX_PUBLISHED = "reliable_sub.outbox.published"
 # messaging.process.duration's buckets, as the conventions advise
 DURATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                     10.0)
-# reliable_sub.delivery.attempts' buckets: the attempt on which a message succeeded
-ATTEMPT_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 7.0, 10.0, 15.0, 20.0, 50.0, 100.0)
+# reliable_sub.delivery.attempts counts acked messages by the attempt on which they succeeded:
+# its attribute holds the attempt up to this, then one value for all later ones
+ATTEMPT = "reliable_sub.delivery.attempt"
+MAX_ATTEMPT_VALUE = 10
+LATER_ATTEMPTS = f">{MAX_ATTEMPT_VALUE}"
 
 
 def subscription_attribute(system: str) -> str:
