@@ -11,7 +11,9 @@ change), variants interleaved, the median of ``--repetitions`` runs shown:
    ``idempotent_function`` on its ``RedisCachePersistenceLayer`` (outside Lambda: a stub
    context, ``ssl=False``), each on a function that returns a small dict. First calls (a fresh
    key each) and replays (the same keys again), called one after another. Our SqlDedupStore on
-   PostgreSQL and SQLite, and MemoryDedupStore, run the same workloads for reference.
+   PostgreSQL and SQLite, and MemoryDedupStore, run the same workloads for reference, and the
+   PostgreSQL store's floor: a raw psycopg loop sending the store's own two statements
+   (``benchmarks/_dedup_sql_floor.py``).
 2. **Batched claims**: the Subscriber's claim path (``claim_many`` of a received batch of 100
    keys, one call) vs the limit, raw ``SET key value NX PX ttl`` for the same 100 keys in one
    redis-py pipeline (no MULTI); and SqlDedupStore's ``claim_many`` (one statement per batch).
@@ -35,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks._common import Rates, positive_int, verdict, write_section
+from benchmarks._dedup_sql_floor import RawIdempotent, captured_statements
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
@@ -47,6 +50,8 @@ TTL = 3600.0
 LEASE = 30.0
 SECTION_NAME = "dedup"
 COMMAND = "python -m benchmarks.dedup --write"
+PG = "@idempotent async, SqlDedupStore on PostgreSQL"
+RAW_PG = "raw psycopg loop, the store's two statements (PostgreSQL floor)"
 
 
 async def timed(operations: int, work: Callable[[], Awaitable[None]]) -> float:
@@ -146,6 +151,8 @@ async def bench_idempotent(args: argparse.Namespace) -> list[IdempotentVariant]:
     sql_lite = SqlDedupStore("sqlite://", table="bench_idem")
     for store in (sql_pg, sql_lite):
         store.create_schema_sync()
+    raw_pg = RawIdempotent(args.postgres, *await captured_statements(sql_pg))
+    await raw_pg.connect()
     redis_store = RedisDedupStore(args.redis, prefix=f"bench-dedup-{uuid.uuid4().hex[:8]}")
     variants = [
         IdempotentVariant("Powertools idempotent_function, Redis",
@@ -155,8 +162,9 @@ async def bench_idempotent(args: argparse.Namespace) -> list[IdempotentVariant]:
                           lambda run: ours_function(redis_store, is_async=False)),
         IdempotentVariant("@idempotent async, RedisDedupStore",
                           lambda run: ours_function(redis_store, is_async=True), is_async=True),
-        IdempotentVariant("@idempotent async, SqlDedupStore on PostgreSQL",
+        IdempotentVariant(PG,
                           lambda run: ours_function(sql_pg, is_async=True), is_async=True),
+        IdempotentVariant(RAW_PG, raw_pg.make, is_async=True),
         IdempotentVariant("@idempotent async, SqlDedupStore on SQLite",
                           lambda run: ours_function(sql_lite, is_async=True), is_async=True),
         IdempotentVariant("@idempotent async, MemoryDedupStore (reference)",
@@ -180,6 +188,7 @@ async def bench_idempotent(args: argparse.Namespace) -> list[IdempotentVariant]:
     finally:
         await _delete_redis_keys(args.redis, ["bench-pt-*", f"{redis_store.prefix}*"])
         await redis_store.close()
+        await raw_pg.close()
         for store in (sql_pg, sql_lite):
             async with store.engine.begin() as connection:
                 await connection.run_sync(store.metadata.drop_all)
@@ -363,6 +372,8 @@ def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list
                 f"{max(row.rates):,.0f} | {1e6 / row.median:,.0f} | "
                 f"{row.median / base.median:.2f}× |"
             )
+    by_name = {variant.name: variant for variant in idem}
+    pg, raw_pg = by_name[PG], by_name[RAW_PG]
     best_first = max(ours_sync.first.median, ours_async.first.median)
     best_replay = max(ours_sync.replay.median, ours_async.replay.median)
     lines += [
@@ -374,6 +385,10 @@ def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list
         f"* best of sync/async on Redis: first calls "
         f"{best_first / powertools.first.median:.2f}×, replays "
         f"{best_replay / powertools.replay.median:.2f}× Powertools",
+        verdict("first calls, @idempotent async on PostgreSQL vs the raw psycopg loop",
+                pg.first.median / raw_pg.first.median, 0.5),
+        verdict("replays, @idempotent async on PostgreSQL vs the raw psycopg loop",
+                pg.replay.median / raw_pg.replay.median, 0.5),
         "",
         f"**2. Batched claims** ({args.batches} batches of {BATCH} fresh keys per run). "
         "Ratios to raw pipelined SET NX PX.",
