@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from .errors import ConfigurationError, MissingExtraError
@@ -21,7 +22,7 @@ from .loops import PerLoop
 try:
     import sqlalchemy as sa
     from sqlalchemy.engine import URL, Engine, make_url
-    from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("The SQL store and outbox", "sql", "SQLAlchemy") from error
 
@@ -71,11 +72,26 @@ class SqlEngines:
         self._sync = sync_engine
         self._engines: PerLoop[AsyncEngine] = PerLoop(self._make)
         self._transaction_engines: PerLoop[AsyncEngine] = PerLoop(self._make)
+        # the engine's pool, its connections in autocommit while checked out (see standalone)
+        self._autocommit: PerLoop[AsyncEngine] = PerLoop(
+            lambda: self.engine.execution_options(isolation_level="AUTOCOMMIT"))
 
     @property
     def engine(self) -> AsyncEngine:
         """The asyncio engine of the running event loop."""
         return self._given if self._given is not None else self._engines.get()
+
+    def standalone(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A connection for statements that each stand alone.
+
+        On PostgreSQL in autocommit: each statement its own transaction, one round trip, where
+        a transaction around it would add two (``BEGIN`` and ``COMMIT``; under READ COMMITTED
+        each statement of a transaction sees a fresh snapshot anyway). On SQLite a transaction
+        (its claim reads back what it wrote, in a second statement).
+        """
+        if self.dialect == "postgresql":
+            return self._autocommit.get().connect()
+        return self.engine.begin()
 
     @property
     def transaction_engine(self) -> AsyncEngine:
@@ -121,6 +137,7 @@ class SqlEngines:
 
     async def close(self) -> None:
         """Dispose of this loop's engine (its connections); a later call reconnects."""
+        self._autocommit.pop()  # the engine's, disposed of with it
         for engines in (self._engines, self._transaction_engines):
             engine = engines.pop()
             if engine is not None:

@@ -143,7 +143,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
             doomed = (
                 sa.select(t.c.namespace, t.c.key).where(t.c.expires_at <= now).limit(batch_size)
             )
-            async with self.engine.begin() as connection:
+            async with self._engines.standalone() as connection:
                 result = await connection.execute(
                     sa.delete(t).where(
                         sa.tuple_(t.c.namespace, t.c.key).in_(doomed.scalar_subquery()),
@@ -175,7 +175,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         ).on_conflict_do_update(
             index_elements=[t.c.namespace, t.c.key], set_={"failures": t.c.failures + 1},
         ).returning(t.c.failures)
-        async with self.engine.begin() as connection:
+        async with self._engines.standalone() as connection:
             return int((await connection.execute(statement)).scalar_one())
 
     # -- the DedupStore protocol ----------------------------------------------------------------
@@ -196,7 +196,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
             first.setdefault(row_key, index)
         rows = [(ns, k, chosen[index]) for (ns, k), index in first.items()]
         now = self._clock.wall()
-        async with self.engine.begin() as connection:
+        async with self._engines.standalone() as connection:
             found = await self._claim_rows(connection, rows, now, now + lease)
         results: list[ClaimResult] = []
         for index, key in enumerate(keys):
@@ -317,7 +317,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
             return []
         lease = check_seconds("SqlDedupStore", "lease_ttl", lease_ttl)
         now = self._clock.wall()
-        async with self.engine.begin() as connection:
+        async with self._engines.standalone() as connection:
             renewed = await self._update_held(
                 connection, claims, now,
                 {"expires_at": now + lease, "lease_expires_at": now + lease},
@@ -365,7 +365,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         parameters = self._batch_parameters(("namespace", "key", "owner", "result"),
                                             list(rows.values()))
         parameters.update(now=now, expires_at=now + retention)
-        async with self.engine.begin() as connection:
+        async with self._engines.standalone() as connection:
             written = {(r[0], r[1]) for r in
                        (await connection.execute(self._completion_upsert(), parameters)).all()}
             left = [key for key in rows if key not in written]
@@ -414,7 +414,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         keep = [c for c in claims if c.failures > 0 and retention > 0]
         forget = [c for c in claims if not (c.failures > 0 and retention > 0)]
         t = self.table
-        async with self.engine.begin() as connection:
+        async with self._engines.standalone() as connection:
             if keep:
                 await self._update_held(
                     connection, keep, now,
