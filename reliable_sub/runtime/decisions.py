@@ -132,7 +132,10 @@ class Decisions:
         if item.claim is None:  # the fast path: nothing to record
             if claims.failure_counts:
                 claims.forget(lane.namespace, item)
-            self.settle(item, Outcome.ACKED, ack=True)
+            if not lane.ordered or item.delivery.message.ordering_key is None:
+                self._add_settle(Settle(item, Outcome.ACKED, ack=True))  # (settle(), inline)
+            else:
+                self.settle(item, Outcome.ACKED, ack=True)
             return
         result_json = "null" if result is None else self.encode(result, item.delivery.message)
         self.settle(item, Outcome.ACKED, ack=True,

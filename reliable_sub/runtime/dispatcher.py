@@ -151,11 +151,14 @@ class Dispatcher:
         if collector is not None and not lane.ordered:
             collector.add_many(items)
             return
+        ordered, start = lane.ordered, self._start
         for item in items:
-            if collector is not None and item.delivery.message.ordering_key is None:
+            if ordered and item.delivery.message.ordering_key is not None:
+                self.dispatch(lane, item)  # queued behind its key's running delivery, or started
+            elif collector is not None:
                 collector.add(item)
             else:
-                self.dispatch(lane, item)
+                start(item)
 
     def key_decided(self, lane: Lane, key: str, outcome: Outcome, item: Item) -> None:
         """After a delivery of ``key`` was decided: start the next one, or give them all back.
@@ -207,7 +210,7 @@ class Dispatcher:
             item.task = asyncio.current_task()
         lane = item.lane
         flow = self._flow
-        size = item.delivery.size
+        size = len(item.delivery.message.data)  # (Delivery.size, without the call)
         holds_bytes = holds_thread = False
         try:
             if not flow.try_acquire_bytes(size):
