@@ -1,47 +1,22 @@
-"""Round trips to PostgreSQL per @idempotent call, counted exactly (libpq's protocol trace: one
-``ReadyForQuery`` per round trip). The floor is one statement per store call; a transaction
-around it would add BEGIN and COMMIT, and each checkout pings the connection first (#27)."""
+"""Round trips to PostgreSQL per @idempotent call and per outbox relay round, counted exactly
+(libpq's protocol trace: one ``ReadyForQuery`` per round trip). The floor of a store call is one
+statement; a transaction around it would add BEGIN and COMMIT, and each checkout pings the
+connection first (#27)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
+from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.dedup import SqlDedupStore
 from reliable_sub.idempotency import idempotent
+from reliable_sub.outbox import OutboxRelay
 from reliable_sub.testing.services import postgres_url
-
-
-class Trace:
-    """libpq's trace of every connection the engine opens, into one file."""
-
-    def __init__(self) -> None:
-        self.file = tempfile.NamedTemporaryFile(prefix="pq-trace-", delete=False)  # noqa: SIM115
-
-    def attach(self, dbapi_connection: Any, _record: Any) -> None:
-        pgconn = dbapi_connection.driver_connection.pgconn
-        pgconn.trace(self.file.fileno())
-        import psycopg
-
-        pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
-
-    def round_trips(self) -> int:
-        with open(self.file.name, encoding="utf-8", errors="replace") as lines:
-            return sum(1 for line in lines if "\tReadyForQuery\t" in line)
-
-    def lines(self) -> list[str]:
-        with open(self.file.name, encoding="utf-8", errors="replace") as lines:
-            return [line.rstrip() for line in lines]
-
-    def close(self) -> None:
-        self.file.close()
-        os.unlink(self.file.name)
+from tests.outbox_support import add, fresh_outbox
+from tests.pq_trace import Trace
 
 
 @pytest.fixture
@@ -56,7 +31,7 @@ async def store(trace: Trace) -> AsyncIterator[SqlDedupStore]:
     made = SqlDedupStore(postgres_url(), table=f"trips_{uuid.uuid4().hex[:8]}")
     await made.create_schema()
     await made.engine.dispose()  # every connection from here on is traced
-    sa.event.listen(made.engine.sync_engine, "connect", trace.attach)
+    trace.follow(made.engine)
     yield made
     async with made.engine.begin() as connection:
         await connection.run_sync(made.metadata.drop_all)
@@ -79,3 +54,22 @@ async def test_a_first_call_and_a_replay_cost_one_statement_per_store_call_and_a
     # statement in autocommit, no BEGIN, no COMMIT
     assert (first, replay) == (4, 2), "\n".join(trace.lines()[-40:])
     assert not any('"BEGIN"' in line for line in trace.lines())
+
+
+async def test_a_relay_round_marks_without_waiting_for_the_log_flush(trace: Trace) -> None:
+    async with fresh_outbox("postgresql") as box:
+        await box.engine.dispose()
+        trace.follow(box.engine)
+        broker = MemoryAdapter()
+        broker.ensure_topic_sync("orders")
+        relay = OutboxRelay(box, broker)
+        assert await relay.relay_once() == 0  # connects: the handshake is not the round's
+        for number in range(5):
+            await add(box, f"row-{number}".encode())
+        before = trace.round_trips()
+        assert await relay.relay_once() == 5
+        # a pre-ping; BEGIN; the keys, the unkeyed rows; SET LOCAL; the marks; COMMIT
+        assert trace.round_trips() - before == 7, "\n".join(trace.lines()[-60:])
+        assert trace.sent("SET LOCAL synchronous_commit = off") == 1
+        assert await relay.relay_once() == 0
+        assert trace.sent("synchronous_commit") == 1, "an empty round writes nothing"
