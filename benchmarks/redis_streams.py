@@ -70,7 +70,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -413,10 +413,12 @@ class RawConsumer(Consumer):
 class FastStreamConsumer(Consumer):
     """``(b1)``/``(b2)``: FastStream's stream subscriber with a consumer group."""
 
-    def __init__(self, url: str, keys: RunKeys, tally: Tally, *, batch: bool) -> None:
+    def __init__(self, url: str, keys: RunKeys, tally: Tally, *, batch: bool,
+                 middlewares: Sequence[Any] = ()) -> None:
         super().__init__(url, keys, tally)
         # logger=None turns FastStream's per-message logging off (its docs' way; not in its types)
-        self.broker = RedisBroker(url, logger=None)  # type: ignore[arg-type]
+        self.broker = RedisBroker(url, logger=None,  # type: ignore[arg-type]
+                                  middlewares=tuple(middlewares))
         stream = StreamSub(
             keys.stream,
             group=keys.group,

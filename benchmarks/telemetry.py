@@ -17,7 +17,9 @@ on the in-memory broker (``--messages``) and on Redis Streams (``--redis``, ``--
 Then the same on the in-memory broker with a handler that works: 0.5 ms of CPU per message
 (``--work-messages``), off, SDK and sampled, to show the cost beside real work. In the same
 repetitions, the SDK's floor (``benchmarks._telemetry_floor``): the same spans and metric records
-in a loop of nothing else, so the table tells the SDK's cost from ours.
+in a loop of nothing else, so the table tells the SDK's cost from ours. And the peer:
+FastStream's Redis ``StreamSub`` (one message per call) with and without its
+``RedisTelemetryMiddleware`` on the SDK variant's providers (``--peer-messages``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ WORK_SECONDS = 0.0005  # CPU time the working handler spends per message
 SECTION_NAME = "telemetry"
 COMMAND = "python -m benchmarks.telemetry --write"
 FLOOR = "SDK floor"
+PEER = "redis, FastStream (one message per call)"
+FS_OFF = "FastStream, no telemetry"
+FS_OTEL = "FastStream + RedisTelemetryMiddleware (SDK)"
+DEFAULT_PEER_MESSAGES = 2_000
 
 async def working_handler(message: Message) -> None:
     """A handler that computes for WORK_SECONDS (CPU, holding the event loop) per message."""
@@ -151,6 +157,40 @@ async def _redis_drained(control: aioredis.Redis, keys: Any, handled: Any,
         await asyncio.sleep(redis_bench.POLL_INTERVAL)
 
 
+async def run_faststream(control: aioredis.Redis, url: str, template: str, telemetry: bool,
+                         messages: int) -> float:
+    """Seconds for FastStream (one message per call) to drain a copy of the template stream,
+    with its RedisTelemetryMiddleware on the SDK variant's providers when ``telemetry``."""
+    from faststream.redis.opentelemetry import RedisTelemetryMiddleware
+
+    keys = redis_bench.next_keys(redis_bench.FS_ONE)
+    if not await control.copy(template, keys.stream):
+        raise RuntimeError(f"COPY to {keys.stream} failed")
+    options, owned = providers(SDK)
+    middlewares = [RedisTelemetryMiddleware(
+        tracer_provider=options["tracer_provider"],
+        meter_provider=options["meter_provider"])] if telemetry else []
+    tally = redis_bench.Tally()
+    consumer = redis_bench.FastStreamConsumer(url, keys, tally, batch=False,
+                                              middlewares=middlewares)
+    try:
+        await consumer.prepare(control, None)
+        gc.collect()
+        started = time.perf_counter()
+        await consumer.start()
+        drained = await redis_bench.wait_drained(control, consumer, messages,
+                                                 started + redis_bench.RUN_DEADLINE)
+        await consumer.stop()
+        await redis_bench.verify_group(control, keys, messages)
+        consumer.check(messages)
+    finally:
+        await consumer.close()
+        await redis_bench.delete_keys(control, f"{keys.base}:*")
+        for provider in owned:
+            provider.shutdown()
+    return drained - started
+
+
 def _check(variant: str, subscriber: Subscriber, messages: int) -> None:
     outcomes = dict(subscriber.stats.outcomes)
     if outcomes != {Outcome.ACKED: messages}:
@@ -161,10 +201,13 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, Rates]]:
     results: dict[str, dict[str, Rates]] = {
         "memory": {v: Rates(v) for v in VARIANTS}, "redis": {v: Rates(v) for v in VARIANTS},
         WORK: {v: Rates(v) for v in WORK_VARIANTS},
-        FLOOR: {v: Rates(v) for v in VARIANTS if v not in (OFF, API)}}
+        FLOOR: {v: Rates(v) for v in VARIANTS if v not in (OFF, API)},
+        PEER: {v: Rates(v) for v in (FS_OFF, FS_OTEL)}}
     control = aioredis.Redis.from_url(args.redis)
     template = f"{redis_bench.KEY_PREFIX}:telemetry-template"
     await redis_bench.publish_template(control, template, args.redis_messages)
+    peer_template = f"{redis_bench.KEY_PREFIX}:telemetry-peer-template"
+    await redis_bench.publish_template(control, peer_template, args.peer_messages)
     try:
         for variant in VARIANTS:  # warm-up
             await run_memory(variant, WARMUP_MESSAGES)
@@ -181,13 +224,19 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, Rates]]:
                 print(f"  run {repetition}/{args.repetitions}  {variant:<27} memory "
                       f"{results['memory'][variant].rates[-1]:>9,.0f}  redis "
                       f"{results['redis'][variant].rates[-1]:>8,.0f} msg/s", file=sys.stderr)
+            for variant in (FS_OFF, FS_OTEL):
+                seconds = await run_faststream(control, args.redis, peer_template,
+                                               variant == FS_OTEL, args.peer_messages)
+                results[PEER][variant].rates.append(args.peer_messages / seconds)
+                print(f"  run {repetition}/{args.repetitions}  {variant:<27} "
+                      f"{results[PEER][variant].rates[-1]:>8,.0f} msg/s", file=sys.stderr)
             for variant in WORK_VARIANTS:
                 seconds = await run_memory(variant, args.work_messages, work=True)
                 results[WORK][variant].rates.append(args.work_messages / seconds)
                 print(f"  run {repetition}/{args.repetitions}  {variant:<27} working handler "
                       f"{results[WORK][variant].rates[-1]:>7,.0f} msg/s", file=sys.stderr)
     finally:
-        await control.delete(template)
+        await control.delete(template, peer_template)
         await control.aclose()
     return results
 
@@ -219,6 +268,26 @@ def floor_table(brokers: dict[str, dict[str, Rates]], floor: dict[str, Rates]) -
     return [*lines, "", *goals]
 
 
+def peer_table(ours: dict[str, Rates], peer: dict[str, Rates], messages: int) -> list[str]:
+    """FastStream on the same Redis, one message per call, with and without its OpenTelemetry
+    middleware on the SDK variant's providers, beside the Subscriber."""
+    lines = [
+        f"The peer: FastStream's `StreamSub` ({messages:,} entries per run, one message per call, "
+        "its default ack per message) with and without its `RedisTelemetryMiddleware` on the "
+        "same SDK providers, processor and exporter:",
+        "",
+        "| Variant | median msgs/s | µs/msg | telemetry's cost |",
+        "|---|---:|---:|---:|",
+    ]
+    for variant, rates in peer.items():
+        cost = peer[FS_OFF].median / rates.median - 1.0
+        lines.append(f"| {variant} | {rates.median:,.0f} | {1e6 / rates.median:.1f} | "
+                     f"{cost:+.1%} |")
+    return [*lines, "", verdict("redis: Subscriber with the SDK vs FastStream with its "
+                                "OpenTelemetry middleware", ours[SDK].median
+                                / peer[FS_OTEL].median, 1.5)]
+
+
 def report(args: argparse.Namespace, results: dict[str, dict[str, Rates]]) -> str:
     lines = [
         "## Telemetry: tracing and metrics on, off, and the API alone",
@@ -235,7 +304,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Rates]]) -> st
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     costs: dict[str, dict[str, float]] = {}
-    brokers = {broker: rows for broker, rows in results.items() if broker != FLOOR}
+    brokers = {broker: rows for broker, rows in results.items() if broker not in (FLOOR, PEER)}
     for broker, rows in brokers.items():
         off = rows[OFF].median
         for variant, row in rows.items():
@@ -259,6 +328,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Rates]]) -> st
             lines.append(verdict(f"{broker}: API-alone cost", costs[broker][API] * 100, 3,
                                  unit=" %", at_most=True))
     lines += ["", *floor_table(brokers, results[FLOOR])]
+    lines += ["", *peer_table(results["redis"], results[PEER], args.peer_messages)]
     lines += [
         "",
         "Reading the figures:",
@@ -289,6 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES)
     parser.add_argument("--redis-messages", type=positive_int, default=DEFAULT_REDIS_MESSAGES)
     parser.add_argument("--work-messages", type=positive_int, default=DEFAULT_WORK_MESSAGES)
+    parser.add_argument("--peer-messages", type=positive_int, default=DEFAULT_PEER_MESSAGES)
     parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help="rewrite the README section")
     args = parser.parse_args(argv)
