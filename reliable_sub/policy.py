@@ -209,11 +209,15 @@ class TelemetryPolicy:
             without the handler's child spans; a first attempt that succeeded leaves nothing.
             Redeliveries are always traced in full. The tracer provider's sampler still
             applies to every span made.
+        backlog_interval: seconds between samples of each subscription's backlog at the
+            broker (``reliable_sub.subscription.*`` gauges; the adapter's figures call for each),
+            while metrics are recorded; None: never sampled.
     """
 
     producer_as_parent: bool = False
     idempotency_key: str = "hashed"
     trace_first_attempts: float = 1.0
+    backlog_interval: float | None = 15.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.producer_as_parent, bool):
@@ -227,6 +231,14 @@ class TelemetryPolicy:
             raise ConfigurationError(
                 "TelemetryPolicy.trace_first_attempts must be a number from 0 to 1 (the share "
                 f"of first delivery attempts traced in full), got {ratio!r}"
+            )
+        interval = self.backlog_interval
+        if interval is not None and (not isinstance(interval, int | float)
+                                     or isinstance(interval, bool) or not interval > 0
+                                     or interval == float("inf")):
+            raise ConfigurationError(
+                "TelemetryPolicy.backlog_interval must be a number of seconds > 0, or None "
+                f"(never sampled), got {interval!r}"
             )
         if self.idempotency_key not in IDEMPOTENCY_KEY_MODES:
             raise ConfigurationError(

@@ -36,6 +36,8 @@ from ..message import Message
 from ..middleware.dead_letter import DeadLetterOrBackoff
 from ..outcome import DeliveryEvent, Outcome, SubscriberStats
 from ..policy import FlowControl
+from ..ports import Inspectable
+from ..telemetry.backlog import BacklogSampler, Sampled
 from ..telemetry.consumer import DeliveryTelemetry
 from .batches import Batches
 from .claims import Claims
@@ -156,6 +158,7 @@ class Runtime:
                 f"receive loop of {name!r}", functools.partial(receiver.loop, lane),
                 keep_running=lambda: state.receiving,
             )
+        self._sample_backlogs(telemetry)
         purge = getattr(config.dedup, "purge_expired", None)
         if purge is not None and config.dedup_purge_interval is not None:
             self.supervisor.spawn("dedup purge", functools.partial(
@@ -165,6 +168,20 @@ class Runtime:
                 asyncio.get_running_loop(), config.loop_lag_warning, self._describe_task
             )
             self.watchdog.start()
+
+    def _sample_backlogs(self, telemetry: DeliveryTelemetry | None) -> None:
+        """With metrics recorded, sample each subscription's backlog at the broker (see
+        :mod:`reliable_sub.telemetry.backlog`)."""
+        interval = self.config.telemetry.policy.backlog_interval
+        adapter = self.config.adapter
+        if (telemetry is None or telemetry.instruments is None or interval is None
+                or not isinstance(adapter, Inspectable)):
+            return
+        sampled = [Sampled(lane.route.subscription, lane.telemetry.metric_attributes)
+                   for lane in self.lanes.values() if lane.telemetry is not None]
+        sampler = BacklogSampler(adapter, telemetry.instruments.backlog, sampled,
+                                 self.config.clock, interval)
+        self.supervisor.spawn("backlog sampler", sampler.run)
 
     def _handler_of(self, route: Route) -> Callable[[Message], Any]:
         if not route.transactional:

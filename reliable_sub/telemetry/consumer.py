@@ -42,6 +42,7 @@ from ..outcome import Outcome
 from ..policy import TelemetryPolicy
 from ..ports import Claimed, ClaimResult, Completed
 from . import semconv as sc
+from .backlog import BacklogGauges
 from .deferred import DeferredSpan, unsampled_context
 from .guard import never_raises, record_error, report
 from .propagation import extract, producer_span_context
@@ -133,6 +134,7 @@ class _Instruments:
     """The consumer metrics, on one meter."""
 
     def __init__(self, meter: Meter) -> None:
+        self.backlog = BacklogGauges(meter)
         self.consumed, self.inflight = _Tallies(), _Tallies()
         self.duplicates, self.dead_lettered = _Tallies(), _Tallies()
         self.duration = meter.create_histogram(
