@@ -397,3 +397,32 @@ async def test_acked_messages_are_counted_by_the_attempt_that_succeeded(
     by_attempt = {p.attributes["reliable_sub.delivery.attempt"]: p.value
                   for p in recorded.points("reliable_sub.delivery.attempts")}
     assert by_attempt == {"1": 1, "3": 1, ">10": 1}
+
+
+async def test_failures_are_counted_by_error_type_with_a_bounded_number_of_types(
+        recorded: Recorded) -> None:
+    """#28: failures by error.type on the consumed counter and the processing time, at most
+    MAX_ERROR_TYPES names per route, then _OTHER."""
+    from reliable_sub import DeadLetterPolicy
+    from reliable_sub.telemetry.instruments import MAX_ERROR_TYPES
+
+    clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 1))
+    kinds = {f"m{n}": type(f"Failure{n}", (Exception,), {}) for n in range(MAX_ERROR_TYPES + 5)}
+
+    @sub.handler("billing")
+    async def charge(message: Message) -> None:
+        raise kinds[message.data.decode()]("no")
+
+    for data in kinds:
+        broker.publish_sync("orders", data.encode())
+    await run_until(clock, sub, lambda: sub.stats[Outcome.DEAD_LETTERED] == len(kinds),
+                    "every message dead-lettered")
+    counted = {p.attributes["error.type"]: p.value
+               for p in recorded.points("messaging.client.consumed.messages")
+               if p.attributes["reliable_sub.outcome"] == "dead_lettered"}
+    assert counted.pop("_OTHER") == 5
+    assert len(counted) == MAX_ERROR_TYPES and set(counted.values()) == {1}
+    assert all(name.endswith(tuple(kind.__qualname__ for kind in kinds.values()))
+               for name in counted)
+    timed = {p.attributes.get("error.type") for p in recorded.points("messaging.process.duration")}
+    assert timed == {*counted, "_OTHER"}

@@ -24,7 +24,8 @@ from ..middleware.dead_letter import DeadLetterOrBackoff
 from ..outcome import DeliveryEvent, Outcome
 from ..policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy
 from ..ports import Adapter
-from ..telemetry.consumer import RouteTelemetry, SubscriberTelemetry
+from ..telemetry.consumer import SubscriberTelemetry
+from ..telemetry.instruments import RouteTelemetry
 from .flow import FlowGate
 from .inflight import InFlight
 from .lease import LeaseManager

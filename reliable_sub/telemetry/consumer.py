@@ -27,14 +27,13 @@ attribute set. The histograms (processing time, attempts) are recorded per messa
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from random import Random
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.metrics import CallbackOptions, Meter, MeterProvider, Observation
+from opentelemetry.metrics import MeterProvider
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode, Tracer, TracerProvider
 
 from .._text import safe_str
@@ -42,9 +41,9 @@ from ..outcome import Outcome
 from ..policy import TelemetryPolicy
 from ..ports import Claimed, ClaimResult, Completed
 from . import semconv as sc
-from .backlog import BacklogGauges
 from .deferred import DeferredSpan, unsampled_context
 from .guard import never_raises, record_error, report
+from .instruments import Instruments, RouteTallies, RouteTelemetry, error_type
 from .propagation import extract, producer_span_context
 from .providers import meter_of, tracer_of
 
@@ -55,13 +54,6 @@ if TYPE_CHECKING:
 _FAILED = frozenset({Outcome.RETRY, Outcome.DEAD_LETTERED})
 # Outcomes that give the message back to the broker, with a redelivery delay.
 _NACKED = frozenset({Outcome.RETRY, Outcome.DEFERRED, Outcome.REQUEUED, Outcome.STOPPED})
-
-
-def error_type(error: BaseException) -> str:
-    """``error.type``: the exception's qualified class name (low cardinality)."""
-    kind = type(error)
-    module = kind.__module__
-    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
 
 
 class SubscriberTelemetry:
@@ -82,7 +74,7 @@ class SubscriberTelemetry:
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self.policy = policy or TelemetryPolicy()
-        self._instruments: dict[int, _Instruments] = {}  # per meter, made on first use
+        self._instruments: dict[int, Instruments] = {}  # per meter, made on first use
 
     def for_run(self, system: str, rng: Random | None = None) -> DeliveryTelemetry | None:
         """This run's stage for a broker of ``system``, or None when nothing would be
@@ -95,134 +87,15 @@ class SubscriberTelemetry:
         if meter is not None:
             instruments = self._instruments.get(id(meter))
             if instruments is None:
-                instruments = self._instruments[id(meter)] = _Instruments(meter)
+                instruments = self._instruments[id(meter)] = Instruments(meter)
         return DeliveryTelemetry(tracer, instruments, self.policy, system, rng)
 
-
-class Tally:
-    """A count under one attribute set, kept in process and reported when a reader collects.
-
-    Updated from the event loop; read by the reader's thread (an int read is atomic).
-    """
-
-    __slots__ = ("attributes", "value")
-
-    def __init__(self, attributes: dict[str, Any]) -> None:
-        self.attributes = attributes
-        self.value = 0
-
-
-class _Tallies:
-    """The tallies behind one observable instrument, one per attribute set."""
-
-    def __init__(self) -> None:
-        self._by_attributes: dict[frozenset[tuple[str, Any]], Tally] = {}
-
-    def of(self, attributes: dict[str, Any]) -> Tally:
-        """The tally for ``attributes`` (the same one for equal sets, across runs)."""
-        key = frozenset(attributes.items())
-        tally = self._by_attributes.get(key)
-        if tally is None:
-            tally = self._by_attributes[key] = Tally(attributes)
-        return tally
-
-    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(t.value, t.attributes) for t in list(self._by_attributes.values())]
-
-
-class _Instruments:
-    """The consumer metrics, on one meter."""
-
-    def __init__(self, meter: Meter) -> None:
-        self.backlog = BacklogGauges(meter)
-        self.consumed, self.inflight = _Tallies(), _Tallies()
-        self.duplicates, self.dead_lettered = _Tallies(), _Tallies()
-        self.duration = meter.create_histogram(
-            sc.PROCESS_DURATION, unit="s", description="Duration of processing operation.",
-            explicit_bucket_boundaries_advisory=sc.DURATION_BUCKETS)
-        meter.create_observable_counter(
-            sc.CONSUMED_MESSAGES, [self.consumed.observe], unit="{message}",
-            description="Number of messages that were delivered to the application, by how "
-                        "their delivery ended (reliable_sub.outcome).")
-        self.extensions = meter.create_counter(
-            sc.LEASE_EXTENSIONS, unit="{extension}",
-            description="Ack-deadline extensions of deliveries whose handlers still run.")
-        self.deadline = meter.create_gauge(
-            sc.LEASE_DEADLINE_METRIC, unit="s",
-            description="The current extension: the p99 (LeasePolicy.percentile) of "
-                        "processing time, within the policy's bounds.")
-        meter.create_observable_up_down_counter(
-            sc.INFLIGHT, [self.inflight.observe], unit="{message}",
-            description="Deliveries received and not yet settled at the broker.")
-        meter.create_observable_counter(
-            sc.DUPLICATES, [self.duplicates.observe], unit="{message}",
-            description="Deliveries the dedup store had as completed: acked without running "
-                        "the handler.")
-        meter.create_observable_counter(
-            sc.DEAD_LETTERED, [self.dead_lettered.observe], unit="{message}",
-            description="Messages published to the dead-letter topic, by why "
-                        "(reliable_sub.dead_letter.reason: rejected, max-delivery-attempts, "
-                        "unreadable, running-too-long).")
-        self.attempts = _Tallies()
-        meter.create_observable_counter(
-            sc.ATTEMPTS, [self.attempts.observe], unit="{message}",
-            description="Messages acked, by the delivery attempt on which they succeeded "
-                        f"(reliable_sub.delivery.attempt: 1 to {sc.MAX_ATTEMPT_VALUE}, then "
-                        f"{sc.LATER_ATTEMPTS!r}).")
-
-
-@dataclass
-class _RouteTallies:
-    """One subscription's tallies on one meter's instruments."""
-
-    instruments: _Instruments
-    inflight: Tally
-    duplicates: Tally
-    # by reliable_sub.dead_letter.reason: a dashboard tells "rejected" from "attempts used up"
-    dead_lettered: dict[str, Tally] = field(default_factory=dict)
-    consumed: dict[Outcome, Tally] = field(default_factory=dict)
-    # by the attempt on which messages succeeded, capped (see semconv.MAX_ATTEMPT_VALUE)
-    attempts: dict[int, Tally] = field(default_factory=dict)
-
-
-@dataclass
-class RouteTelemetry:
-    """One subscription's span name, attribute sets and tallies, built once per run."""
-
-    name: str
-    span_attributes: dict[str, Any]
-    metric_attributes: dict[str, Any]
-    tallies: _RouteTallies | None = None
-    by_outcome: dict[Outcome, dict[str, Any]] = field(default_factory=dict)
-
-    def outcome_attributes(self, outcome: Outcome) -> dict[str, Any]:
-        attributes = self.by_outcome.get(outcome)
-        if attributes is None:
-            attributes = self.by_outcome[outcome] = {
-                **self.metric_attributes, sc.OUTCOME: outcome.value}
-        return attributes
-
-    def succeeded_on(self, tallies: _RouteTallies, attempt: int) -> Tally:
-        attempt = min(attempt, sc.MAX_ATTEMPT_VALUE + 1)
-        tally = tallies.attempts.get(attempt)
-        if tally is None:
-            value = str(attempt) if attempt <= sc.MAX_ATTEMPT_VALUE else sc.LATER_ATTEMPTS
-            tally = tallies.attempts[attempt] = tallies.instruments.attempts.of(
-                {**self.metric_attributes, sc.ATTEMPT: value})
-        return tally
-
-    def consumed(self, tallies: _RouteTallies, outcome: Outcome) -> Tally:
-        tally = tallies.consumed.get(outcome)
-        if tally is None:
-            tally = tallies.consumed[outcome] = tallies.instruments.consumed.of(
-                self.outcome_attributes(outcome))
-        return tally
 
 
 class DeliveryTelemetry:
     """Spans and metrics of one run's deliveries (see the module's docstring)."""
 
-    def __init__(self, tracer: Tracer | None, instruments: _Instruments | None,
+    def __init__(self, tracer: Tracer | None, instruments: Instruments | None,
                  policy: TelemetryPolicy, system: str, rng: Random | None = None) -> None:
         self.tracer = tracer
         self.instruments = instruments
@@ -245,7 +118,7 @@ class DeliveryTelemetry:
         tallies = None
         if self.instruments is not None:
             instruments = self.instruments
-            tallies = _RouteTallies(instruments, instruments.inflight.of(base),
+            tallies = RouteTallies(instruments, instruments.inflight.of(base),
                                     instruments.duplicates.of(base))
         return RouteTelemetry(f"{sc.PROCESS} {subscription}", span_attributes, base, tallies)
 
@@ -375,18 +248,15 @@ class DeliveryTelemetry:
     @never_raises
     def settled(self, route: RouteTelemetry, item: InFlight[Any], outcome: Outcome,
                 delay: float) -> None:
-        failed = outcome in _FAILED and item.error is not None
+        error = item.error if outcome in _FAILED else None
         tallies = route.tallies
         if tallies is not None:
+            kind = None if error is None else route.error_type_of(error)
             tallies.inflight.value -= 1
-            route.consumed(tallies, outcome).value += 1
+            route.consumed(tallies, outcome, kind).value += 1
             instruments = tallies.instruments
             if item.duration is not None:
-                attributes = route.outcome_attributes(outcome)
-                if failed:
-                    assert item.error is not None
-                    attributes = {**attributes, sc.ERROR_TYPE: error_type(item.error)}
-                instruments.duration.record(item.duration, attributes)
+                instruments.duration.record(item.duration, route.outcome_attributes(outcome, kind))
             if outcome is Outcome.ACKED:
                 route.succeeded_on(tallies, item.delivery.message.delivery_attempt).value += 1
             elif outcome is Outcome.DUPLICATE:
@@ -403,12 +273,11 @@ class DeliveryTelemetry:
             span.set_attribute(sc.OUTCOME, outcome.value)
             if outcome in _NACKED:
                 span.set_attribute(sc.REDELIVERY_DELAY, delay)
-            if failed:
-                assert item.error is not None
-                kind = error_type(item.error)
-                span.set_attribute(sc.ERROR_TYPE, kind)
-                record_error(span, item.error, kind)
-                span.set_status(Status(StatusCode.ERROR, f"{outcome.value}: {kind}"))
+            if error is not None:  # spans are not aggregated: the full name, uncapped
+                name = error_type(error)
+                span.set_attribute(sc.ERROR_TYPE, name)
+                record_error(span, error, name)
+                span.set_status(Status(StatusCode.ERROR, f"{outcome.value}: {name}"))
         span.end()
 
 

@@ -21,8 +21,8 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
 from ..ports import Outgoing
 from . import semconv as sc
-from .consumer import error_type
 from .guard import record_error, report
+from .instruments import error_type
 from .propagation import inject
 from .providers import tracer_of
 

@@ -1,0 +1,174 @@
+"""The consumer's metric instruments on one meter, and each route's attribute sets and tallies.
+
+The per-message counters (consumed messages, in flight, attempts, duplicates, dead letters) are
+tallied in process, an integer addition per message, and reported by observable instruments
+when a reader collects: the SDK's synchronous counters cost several microseconds a call, each
+hashing its attribute set. The processing-time histogram is recorded per message.
+
+``error.type`` is the exception's qualified class name, at most ``MAX_ERROR_TYPES`` distinct
+ones per route; later ones are ``_OTHER`` (the conventions' fallback), so a handler raising
+ever-new classes cannot grow the metric's series without bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from ..outcome import Outcome
+from . import semconv as sc
+from .backlog import BacklogGauges
+
+# Distinct error.type values per route before the rest are _OTHER.
+MAX_ERROR_TYPES = 20
+OTHER_ERROR_TYPE = "_OTHER"
+
+
+def error_type(error: BaseException) -> str:
+    """``error.type``: the exception's qualified class name (low cardinality)."""
+    kind = type(error)
+    module = kind.__module__
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+
+
+
+class Tally:
+    """A count under one attribute set, kept in process and reported when a reader collects.
+
+    Updated from the event loop; read by the reader's thread (an int read is atomic).
+    """
+
+    __slots__ = ("attributes", "value")
+
+    def __init__(self, attributes: dict[str, Any]) -> None:
+        self.attributes = attributes
+        self.value = 0
+
+
+class Tallies:
+    """The tallies behind one observable instrument, one per attribute set."""
+
+    def __init__(self) -> None:
+        self._by_attributes: dict[frozenset[tuple[str, Any]], Tally] = {}
+
+    def of(self, attributes: dict[str, Any]) -> Tally:
+        """The tally for ``attributes`` (the same one for equal sets, across runs)."""
+        key = frozenset(attributes.items())
+        tally = self._by_attributes.get(key)
+        if tally is None:
+            tally = self._by_attributes[key] = Tally(attributes)
+        return tally
+
+    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(t.value, t.attributes) for t in list(self._by_attributes.values())]
+
+
+class Instruments:
+    """The consumer metrics, on one meter."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.backlog = BacklogGauges(meter)
+        self.consumed, self.inflight = Tallies(), Tallies()
+        self.duplicates, self.dead_lettered = Tallies(), Tallies()
+        self.duration = meter.create_histogram(
+            sc.PROCESS_DURATION, unit="s", description="Duration of processing operation.",
+            explicit_bucket_boundaries_advisory=sc.DURATION_BUCKETS)
+        meter.create_observable_counter(
+            sc.CONSUMED_MESSAGES, [self.consumed.observe], unit="{message}",
+            description="Number of messages that were delivered to the application, by how "
+                        "their delivery ended (reliable_sub.outcome).")
+        self.extensions = meter.create_counter(
+            sc.LEASE_EXTENSIONS, unit="{extension}",
+            description="Ack-deadline extensions of deliveries whose handlers still run.")
+        self.deadline = meter.create_gauge(
+            sc.LEASE_DEADLINE_METRIC, unit="s",
+            description="The current extension: the p99 (LeasePolicy.percentile) of "
+                        "processing time, within the policy's bounds.")
+        meter.create_observable_up_down_counter(
+            sc.INFLIGHT, [self.inflight.observe], unit="{message}",
+            description="Deliveries received and not yet settled at the broker.")
+        meter.create_observable_counter(
+            sc.DUPLICATES, [self.duplicates.observe], unit="{message}",
+            description="Deliveries the dedup store had as completed: acked without running "
+                        "the handler.")
+        meter.create_observable_counter(
+            sc.DEAD_LETTERED, [self.dead_lettered.observe], unit="{message}",
+            description="Messages published to the dead-letter topic, by why "
+                        "(reliable_sub.dead_letter.reason: rejected, max-delivery-attempts, "
+                        "unreadable, running-too-long).")
+        self.attempts = Tallies()
+        meter.create_observable_counter(
+            sc.ATTEMPTS, [self.attempts.observe], unit="{message}",
+            description="Messages acked, by the delivery attempt on which they succeeded "
+                        f"(reliable_sub.delivery.attempt: 1 to {sc.MAX_ATTEMPT_VALUE}, then "
+                        f"{sc.LATER_ATTEMPTS!r}).")
+
+
+@dataclass
+class RouteTallies:
+    """One subscription's tallies on one meter's instruments."""
+
+    instruments: Instruments
+    inflight: Tally
+    duplicates: Tally
+    # by reliable_sub.dead_letter.reason: a dashboard tells "rejected" from "attempts used up"
+    dead_lettered: dict[str, Tally] = field(default_factory=dict)
+    # by outcome, and error.type for failures
+    consumed: dict[tuple[Outcome, str | None], Tally] = field(default_factory=dict)
+    # by the attempt on which messages succeeded, capped (see semconv.MAX_ATTEMPT_VALUE)
+    attempts: dict[int, Tally] = field(default_factory=dict)
+
+
+@dataclass
+class RouteTelemetry:
+    """One subscription's span name, attribute sets and tallies, built once per run."""
+
+    name: str
+    span_attributes: dict[str, Any]
+    metric_attributes: dict[str, Any]
+    tallies: RouteTallies | None = None
+    # the attribute sets of an outcome, and of a failure by outcome and error.type
+    by_outcome: dict[tuple[Outcome, str | None], dict[str, Any]] = field(default_factory=dict)
+    error_types: dict[type[BaseException], str] = field(default_factory=dict)
+
+    def error_type_of(self, error: BaseException) -> str:
+        """``error.type`` for ``error``: its class's name, or ``_OTHER`` once this route has
+        seen ``MAX_ERROR_TYPES`` distinct ones."""
+        kind = type(error)
+        name = self.error_types.get(kind)
+        if name is None:
+            seen = len(set(self.error_types.values()) - {OTHER_ERROR_TYPE})
+            name = error_type(error) if seen < MAX_ERROR_TYPES else OTHER_ERROR_TYPE
+            self.error_types[kind] = name
+        return name
+
+    def outcome_attributes(self, outcome: Outcome, error: str | None = None) -> dict[str, Any]:
+        """The route's attributes with ``outcome`` (and ``error.type``, for a failure)."""
+        attributes = self.by_outcome.get((outcome, error))
+        if attributes is None:
+            attributes = {**self.metric_attributes, sc.OUTCOME: outcome.value}
+            if error is not None:
+                attributes[sc.ERROR_TYPE] = error
+            self.by_outcome[(outcome, error)] = attributes
+        return attributes
+
+    def succeeded_on(self, tallies: RouteTallies, attempt: int) -> Tally:
+        attempt = min(attempt, sc.MAX_ATTEMPT_VALUE + 1)
+        tally = tallies.attempts.get(attempt)
+        if tally is None:
+            value = str(attempt) if attempt <= sc.MAX_ATTEMPT_VALUE else sc.LATER_ATTEMPTS
+            tally = tallies.attempts[attempt] = tallies.instruments.attempts.of(
+                {**self.metric_attributes, sc.ATTEMPT: value})
+        return tally
+
+    def consumed(self, tallies: RouteTallies, outcome: Outcome,
+                 error: str | None = None) -> Tally:
+        tally = tallies.consumed.get((outcome, error))
+        if tally is None:
+            tally = tallies.consumed[(outcome, error)] = tallies.instruments.consumed.of(
+                self.outcome_attributes(outcome, error))
+        return tally
+
