@@ -313,3 +313,23 @@ async def test_dead_letters_seek_and_snapshots_on_the_emulator() -> None:
     finally:
         await adapter.close()
         adapter.close_sync()
+
+
+async def test_stats_watch_reads_again_every_interval(world: RedisWorld) -> None:
+    """#28: ``stats --watch`` (here as JSON lines, three readings): the backlog as it goes."""
+    world.adapter.publish_sync(world.topic, b"order-1")
+    done = reliable_sub(*world.args("stats", world.sub, "--json", "--watch", "0.05",
+                                    "--iterations", "3"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    readings = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["subscription"], r["backlog"], r["in_flight"]) for r in readings] == [
+        (world.sub, 1, 0)] * 3
+    table = reliable_sub(*world.args("stats", world.sub, "--watch", "0.05", "--iterations", "2"))
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.count(world.sub) == 2, "not a terminal: one table per reading"
+    assert "dead_lettered_waiting" not in table.stdout
+    alone = reliable_sub(*world.args("stats", world.sub, "--iterations", "2"))
+    assert alone.returncode == 2 and "--watch" in alone.stderr
+    for bad in ("0", "-1", "nan", "inf"):
+        refused = reliable_sub(*world.args("stats", world.sub, "--watch", bad))
+        assert refused.returncode == 2 and "not a duration" in refused.stderr, bad

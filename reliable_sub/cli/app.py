@@ -160,18 +160,22 @@ def json_option(function: Callable[..., Any]) -> Callable[..., Any]:
                         help="Print JSON (for scripts) instead of a table.")(function)
 
 
-def print_json(value: Any) -> None:
-    click.echo(json.dumps(value, indent=2, default=str))
+def print_json(value: Any, *, one_line: bool = False) -> None:
+    click.echo(json.dumps(value, indent=None if one_line else 2, default=str))
 
 
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+def table_of(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
     # Text, not str: names and errors from the broker are shown as they are, not as markup
     table = Table(title=Text(title))
     for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(*(Text("—" if cell is None else str(cell)) for cell in row))
-    Console().print(table)
+    return table
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    Console().print(table_of(title, columns, rows))
 
 
 def broker_options(function: Callable[..., Any]) -> Callable[..., Any]:
