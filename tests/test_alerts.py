@@ -27,7 +27,7 @@ def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_the_rules_load() -> None:
     checked = promtool("check", "rules", str(RULES), cwd=TESTS)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 4 rules found" in checked.stdout
+    assert "SUCCESS: 5 rules found" in checked.stdout
 
 
 def test_each_alert_fires_when_it_should_and_not_before() -> None:

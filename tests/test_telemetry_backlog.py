@@ -162,3 +162,33 @@ async def test_nothing_is_sampled_without_metrics_or_with_no_interval(
 def test_a_backlog_interval_that_is_not_seconds_is_refused(interval: object) -> None:
     with pytest.raises(ConfigurationError, match="backlog_interval"):
         TelemetryPolicy(backlog_interval=interval)  # type: ignore[arg-type]
+
+
+async def test_the_health_gauge_is_healthy_as_it_goes_and_has_no_point_between_runs(
+        recorded: Recorded) -> None:
+    """#28: reliable_sub.consumer.healthy, 1 or 0 as healthy() says (the alert's input)."""
+    from tests.test_subscriber import FlakyBroker
+
+    clock = ManualClock()
+    broker = FlakyBroker(clock=clock)
+    broker.ensure_subscription_sync("t", "s")
+    sub = Subscriber(broker, clock=clock, unhealthy_after=30)
+    sub.handler("s")(lambda message: None)
+
+    def healthy() -> list[float]:
+        return [point.value for point in recorded.points("reliable_sub.consumer.healthy")]
+
+    assert healthy() == [], "not running: no point"
+    task = await serving(sub, clock)
+    try:
+        assert healthy() == [1]
+        broker.failures["receive"] = 10_000
+        await drive_until(clock, lambda: not sub.healthy(), 60.0, what="unhealthy")
+        assert healthy() == [0]
+        broker.failures["receive"] = 0
+        await drive_until(clock, sub.healthy, 60.0, what="healthy again")
+        assert healthy() == [1]
+    finally:
+        await sub.shutdown(timeout=1)
+        await task
+    assert healthy() == [], "stopped: no point"

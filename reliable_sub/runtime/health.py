@@ -81,7 +81,8 @@ class Health:
         return [
             f"{call} has failed {streak.count} times over {streak.last - streak.first:.0f}s "
             f"(last error: {streak.last_error})"
-            for call, streak in self._streaks.items()
+            # a copy: healthy() is read from other threads too (probes, the metric reader)
+            for call, streak in list(self._streaks.items())
             if streak.last - streak.first >= bound and now - streak.last <= bound
         ]
 

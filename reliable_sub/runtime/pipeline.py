@@ -159,6 +159,9 @@ class Runtime:
                 keep_running=lambda: state.receiving,
             )
         self._sample_backlogs(telemetry)
+        if telemetry is not None and telemetry.instruments is not None:
+            telemetry.instruments.health.watch({"messaging.system": telemetry.system},
+                                               lambda: not self.problems())
         purge = getattr(config.dedup, "purge_expired", None)
         if purge is not None and config.dedup_purge_interval is not None:
             self.supervisor.spawn("dedup purge", functools.partial(
@@ -168,6 +171,11 @@ class Runtime:
                 asyncio.get_running_loop(), config.loop_lag_warning, self._describe_task
             )
             self.watchdog.start()
+
+    def _unwatch_health(self) -> None:
+        """The health gauge has no point once this run stops."""
+        if self.telemetry is not None and self.telemetry.instruments is not None:
+            self.telemetry.instruments.health.unwatch()
 
     def _sample_backlogs(self, telemetry: DeliveryTelemetry | None) -> None:
         """With metrics recorded, sample each subscription's backlog at the broker (see
@@ -257,6 +265,7 @@ class Runtime:
     async def close(self, timeout: float, force: asyncio.Event) -> None:
         """Stop: receive no more, give back what has not started, let running handlers finish
         within ``timeout`` real seconds, settle, and release the adapter and store."""
+        self._unwatch_health()
         await Shutdown(
             self.config, self.state, self.lanes.values(), self.flow, self.supervisor,
             self.settler, self.workers, self.watchdog, settle=self._decisions.settle,
@@ -265,6 +274,7 @@ class Runtime:
 
     async def abort(self) -> None:
         """Undo a failed :meth:`open`: stop what it started and release connections."""
+        self._unwatch_health()
         self.state.receiving = self.state.accepting = False
         close_gates(self.flow, self.lanes.values())
         await self.supervisor.stop()

@@ -87,7 +87,8 @@ class Supervisor:
         """Names of the loops that are down or restarted too recently, with why."""
         now = self._now()
         found: list[str] = []
-        for child in self._children.values():
+        # a copy: healthy() is read from other threads too (probes, the metric reader)
+        for child in list(self._children.values()):
             if child.task is None or child.task.done():
                 found.append(f"{child.name}: not running")
             elif child.failures and now < child.healthy_since:

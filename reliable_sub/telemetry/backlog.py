@@ -19,7 +19,7 @@ has no point at all rather than a zero; neither has one whose last sample failed
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +44,32 @@ class _Latest:
     def observe(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(value, attributes)
                 for attributes, value in list(self.values.values()) if value is not None]
+
+
+class HealthGauge:
+    """``reliable_sub.consumer.healthy``: 1 while the running Subscriber on this meter is
+    healthy, 0 while not (no point between runs)."""
+
+    def __init__(self, meter: Meter) -> None:
+        self._source: tuple[dict[str, Any], Callable[[], bool]] | None = None
+        meter.create_observable_gauge(
+            sc.CONSUMER_HEALTHY, [self.observe], unit="1",
+            description="1 while the Subscriber is running and handling (healthy()), 0 while "
+                        "not: a loop being restarted, or a call it depends on failing for "
+                        "unhealthy_after seconds.")
+
+    def watch(self, attributes: dict[str, Any], healthy: Callable[[], bool]) -> None:
+        self._source = (attributes, healthy)
+
+    def unwatch(self) -> None:
+        self._source = None
+
+    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
+        source = self._source
+        if source is None:
+            return []
+        attributes, healthy = source
+        return [Observation(1 if healthy() else 0, attributes)]
 
 
 class BacklogGauges:
@@ -113,4 +139,4 @@ class BacklogSampler:
         gauges.oldest_age.set(attributes, oldest)
 
 
-__all__ = ["BacklogGauges", "BacklogSampler", "Sampled"]
+__all__ = ["BacklogGauges", "BacklogSampler", "HealthGauge", "Sampled"]

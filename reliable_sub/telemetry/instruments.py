@@ -20,7 +20,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from ..outcome import Outcome
 from . import semconv as sc
-from .backlog import BacklogGauges
+from .backlog import BacklogGauges, HealthGauge
 
 # Distinct error.type values per route before the rest are _OTHER.
 MAX_ERROR_TYPES = 20
@@ -71,6 +71,7 @@ class Instruments:
 
     def __init__(self, meter: Meter) -> None:
         self.backlog = BacklogGauges(meter)
+        self.health = HealthGauge(meter)
         self.consumed, self.inflight = Tallies(), Tallies()
         self.duplicates, self.dead_lettered = Tallies(), Tallies()
         self.duration = meter.create_histogram(
