@@ -43,6 +43,7 @@ from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 from reliable_sub.adapters._nats_liveness import Retirer, reader_stopped
 from reliable_sub.adapters._nats_urls import servers_of
@@ -375,6 +376,7 @@ class NatsJetStreamAdapter:
                 f"NatsJetStreamAdapter.stream_options has unknown StreamConfig fields "
                 f"{sorted(unknown)}")
         self._bucket = f"{prefix}-subscriptions"
+        self._name = name
         self._connections: PerLoop[_Connection] = PerLoop(lambda: _Connection(url, name))
         self._background = BackgroundLoop()
         self._subscriptions: dict[str, _Subscription] = {}
@@ -386,6 +388,17 @@ class NatsJetStreamAdapter:
     @property
     def capabilities(self) -> Capabilities:
         return CAPABILITIES
+
+    def connection_attributes(self) -> dict[str, str | int]:
+        """The first server of the URL and the connection's name, for spans."""
+        server = servers_of(self.url)[0]
+        first = urlsplit(server if "://" in server else f"nats://{server}")
+        found: dict[str, str | int] = {"messaging.client.id": self._name}
+        if first.hostname:
+            found["server.address"] = first.hostname
+        if first.port:
+            found["server.port"] = first.port
+        return found
 
     def _run_blocking(self, coroutine: Coroutine[Any, Any, T]) -> T:
         # for a blocking twin, on the background loop; the loop closes this adapter's

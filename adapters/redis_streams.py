@@ -215,6 +215,16 @@ class RedisStreamsAdapter:
     def capabilities(self) -> Capabilities:
         return CAPABILITIES
 
+    def connection_attributes(self) -> dict[str, str | int]:
+        """The server (a cluster's first seed node) and this consumer's name, for spans."""
+        found: dict[str, str | int] = {"messaging.client.id": self.consumer}
+        host, port = (self.clients.connection_kwargs.get(k) for k in ("host", "port"))
+        if host:
+            found["server.address"] = str(host)
+        if port:
+            found["server.port"] = int(port)
+        return found
+
     @property
     def client(self) -> AsyncClient:
         """The asyncio client of the running event loop."""

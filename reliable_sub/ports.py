@@ -579,6 +579,18 @@ class Seekable(Protocol):
         ...
 
 
+# -- telemetry ------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class DescribesConnection(Protocol):
+    """An optional capability of an adapter: what its telemetry spans say of its connection."""
+
+    def connection_attributes(self) -> dict[str, str | int]:
+        """``server.address``, ``server.port`` and ``messaging.client.id``, those it knows."""
+        ...
+
+
 # -- inspection -----------------------------------------------------------------------------------
 
 

@@ -36,7 +36,7 @@ from ..message import Message
 from ..middleware.dead_letter import DeadLetterOrBackoff
 from ..outcome import DeliveryEvent, Outcome, SubscriberStats
 from ..policy import FlowControl
-from ..ports import Inspectable
+from ..ports import DescribesConnection, Inspectable
 from ..telemetry.backlog import BacklogSampler, Sampled
 from ..telemetry.consumer import DeliveryTelemetry
 from .batches import Batches
@@ -119,7 +119,8 @@ class Runtime:
             route_telemetry = on_extended = None
             if telemetry is not None:
                 topic = await adapter.subscription_topic(route.subscription)
-                route_telemetry = telemetry.route(route.subscription, topic, deadline)
+                route_telemetry = telemetry.route(route.subscription, topic, deadline,
+                                                  self._connection_attributes())
                 on_extended = functools.partial(telemetry.extended, route_telemetry)
             lease = LeaseManager(
                 adapter, route.lease, clock=config.clock, initial_deadline=deadline,
@@ -171,6 +172,21 @@ class Runtime:
                 asyncio.get_running_loop(), config.loop_lag_warning, self._describe_task
             )
             self.watchdog.start()
+
+    def _connection_attributes(self) -> dict[str, str | int]:
+        """The adapter's server and client attributes for spans (none if it cannot tell, or
+        its answer is not a mapping of names to str or int)."""
+        adapter = self.config.adapter
+        if not isinstance(adapter, DescribesConnection):
+            return {}
+        try:
+            found = adapter.connection_attributes()
+            return {str(name): value for name, value in dict(found).items()
+                    if isinstance(value, str | int) and not isinstance(value, bool)}
+        except Exception:
+            logger.warning("%s.connection_attributes() failed; spans go without them",
+                           type(adapter).__name__, exc_info=True)
+            return {}
 
     def _unwatch_health(self) -> None:
         """The health gauge has no point once this run stops."""

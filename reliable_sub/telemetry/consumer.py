@@ -105,14 +105,18 @@ class DeliveryTelemetry:
         self._rng = rng or Random()
         self._first_attempts = policy.trace_first_attempts  # the ratio traced in full
 
-    def route(self, subscription: str, topic: str, ack_deadline: float) -> RouteTelemetry:
+    def route(self, subscription: str, topic: str, ack_deadline: float,
+              connection: dict[str, str | int] | None = None) -> RouteTelemetry:
+        """One subscription's attribute sets; ``connection``: the adapter's server and client
+        attributes, for its spans only (a metric's series stay one per subscription)."""
         base = {
             sc.MESSAGING_SYSTEM: self.system,
             sc.OPERATION_NAME: sc.PROCESS,
             sc.DESTINATION_NAME: topic,
             sc.subscription_attribute(self.system): subscription,
         }
-        span_attributes: dict[str, Any] = {**base, sc.OPERATION_TYPE: sc.PROCESS}
+        span_attributes: dict[str, Any] = {**base, sc.OPERATION_TYPE: sc.PROCESS,
+                                           **(connection or {})}
         if self._gcp:
             span_attributes[sc.GCP_ACK_DEADLINE] = int(ack_deadline)
         tallies = None
