@@ -119,6 +119,10 @@ CAPABILITIES = Capabilities(
 )
 
 
+# Where google-cloud-pubsub's clients go without an emulator or client options.
+_ENDPOINT = "pubsub.googleapis.com:443"
+
+
 class PubSubAdapter:
     """Google Cloud Pub/Sub (or its emulator) as an Adapter.
 
@@ -167,6 +171,18 @@ class PubSubAdapter:
     @property
     def capabilities(self) -> Capabilities:
         return CAPABILITIES
+
+    def connection_attributes(self) -> dict[str, str | int]:
+        """The endpoint its own clients use, for spans: the emulator's
+        (``PUBSUB_EMULATOR_HOST``) or Google's; nothing when given a client (its endpoint is
+        the caller's)."""
+        if self._given_subscriber is not None:
+            return {}
+        host, _, port = (os.environ.get("PUBSUB_EMULATOR_HOST") or _ENDPOINT).rpartition(":")
+        found: dict[str, str | int] = {"server.address": host.strip("[]")}
+        if port.isdigit():
+            found["server.port"] = int(port)
+        return found
 
     @property
     def _publisher(self) -> pubsub_v1.PublisherClient:

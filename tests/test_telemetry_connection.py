@@ -104,3 +104,19 @@ async def test_an_adapter_that_cannot_tell_or_answers_badly_costs_no_delivery(
     assert connection_of(recorded, "audit") == {}
     assert connection_of(recorded, "ledger") == {"server.address": "broker-1"}
 
+
+
+@pytest.mark.parametrize(("emulator", "expected"), [
+    ("localhost:8681", {"server.address": "localhost", "server.port": 8681}),
+    ("[::1]:8085", {"server.address": "::1", "server.port": 8085}),
+    (None, {"server.address": "pubsub.googleapis.com", "server.port": 443}),
+])
+def test_pubsub_names_the_endpoint_its_clients_use(
+        monkeypatch: pytest.MonkeyPatch, emulator: str | None, expected: dict[str, Any]) -> None:
+    from reliable_sub.adapters.pubsub import PubSubAdapter
+
+    if emulator is None:
+        monkeypatch.delenv("PUBSUB_EMULATOR_HOST", raising=False)
+    else:
+        monkeypatch.setenv("PUBSUB_EMULATOR_HOST", emulator)
+    assert PubSubAdapter("project-x").connection_attributes() == expected
