@@ -4,7 +4,6 @@ not (the in-memory broker), and a broken answer costs no delivery."""
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -12,13 +11,13 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from reliable_sub import Outcome, Subscriber, SystemClock
+from reliable_sub import Outcome, Subscriber
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.adapters.nats_jetstream import NatsJetStreamAdapter
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
 from reliable_sub.testing.otel import Recorded, recording_telemetry
 from reliable_sub.testing.services import redis_url
-from reliable_sub.testing.timing import drive_until
+from tests.memory_world import serve_until
 from tests.nats_processes import NatsServer
 
 WITHIN = 30.0
@@ -35,13 +34,7 @@ async def one_delivery(adapter: Any, topic: str, subscription: str) -> None:
     sub = Subscriber(adapter, receive_timeout=0.2)
     sub.handler(subscription)(lambda message: None)
     await adapter.publish(topic, b"x")
-    task = asyncio.ensure_future(sub.serve())
-    try:
-        await drive_until(SystemClock(), lambda: sub.stats[Outcome.ACKED] == 1, WITHIN,
-                          what="the delivery")
-    finally:
-        await sub.shutdown(timeout=1)
-        await task
+    await serve_until(sub, lambda: sub.stats[Outcome.ACKED] == 1, "the delivery", WITHIN)
 
 
 def connection_of(recorded: Recorded, subscription: str) -> dict[str, Any]:
