@@ -19,76 +19,15 @@ has no point at all rather than a zero; neither has one whose last sample failed
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from opentelemetry.metrics import CallbackOptions, Meter, Observation
-
 from ..clock import Clock
 from ..ports import Inspectable
-from . import semconv as sc
+from .instruments import BacklogGauges, Tallies
 
 logger = logging.getLogger("reliable_sub.subscriber")
-
-
-class _Latest:
-    """One gauge's last values, one per attribute set (None: no point)."""
-
-    def __init__(self) -> None:
-        self.values: dict[frozenset[tuple[str, Any]], tuple[dict[str, Any], float | None]] = {}
-
-    def set(self, attributes: dict[str, Any], value: float | None) -> None:
-        self.values[frozenset(attributes.items())] = (attributes, value)
-
-    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(value, attributes)
-                for attributes, value in list(self.values.values()) if value is not None]
-
-
-class HealthGauge:
-    """``reliable_sub.consumer.healthy``: 1 while the running Subscriber on this meter is
-    healthy, 0 while not (no point between runs)."""
-
-    def __init__(self, meter: Meter) -> None:
-        self._source: tuple[dict[str, Any], Callable[[], bool]] | None = None
-        meter.create_observable_gauge(
-            sc.CONSUMER_HEALTHY, [self.observe], unit="1",
-            description="1 while the Subscriber is running and handling (healthy()), 0 while "
-                        "not: a loop being restarted, or a call it depends on failing for "
-                        "unhealthy_after seconds.")
-
-    def watch(self, attributes: dict[str, Any], healthy: Callable[[], bool]) -> None:
-        self._source = (attributes, healthy)
-
-    def unwatch(self) -> None:
-        self._source = None
-
-    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
-        source = self._source
-        if source is None:
-            return []
-        attributes, healthy = source
-        return [Observation(1 if healthy() else 0, attributes)]
-
-
-class BacklogGauges:
-    """The three gauges on one meter, and their last values."""
-
-    def __init__(self, meter: Meter) -> None:
-        self.backlog, self.unacked, self.oldest_age = _Latest(), _Latest(), _Latest()
-        meter.create_observable_gauge(
-            sc.SUBSCRIPTION_BACKLOG, [self.backlog.observe], unit="{message}",
-            description="Messages of the subscription not yet acked at the broker, delivered "
-                        "or not (sampled every TelemetryPolicy.backlog_interval).")
-        meter.create_observable_gauge(
-            sc.SUBSCRIPTION_UNACKED, [self.unacked.observe], unit="{message}",
-            description="Messages of the subscription delivered to any consumer and not yet "
-                        "acked or given back.")
-        meter.create_observable_gauge(
-            sc.SUBSCRIPTION_OLDEST_AGE, [self.oldest_age.observe], unit="s",
-            description="Seconds since the oldest unacked message of the subscription was "
-                        "published.")
 
 
 @dataclass
@@ -128,15 +67,23 @@ class BacklogSampler:
                 logger.warning("sampling the backlog of %r failed (its gauges have no point "
                                "until a sample succeeds): %s", sampled.subscription, error)
             for gauge in (gauges.backlog, gauges.unacked, gauges.oldest_age):
-                gauge.set(attributes, None)
+                gauge.drop(attributes)
             return
         self._failing.discard(sampled.subscription)
         oldest = figures.oldest_unacked_age
         if oldest is None and figures.backlog == 0:
             oldest = 0.0  # caught up: nothing waits (an unknown backlog stays unknown)
-        gauges.backlog.set(attributes, figures.backlog)
-        gauges.unacked.set(attributes, figures.in_flight)
-        gauges.oldest_age.set(attributes, oldest)
+        _set(gauges.backlog, attributes, figures.backlog)
+        _set(gauges.unacked, attributes, figures.in_flight)
+        _set(gauges.oldest_age, attributes, oldest)
 
 
-__all__ = ["BacklogGauges", "BacklogSampler", "HealthGauge", "Sampled"]
+def _set(gauge: Tallies, attributes: dict[str, Any], value: float | None) -> None:
+    """``gauge``'s value under ``attributes`` now: None (unknown) is no point at all."""
+    if value is None:
+        gauge.drop(attributes)
+    else:
+        gauge.of(attributes).value = value
+
+
+__all__ = ["BacklogSampler", "Sampled"]

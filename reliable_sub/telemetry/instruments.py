@@ -12,7 +12,7 @@ ever-new classes cannot grow the metric's series without bound.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +20,6 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from ..outcome import Outcome
 from . import semconv as sc
-from .backlog import BacklogGauges, HealthGauge
 
 # Distinct error.type values per route before the rest are _OTHER.
 MAX_ERROR_TYPES = 20
@@ -38,14 +37,15 @@ def error_type(error: BaseException) -> str:
 class Tally:
     """A count under one attribute set, kept in process and reported when a reader collects.
 
-    Updated from the event loop; read by the reader's thread (an int read is atomic).
+    Updated from the event loop; read by the reader's thread (a number's read is atomic). A
+    counter's is added to; a gauge's (the backlog figures) is replaced.
     """
 
     __slots__ = ("attributes", "value")
 
     def __init__(self, attributes: dict[str, Any]) -> None:
         self.attributes = attributes
-        self.value = 0
+        self.value: float = 0
 
 
 class Tallies:
@@ -62,8 +62,58 @@ class Tallies:
             tally = self._by_attributes[key] = Tally(attributes)
         return tally
 
+    def drop(self, attributes: dict[str, Any]) -> None:
+        """No point for ``attributes`` until :meth:`of` it again."""
+        self._by_attributes.pop(frozenset(attributes.items()), None)
+
     def observe(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(t.value, t.attributes) for t in list(self._by_attributes.values())]
+
+
+class HealthGauge:
+    """``reliable_sub.consumer.healthy``: 1 while the running Subscriber on this meter is
+    healthy, 0 while not (no point between runs)."""
+
+    def __init__(self, meter: Meter) -> None:
+        self._source: tuple[dict[str, Any], Callable[[], bool]] | None = None
+        meter.create_observable_gauge(
+            sc.CONSUMER_HEALTHY, [self.observe], unit="1",
+            description="1 while the Subscriber is running and handling (healthy()), 0 while "
+                        "not: a loop being restarted, or a call it depends on failing for "
+                        "unhealthy_after seconds.")
+
+    def watch(self, attributes: dict[str, Any], healthy: Callable[[], bool]) -> None:
+        self._source = (attributes, healthy)
+
+    def unwatch(self) -> None:
+        self._source = None
+
+    def observe(self, options: CallbackOptions) -> Iterable[Observation]:
+        source = self._source
+        if source is None:
+            return []
+        attributes, healthy = source
+        return [Observation(1 if healthy() else 0, attributes)]
+
+
+class BacklogGauges:
+    """The three gauges on one meter, and their last values."""
+
+    def __init__(self, meter: Meter) -> None:
+        # last values, kept as tallies (a value is replaced, not added to)
+        self.backlog, self.unacked, self.oldest_age = Tallies(), Tallies(), Tallies()
+        meter.create_observable_gauge(
+            sc.SUBSCRIPTION_BACKLOG, [self.backlog.observe], unit="{message}",
+            description="Messages of the subscription not yet acked at the broker, delivered "
+                        "or not (sampled every TelemetryPolicy.backlog_interval).")
+        meter.create_observable_gauge(
+            sc.SUBSCRIPTION_UNACKED, [self.unacked.observe], unit="{message}",
+            description="Messages of the subscription delivered to any consumer and not yet "
+                        "acked or given back.")
+        meter.create_observable_gauge(
+            sc.SUBSCRIPTION_OLDEST_AGE, [self.oldest_age.observe], unit="s",
+            description="Seconds since the oldest unacked message of the subscription was "
+                        "published.")
 
 
 class Instruments:
