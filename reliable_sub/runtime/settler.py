@@ -122,10 +122,6 @@ class _Lane:
         if len(self.waiting) == 1:  # with more, the event is set already (run clears it,
             self._queued.set()  # then takes all that wait, with no await between)
 
-    def queued(self) -> None:
-        """The first settle of a batch was put in :attr:`waiting`."""
-        self._queued.set()
-
     def extend(self, settles: list[Settle]) -> None:
         self.waiting.extend(settles)
         self._queued.set()
@@ -213,11 +209,8 @@ class Settler:
         settle.item.stage = Stage.SETTLING
         if settle.completion is not None and settle.release is None:
             self._recording.add(settle)
-        else:  # (_Lane.add, inline: once per delivery)
-            waiting = self._settling.waiting
-            waiting.append(settle)
-            if len(waiting) == 1:
-                self._settling.queued()
+        else:
+            self._settling.add(settle)
 
     def add_many(self, settles: list[Settle]) -> None:
         """Queue ``settles``, none of which has a result to record, for the next batch."""
