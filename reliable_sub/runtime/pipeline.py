@@ -114,13 +114,14 @@ class Runtime:
             malformed=decisions.malformed, in_progress_elsewhere=decisions.in_progress_elsewhere,
             defer_delay=decisions.defer_delay,
         )
+        connection = self._connection_attributes() if telemetry is not None else {}
         for route in self.routes:
             deadline = await adapter.subscription_ack_deadline(route.subscription)
             route_telemetry = on_extended = None
             if telemetry is not None:
                 topic = await adapter.subscription_topic(route.subscription)
                 route_telemetry = telemetry.route(route.subscription, topic, deadline,
-                                                  self._connection_attributes())
+                                                  connection)
                 on_extended = functools.partial(telemetry.extended, route_telemetry)
             lease = LeaseManager(
                 adapter, route.lease, clock=config.clock, initial_deadline=deadline,
