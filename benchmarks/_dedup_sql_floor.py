@@ -19,6 +19,7 @@ from typing import Any
 
 from sqlalchemy import event
 
+# The @idempotent functions' lease and retention, here and in benchmarks.dedup.
 LEASE = 30.0
 TTL = 3600.0
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks._common import Rates, positive_int, verdict, write_section
-from benchmarks._dedup_sql_floor import RawIdempotent, captured_statements
+from benchmarks._dedup_sql_floor import LEASE, TTL, RawIdempotent, captured_statements
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
@@ -46,8 +46,6 @@ DEFAULT_BATCHES = 100
 DEFAULT_MESSAGES = 2_000
 DEFAULT_REPETITIONS = 3
 BATCH = 100  # keys per claim call: the Subscriber's default receive batch
-TTL = 3600.0
-LEASE = 30.0
 SECTION_NAME = "dedup"
 COMMAND = "python -m benchmarks.dedup --write"
 PG = "@idempotent async, SqlDedupStore on PostgreSQL"
