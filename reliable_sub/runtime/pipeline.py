@@ -162,7 +162,7 @@ class Runtime:
             )
         self._sample_backlogs(telemetry)
         if telemetry is not None and telemetry.instruments is not None:
-            telemetry.instruments.health.watch({"messaging.system": telemetry.system},
+            telemetry.instruments.health.watch(self, {"messaging.system": telemetry.system},
                                                lambda: not self.problems())
         purge = getattr(config.dedup, "purge_expired", None)
         if purge is not None and config.dedup_purge_interval is not None:
@@ -192,7 +192,7 @@ class Runtime:
     def _unwatch_health(self) -> None:
         """The health gauge has no point once this run stops."""
         if self.telemetry is not None and self.telemetry.instruments is not None:
-            self.telemetry.instruments.health.unwatch()
+            self.telemetry.instruments.health.unwatch(self)
 
     def _sample_backlogs(self, telemetry: DeliveryTelemetry | None) -> None:
         """With metrics recorded, sample each subscription's backlog at the broker (see

@@ -43,7 +43,7 @@ from ..ports import Claimed, ClaimResult, Completed
 from . import semconv as sc
 from .deferred import DeferredSpan, unsampled_context
 from .guard import never_raises, record_error, report
-from .instruments import Instruments, RouteTallies, RouteTelemetry, error_type
+from .instruments import Instruments, RouteTallies, RouteTelemetry, error_type, instruments_for
 from .propagation import extract, producer_span_context
 from .providers import meter_of, tracer_of
 
@@ -74,7 +74,6 @@ class SubscriberTelemetry:
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
         self.policy = policy or TelemetryPolicy()
-        self._instruments: dict[int, Instruments] = {}  # per meter, made on first use
 
     def for_run(self, system: str, rng: Random | None = None) -> DeliveryTelemetry | None:
         """This run's stage for a broker of ``system``, or None when nothing would be
@@ -83,11 +82,7 @@ class SubscriberTelemetry:
         meter = meter_of(self.meter_provider)
         if tracer is None and meter is None:
             return None
-        instruments = None
-        if meter is not None:
-            instruments = self._instruments.get(id(meter))
-            if instruments is None:
-                instruments = self._instruments[id(meter)] = Instruments(meter)
+        instruments = instruments_for(meter) if meter is not None else None
         return DeliveryTelemetry(tracer, instruments, self.policy, system, rng)
 
 

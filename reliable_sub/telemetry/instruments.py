@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+from weakref import WeakKeyDictionary
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
@@ -71,29 +72,33 @@ class Tallies:
 
 
 class HealthGauge:
-    """``reliable_sub.consumer.healthy``: 1 while the running Subscriber on this meter is
-    healthy, 0 while not (no point between runs)."""
+    """``reliable_sub.consumer.healthy``: 1 while the running Subscribers on this meter with
+    the same attributes are all healthy, 0 while one is not (no point between runs)."""
 
     def __init__(self, meter: Meter) -> None:
-        self._source: tuple[dict[str, Any], Callable[[], bool]] | None = None
+        self._sources: dict[object, tuple[dict[str, Any], Callable[[], bool]]] = {}
         meter.create_observable_gauge(
             sc.CONSUMER_HEALTHY, [self.observe], unit="1",
             description="1 while the Subscriber is running and handling (healthy()), 0 while "
                         "not: a loop being restarted, or a call it depends on failing for "
                         "unhealthy_after seconds.")
 
-    def watch(self, attributes: dict[str, Any], healthy: Callable[[], bool]) -> None:
-        self._source = (attributes, healthy)
+    def watch(self, owner: object, attributes: dict[str, Any],
+              healthy: Callable[[], bool]) -> None:
+        """Report ``healthy()`` under ``attributes`` until :meth:`unwatch` of ``owner``."""
+        self._sources[owner] = (attributes, healthy)
 
-    def unwatch(self) -> None:
-        self._source = None
+    def unwatch(self, owner: object) -> None:
+        self._sources.pop(owner, None)
 
     def observe(self, options: CallbackOptions) -> Iterable[Observation]:
-        source = self._source
-        if source is None:
-            return []
-        attributes, healthy = source
-        return [Observation(1 if healthy() else 0, attributes)]
+        points: dict[frozenset[tuple[str, Any]], Observation] = {}
+        for attributes, healthy in list(self._sources.values()):
+            key = frozenset(attributes.items())
+            value = 1 if healthy() else 0
+            if key not in points or value == 0:
+                points[key] = Observation(value, attributes)
+        return list(points.values())
 
 
 class BacklogGauges:
@@ -117,7 +122,7 @@ class BacklogGauges:
 
 
 class Instruments:
-    """The consumer metrics, on one meter."""
+    """The consumer metrics, on one meter: one set per meter (see :func:`instruments_for`)."""
 
     def __init__(self, meter: Meter) -> None:
         self.backlog = BacklogGauges(meter)
@@ -156,6 +161,21 @@ class Instruments:
             description="Messages acked, by the delivery attempt on which they succeeded "
                         f"(reliable_sub.delivery.attempt: 1 to {sc.MAX_ATTEMPT_VALUE}, then "
                         f"{sc.LATER_ATTEMPTS!r}).")
+
+
+_BY_METER: WeakKeyDictionary[Meter, Instruments] = WeakKeyDictionary()
+
+
+def instruments_for(meter: Meter) -> Instruments:
+    """The consumer instruments on ``meter``, shared by every Subscriber recording there.
+
+    The SDK keeps the first observable instrument of a name on a meter and drops the callbacks
+    of any later one: a second set on the same meter would never be reported.
+    """
+    found = _BY_METER.get(meter)
+    if found is None:
+        found = _BY_METER[meter] = Instruments(meter)
+    return found
 
 
 @dataclass
