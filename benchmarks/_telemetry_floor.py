@@ -104,6 +104,7 @@ def floor_seconds(variant: str, messages: int, system: str = "memory") -> float:
                 sc.DESTINATION_NAME: "bench-topic",
                 sc.subscription_attribute(system): "bench-sub"}
         span_base = {**base, sc.OPERATION_TYPE: sc.PROCESS}
+        base[sc.CONSUMER_GROUP_NAME] = "bench-sub"  # metrics name it on every system
         acked = {**base, sc.OUTCOME: "acked"}
         # the dashboard mode decides per first attempt; the sampled variant's sampler does
         ratio = SAMPLED_RATIO if variant == DASHBOARD else 1.0

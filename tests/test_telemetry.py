@@ -241,6 +241,7 @@ async def test_metric_attributes_hold_no_message_ids(recorded: Recorded) -> None
         "messaging.system": "memory", "messaging.operation.name": "process",
         "messaging.destination.name": "orders",
         "messaging.destination.subscription.name": "billing",
+        "messaging.consumer.group.name": "billing",  # on every system: dashboards filter by it
         "reliable_sub.outcome": "acked",
     }]
     assert points[0].value == 5

@@ -112,6 +112,9 @@ class DeliveryTelemetry:
         }
         span_attributes: dict[str, Any] = {**base, sc.OPERATION_TYPE: sc.PROCESS,
                                            **(connection or {})}
+        # every metric names the subscription as a consumer group too, whatever the system:
+        # one label a dashboard filters every system's series by (a duplicate value, no series)
+        base[sc.CONSUMER_GROUP_NAME] = subscription
         if self._gcp:
             span_attributes[sc.GCP_ACK_DEADLINE] = int(ack_deadline)
         tallies = None
