@@ -41,7 +41,7 @@ from reliable_sub.ports import (
     checked_message,
 )
 from reliable_sub.replay import check_target
-from reliable_sub.telemetry import send_span
+from reliable_sub.telemetry.publishing import InstrumentedPublishing
 
 DEFAULT_ACK_DEADLINE = 10.0
 # Stale lease-heap entries tolerated beyond twice the live leases before the heap is rebuilt.
@@ -113,7 +113,7 @@ class _Subscription:
     waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=set)
 
 
-class MemoryAdapter:
+class MemoryAdapter(InstrumentedPublishing):
     """An in-process, thread-safe broker with ack deadlines, redelivery, fan-out and ordering.
 
     Args:
@@ -236,7 +236,7 @@ class MemoryAdapter:
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
-        with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
+        with self._publishing.send(topic, attributes) as attributes:
             return self._publish(topic, data, attributes, ordering_key)
 
     def _publish(

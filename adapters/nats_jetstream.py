@@ -39,6 +39,7 @@ import json
 import logging
 import math
 import re
+import time
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -67,7 +68,7 @@ from reliable_sub.ports import (
     attributes_from_json,
     checked_message,
 )
-from reliable_sub.telemetry import send_span
+from reliable_sub.telemetry.publishing import InstrumentedPublishing
 
 try:
     import nats
@@ -328,7 +329,7 @@ def _check_name(kind: str, name: str) -> str:
     return name
 
 
-class NatsJetStreamAdapter:
+class NatsJetStreamAdapter(InstrumentedPublishing):
     """NATS JetStream streams and durable pull consumers behind the Adapter contract.
 
     Args:
@@ -635,7 +636,7 @@ class NatsJetStreamAdapter:
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
-        with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
+        with self._publishing.send(topic, attributes) as attributes:
             payload, headers = self._headers(data, attributes, ordering_key)
             return await self._publish(topic, payload, headers)
 
@@ -668,8 +669,11 @@ class NatsJetStreamAdapter:
                                              message.ordering_key)
             return await self._publish(message.topic, payload, headers)
 
+        started = time.perf_counter()
         results = await asyncio.gather(*(one(m) for m in messages), return_exceptions=True)
-        return [r if isinstance(r, str | Exception) else Exception(repr(r)) for r in results]
+        sent = [r if isinstance(r, str | Exception) else Exception(repr(r)) for r in results]
+        self._publishing.sent_many(messages, sent, started)
+        return sent
 
     def publish_sync(
         self,

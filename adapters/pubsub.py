@@ -51,7 +51,7 @@ from reliable_sub.ports import (
     checked_message,
 )
 from reliable_sub.replay import check_target
-from reliable_sub.telemetry import send_span
+from reliable_sub.telemetry.publishing import InstrumentedPublishing
 
 try:
     import grpc
@@ -123,7 +123,7 @@ CAPABILITIES = Capabilities(
 _ENDPOINT = "pubsub.googleapis.com:443"
 
 
-class PubSubAdapter:
+class PubSubAdapter(InstrumentedPublishing):
     """Google Cloud Pub/Sub (or its emulator) as an Adapter.
 
     Args:
@@ -450,7 +450,7 @@ class PubSubAdapter:
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
-        with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
+        with self._publishing.send(topic, attributes) as attributes:
             payload, checked = _publishable(topic, data, attributes, ordering_key)
             if not PUBLISH_PARAMETERS.isdisjoint(checked):
                 return await asyncio.to_thread(self._publish_alone, topic, payload, checked)
@@ -469,7 +469,7 @@ class PubSubAdapter:
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
-        with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
+        with self._publishing.send(topic, attributes) as attributes:
             payload, checked = _publishable(topic, data, attributes, ordering_key)
             if not PUBLISH_PARAMETERS.isdisjoint(checked):
                 return self._publish_alone(topic, payload, checked)

@@ -48,6 +48,7 @@ import logging
 import math
 import os
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -75,7 +76,7 @@ from reliable_sub.ports import (
     checked_message,
 )
 from reliable_sub.replay import check_target
-from reliable_sub.telemetry import send_span
+from reliable_sub.telemetry.publishing import InstrumentedPublishing
 
 try:
     import redis
@@ -166,7 +167,7 @@ def default_consumer_name() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-class RedisStreamsAdapter:
+class RedisStreamsAdapter(InstrumentedPublishing):
     """Redis Streams consumer groups behind the Adapter contract.
 
     Args:
@@ -511,7 +512,7 @@ class RedisStreamsAdapter:
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
-        with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
+        with self._publishing.send(topic, attributes) as attributes:
             fields = self._fields(data, attributes, ordering_key)
             entry_id = await self.client.xadd(
                 topic, fields, maxlen=self._max_len, approximate=True  # type: ignore[arg-type]
@@ -522,6 +523,7 @@ class RedisStreamsAdapter:
         """Publish ``messages`` in one pipelined round trip (XADDs in the order given); returns
         each one's entry id or the error that refused it. (No spans of its own: the caller,
         such as the outbox relay, makes them.)"""
+        started = time.perf_counter()
         results: list[str | Exception] = []
         pipe = self.client.pipeline(transaction=False)
         queued = []
@@ -536,9 +538,15 @@ class RedisStreamsAdapter:
             pipe.xadd(message.topic, fields,  # type: ignore[arg-type]
                       maxlen=self._max_len, approximate=True)
         if queued:
-            replies = await pipe.execute(raise_on_error=False)
+            try:
+                replies = await pipe.execute(raise_on_error=False)
+            except Exception as error:  # the connection: none of the queued ones is known sent
+                self._publishing.sent_many(
+                    messages, [error if r == "" else r for r in results], started)
+                raise
             for index, reply in zip(queued, replies, strict=True):
                 results[index] = reply if isinstance(reply, Exception) else _text(reply)
+        self._publishing.sent_many(messages, results, started)
         return results
 
     def publish_sync(
@@ -548,7 +556,7 @@ class RedisStreamsAdapter:
         attributes: dict[str, str] | None = None,
         ordering_key: str | None = None,
     ) -> str:
-        with send_span(CAPABILITIES.messaging_system, topic, attributes) as attributes:
+        with self._publishing.send(topic, attributes) as attributes:
             fields = self._fields(data, attributes, ordering_key)
             entry_id = self._sync.xadd(
                 topic, fields, maxlen=self._max_len, approximate=True  # type: ignore[arg-type]

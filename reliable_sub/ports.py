@@ -591,6 +591,17 @@ class DescribesConnection(Protocol):
         ...
 
 
+@runtime_checkable
+class InstrumentsPublishes(Protocol):
+    """An optional capability of an adapter: its publishes recorded on given providers (our
+    adapters have it from :class:`~reliable_sub.telemetry.publishing.InstrumentedPublishing`)."""
+
+    def instrument_publishes(self, tracer_provider: Any = None,
+                             meter_provider: Any = None) -> None:
+        """Record this adapter's publishes on these providers (None: leave that one)."""
+        ...
+
+
 # -- inspection -----------------------------------------------------------------------------------
 
 

@@ -55,6 +55,7 @@ from .runtime.lanes import Config, Route
 from .runtime.lease import LeaseManager
 from .runtime.pipeline import Runtime
 from .telemetry.consumer import SubscriberTelemetry
+from .telemetry.publishing import instrument_publishes
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,9 @@ class Subscriber(Service):
             that has one (``SqlDedupStore``); None never purges (run it yourself, e.g. cron).
         tracer_provider, meter_provider: where the span of each delivery attempt and the
             consumer metrics go (default: OpenTelemetry's global providers, read when a run
-            starts; without an SDK nothing is recorded, at no cost). See
+            starts; without an SDK nothing is recorded, at no cost). Given here, they also
+            record the publishes made through ``adapter`` (``adapter.instrument_publishes``):
+            dead letters, and your own ``publish``/``publish_sync`` on it. See
             :mod:`reliable_sub.telemetry`.
         telemetry: what the spans carry (:class:`~reliable_sub.policy.TelemetryPolicy`: link
             to or child of the producer's span; the idempotency key hashed, raw or not at all).
@@ -194,6 +197,7 @@ class Subscriber(Service):
         self.stats = SubscriberStats()
         self._routes: dict[str, Route] = {}
         self._runtime: Runtime | None = None
+        instrument_publishes(adapter, tracer_provider, meter_provider)
 
     # -- registration ----------------------------------------------------------------------
 

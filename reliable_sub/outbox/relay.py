@@ -63,6 +63,7 @@ from ..telemetry.guard import report
 from ..telemetry.outbox import OutboxTelemetry
 from ..telemetry.producer import SendSpans
 from ..telemetry.propagation import extract_json
+from ..telemetry.publishing import instrument_publishes
 from ..telemetry.semconv import OUTBOX_ROW
 from . import maintenance
 from .listener import CommitListener
@@ -193,6 +194,7 @@ class OutboxRelay(Service):
         self.metrics_interval = float(metrics_interval)
         self._picker = RowPicker(outbox.table, outbox.dialect)
         self._telemetry = OutboxTelemetry(outbox.table.name, tracer_provider, meter_provider)
+        instrument_publishes(adapter, tracer_provider, meter_provider)
         # the broker's messaging.system for send spans (a Publisher need not say)
         capabilities = getattr(adapter, "capabilities", None)
         self._system = getattr(capabilities, "messaging_system", "unknown")

@@ -35,6 +35,30 @@ def error_type(error: BaseException) -> str:
 
 
 
+class ErrorTypes:
+    """``error.type`` values with bounded cardinality: an exception's qualified class name, for
+    the first ``MAX_ERROR_TYPES`` distinct classes; ``_OTHER`` for any later one."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        # by class; bounded, as a handler may make a class per call
+        self._names: dict[type[BaseException], str] = {}
+
+    def of(self, error: BaseException) -> str:
+        kind = type(error)
+        name = self._names.get(kind)
+        if name is None:
+            name = error_type(error)
+            if name not in self._seen:
+                if len(self._seen) < MAX_ERROR_TYPES:
+                    self._seen.add(name)
+                else:
+                    name = OTHER_ERROR_TYPE
+            if len(self._names) < 4 * MAX_ERROR_TYPES:
+                self._names[kind] = name
+        return name
+
+
 class Tally:
     """A count under one attribute set, kept in process and reported when a reader collects.
 
@@ -203,18 +227,12 @@ class RouteTelemetry:
     tallies: RouteTallies | None = None
     # the attribute sets of an outcome, and of a failure by outcome and error.type
     by_outcome: dict[tuple[Outcome, str | None], dict[str, Any]] = field(default_factory=dict)
-    error_types: dict[type[BaseException], str] = field(default_factory=dict)
+    error_types: ErrorTypes = field(default_factory=ErrorTypes)
 
     def error_type_of(self, error: BaseException) -> str:
         """``error.type`` for ``error``: its class's name, or ``_OTHER`` once this route has
         seen ``MAX_ERROR_TYPES`` distinct ones."""
-        kind = type(error)
-        name = self.error_types.get(kind)
-        if name is None:
-            seen = len(set(self.error_types.values()) - {OTHER_ERROR_TYPE})
-            name = error_type(error) if seen < MAX_ERROR_TYPES else OTHER_ERROR_TYPE
-            self.error_types[kind] = name
-        return name
+        return self.error_types.of(error)
 
     def outcome_attributes(self, outcome: Outcome, error: str | None = None) -> dict[str, Any]:
         """The route's attributes with ``outcome`` (and ``error.type``, for a failure)."""

@@ -1,8 +1,9 @@
 """The producer side: a span ``send {topic}`` (kind PRODUCER) per published message, whose
 context is injected into the message's attributes so the consumer's span can link to it.
 
-Adapters call :func:`send_span` in ``publish`` and ``publish_sync`` (on the global tracer
-provider: publishing has no Subscriber to configure it). The outbox relay opens its rows' spans
+Our adapters publish through :class:`~.publishing.PublishTelemetry`, which opens
+:func:`send_span` on the providers bound to the adapter (else the global ones); an adapter of
+your own may call :func:`send_span` directly. The outbox relay opens its rows' spans
 itself (:class:`SendSpans`, on its own tracer, each the child of the context its row captured in
 the business transaction) and publishes under them; an adapter's ``send_span`` inside one of
 those opens no second span. ``publish_many`` creates no spans of its own.

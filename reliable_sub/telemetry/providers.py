@@ -21,8 +21,9 @@ except ImportError:  # pragma: no cover - a future API that moves it: treat noth
     ProxyMeterProvider = NoOpMeterProvider  # type: ignore[misc,assignment]
 
 
-# The last provider asked and what it gave: publish asks for the global tracer once per message,
-# and an SDK's get_tracer builds a new tracer (about 10 µs) on every call.
+# The last provider asked and what it gave (None: it records nothing): publish asks once per
+# message; an SDK's get_tracer builds a new tracer (about 10 µs) on every call, and the
+# isinstance checks against the API's ABCs cost most of a microsecond.
 _last_tracer: tuple[TracerProvider | None, Tracer | None] = (None, None)
 _last_meter: tuple[MeterProvider | None, Meter | None] = (None, None)
 
@@ -31,11 +32,10 @@ def tracer_of(provider: TracerProvider | None) -> Tracer | None:
     """Our tracer from ``provider`` (default: the global one), or None if it records nothing."""
     global _last_tracer
     provider = provider if provider is not None else trace.get_tracer_provider()
-    if isinstance(provider, ProxyTracerProvider | NoOpTracerProvider):
-        return None
     last_provider, tracer = _last_tracer
-    if last_provider is not provider or tracer is None:
-        tracer = provider.get_tracer(SCOPE, __version__, schema_url=SCHEMA_URL)
+    if provider is not last_provider:
+        tracer = (None if isinstance(provider, ProxyTracerProvider | NoOpTracerProvider)
+                  else provider.get_tracer(SCOPE, __version__, schema_url=SCHEMA_URL))
         _last_tracer = (provider, tracer)
     return tracer
 
@@ -44,11 +44,10 @@ def meter_of(provider: MeterProvider | None) -> Meter | None:
     """Our meter from ``provider`` (default: the global one), or None if it records nothing."""
     global _last_meter
     provider = provider if provider is not None else metrics.get_meter_provider()
-    if isinstance(provider, ProxyMeterProvider | NoOpMeterProvider):
-        return None
     last_provider, meter = _last_meter
-    if last_provider is not provider or meter is None:
-        meter = provider.get_meter(SCOPE, __version__, schema_url=SCHEMA_URL)
+    if provider is not last_provider:
+        meter = (None if isinstance(provider, ProxyMeterProvider | NoOpMeterProvider)
+                 else provider.get_meter(SCOPE, __version__, schema_url=SCHEMA_URL))
         _last_meter = (provider, meter)
     return meter
 

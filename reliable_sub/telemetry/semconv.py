@@ -64,6 +64,8 @@ EVENT_DEAD_LETTER = "reliable_sub.dead_letter.published"
 # metrics
 PROCESS_DURATION = "messaging.process.duration"
 CONSUMED_MESSAGES = "messaging.client.consumed.messages"
+SENT_MESSAGES = "messaging.client.sent.messages"
+OPERATION_DURATION = "messaging.client.operation.duration"
 LEASE_EXTENSIONS = "reliable_sub.lease.extensions"
 LEASE_DEADLINE_METRIC = "reliable_sub.lease.deadline"
 INFLIGHT = "reliable_sub.inflight.messages"
@@ -90,5 +92,6 @@ LATER_ATTEMPTS = f">{MAX_ATTEMPT_VALUE}"
 
 
 def subscription_attribute(system: str) -> str:
-    """Which attribute names a subscription on ``system``."""
+    """Which attribute names a subscription on ``system`` in spans. Metrics carry
+    ``messaging.consumer.group.name`` on every system (and this one as well)."""
     return CONSUMER_GROUP_NAME if system in GROUP_SYSTEMS else SUBSCRIPTION_NAME

@@ -78,20 +78,24 @@ class Recorded:
 
 
 @contextmanager
-def recording_telemetry() -> Iterator[Recorded]:
-    """SDK providers as the global ones, recording in memory, for the block."""
+def recording_telemetry(*, install: bool = True) -> Iterator[Recorded]:
+    """SDK providers recording in memory, for the block: OpenTelemetry's global ones, or with
+    ``install=False`` only yours to pass (``Subscriber(tracer_provider=recorded.tracer_provider,
+    ...)``), the globals left as they are."""
     exporter = InMemorySpanExporter()
     tracer_provider = TracerProvider()
     tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
     reader = InMemoryMetricReader()
     meter_provider = MeterProvider(metric_readers=[reader])
-    _reset_globals()
-    trace.set_tracer_provider(tracer_provider)
-    metrics.set_meter_provider(meter_provider)
+    if install:
+        _reset_globals()
+        trace.set_tracer_provider(tracer_provider)
+        metrics.set_meter_provider(meter_provider)
     try:
         yield Recorded(tracer_provider, meter_provider, exporter, reader)
     finally:
-        _reset_globals()
+        if install:
+            _reset_globals()
         tracer_provider.shutdown()
         meter_provider.shutdown()
 
