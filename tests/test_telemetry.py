@@ -210,6 +210,25 @@ async def test_lease_extensions_are_events_and_metrics(recorded: Recorded) -> No
     assert recorded.sum("reliable_sub.inflight.messages") == 0, "none after it settled"
 
 
+async def test_the_lease_deadline_has_a_point_before_any_extension(recorded: Recorded) -> None:
+    """#28: quick handlers are never extended; the dashboard's deadline line (and the p99 alert)
+    still needs the deadline their deliveries get."""
+    clock, broker, sub = setup(lease=LeasePolicy(min_extension=10, max_extension=60))
+    sub.handler("billing")(lambda message: None)
+    broker.publish_sync("orders", b"x")
+    task = await serving(sub, clock)
+    try:
+        await drive_until(clock, lambda: sub.stats[Outcome.ACKED] == 1, WITHIN)
+        lease = sub.lease_manager("billing")
+        assert lease.stats.extend_calls == 0
+        [deadline] = recorded.points("reliable_sub.lease.deadline")
+        assert deadline.value == lease.extension() == 10
+        assert deadline.attributes["messaging.consumer.group.name"] == "billing"
+    finally:
+        await sub.shutdown(timeout=1)
+        await task
+
+
 async def test_a_stopped_delivery_ends_its_span_as_stopped(recorded: Recorded) -> None:
     clock, broker, sub = setup(sync_workers=1)
     started: list[bytes] = []

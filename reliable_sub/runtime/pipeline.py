@@ -129,6 +129,10 @@ class Runtime:
                 on_max_lease=decisions.max_lease_reached, on_extended=on_extended,
                 health=health, subscription=route.subscription,
             )
+            if telemetry is not None and route_telemetry is not None:
+                # the deadline deliveries get until one is extended: its line is on the
+                # dashboard (and in the alert) for subscriptions whose handlers are quick too
+                telemetry.deadline_is(route_telemetry, lease.extension())
             failure = DeadLetterOrBackoff(route.retry, route.dead_letter, adapter, config.rng)
             lane = self.lanes[route.subscription] = Lane(
                 route=route,

@@ -207,6 +207,12 @@ class DeliveryTelemetry:
             return Context()
 
     @never_raises
+    def deadline_is(self, route: RouteTelemetry, seconds: float) -> None:
+        """The lease deadline gauge's value for ``route`` before any extension."""
+        if self.instruments is not None:
+            self.instruments.deadline.set(seconds, route.metric_attributes)
+
+    @never_raises
     def extended(self, route: RouteTelemetry, items: Sequence[InFlight[Any]], seconds: float,
                  observed: float | None) -> None:
         if self.instruments is not None:
