@@ -96,6 +96,21 @@ async def test_a_dead_letter_queue_listed_shown_replayed_and_purged(world: Redis
     table = reliable_sub(*world.args("dlq", "list", world.dlq, "--wait", "0.2"))
     assert table.returncode == 0 and "2 dead letters" in table.stdout and first in table.stdout
 
+    peeked = as_json(reliable_sub(*world.args("dlq", "peek", world.dlq, "--json",
+                                              "--wait", "0.2")))
+    assert peeked == listed[:1], "the oldest, in full"
+    assert [p["id"] for p in as_json(reliable_sub(*world.args(
+        "dlq", "peek", world.dlq, "--limit", "5", "--json", "--wait", "0.2")))] == [
+        first, second]
+    narrow = reliable_sub(*world.args("dlq", "peek", world.dlq, "--wait", "0.2"),
+                          env={"COLUMNS": "80"})
+    assert narrow.returncode == 0 and f"dead letter {first}" in narrow.stdout
+    assert "no stock" in narrow.stdout and "order-1" in narrow.stdout
+    assert second not in narrow.stdout, "one by default"
+    fits_80_columns(narrow.stdout)
+    fits_80_columns(reliable_sub(*world.args("dlq", "list", world.dlq, "--wait", "0.2"),
+                                 env={"COLUMNS": "80"}).stdout)
+
     shown = as_json(reliable_sub(*world.args("dlq", "show", world.dlq, first, "--json",
                                              "--wait", "0.2")))
     assert (shown["data"], shown["idempotency_key"]) == ("order-1", "order-1")
@@ -315,6 +330,44 @@ async def test_dead_letters_seek_and_snapshots_on_the_emulator() -> None:
         adapter.close_sync()
 
 
+def fits_80_columns(output: str) -> None:
+    assert output.strip(), "something was printed"
+    too_wide = [line for line in output.splitlines() if len(line) > 80]
+    assert too_wide == [], f"{len(too_wide)} lines wider than 80 columns"
+
+
+async def test_stats_and_top_show_one_row_per_subscription_in_80_columns(
+        world: RedisWorld) -> None:
+    """#28: several subscriptions, one row each (lag per subscription), a table that fits an
+    80-column terminal; ``top`` is ``stats --watch``."""
+    other = f"{world.prefix}-shipping-and-handling-for-the-european-warehouses"
+    world.adapter.ensure_subscription_sync(world.topic, other, ack_deadline=30.0)
+    for n in range(2):
+        world.adapter.publish_sync(world.topic, b"order-%d" % n)
+    await world.adapter.receive(other, 1, 1.0)  # one of other's in flight
+    rows = as_json(reliable_sub(*world.args("stats", world.sub, other, "--json",
+                                            "--dead-letter-subscription", world.dlq)))
+    assert [(r["subscription"], r["backlog"], r["in_flight"], r["dead_lettered_waiting"])
+            for r in rows] == [(world.sub, 2, 0, 0), (other, 2, 1, 0)]
+    table = reliable_sub(*world.args("stats", world.sub, other, "--dead-letter-subscription",
+                                     world.dlq), env={"COLUMNS": "80"})
+    assert table.returncode == 0, table.stderr
+    fits_80_columns(table.stdout)
+    assert "oldest" in table.stdout and "in flight" in table.stdout
+    assert "30.0 s" in table.stdout
+    watched = reliable_sub(*world.args("top", world.sub, other, "--interval", "0.05",
+                                       "--iterations", "2", "--json"))
+    assert watched.returncode == 0, watched.stderr
+    readings = [json.loads(line) for line in watched.stdout.splitlines()]
+    assert [[r["subscription"] for r in reading] for reading in readings] == [
+        [world.sub, other]] * 2
+    fits_80_columns(reliable_sub(*world.args("top", world.sub, "--interval", "0.05",
+                                             "--iterations", "1"),
+                                 env={"COLUMNS": "80"}).stdout)
+    nothing = reliable_sub(*world.args("stats"))
+    assert nothing.returncode == 2 and "SUBSCRIPTION" in nothing.stderr
+
+
 async def test_stats_watch_reads_again_every_interval(world: RedisWorld) -> None:
     """#28: ``stats --watch`` (here as JSON lines, three readings): the backlog as it goes."""
     world.adapter.publish_sync(world.topic, b"order-1")
@@ -326,10 +379,32 @@ async def test_stats_watch_reads_again_every_interval(world: RedisWorld) -> None
         (world.sub, 1, 0)] * 3
     table = reliable_sub(*world.args("stats", world.sub, "--watch", "0.05", "--iterations", "2"))
     assert table.returncode == 0, table.stderr
-    assert table.stdout.count(world.sub) == 2, "not a terminal: one table per reading"
-    assert "dead_lettered_waiting" not in table.stdout
+    assert table.stdout.count("in flight") == 2, "not a terminal: one table per reading"
+    assert "dead letters" not in table.stdout
     alone = reliable_sub(*world.args("stats", world.sub, "--iterations", "2"))
     assert alone.returncode == 2 and "--watch" in alone.stderr
     for bad in ("0", "-1", "nan", "inf"):
         refused = reliable_sub(*world.args("stats", world.sub, "--watch", bad))
         assert refused.returncode == 2 and "not a duration" in refused.stderr, bad
+
+
+async def test_stats_on_nats_shows_each_subscriptions_lag(nats_server: Any) -> None:
+    """#28: ``stats`` on every adapter: NATS JetStream's consumer figures (num_pending and
+    num_ack_pending) per subscription."""
+    from reliable_sub.adapters.nats_jetstream import NatsJetStreamAdapter
+
+    prefix = f"cli{uuid.uuid4().hex[:8]}"
+    adapter = NatsJetStreamAdapter(nats_server.url, prefix=prefix)
+    topic, billing, shipping = f"{prefix}-orders", f"{prefix}-billing", f"{prefix}-shipping"
+    try:
+        for subscription in (billing, shipping):
+            await adapter.ensure_subscription(topic, subscription, ack_deadline=30)
+        for n in range(3):
+            await adapter.publish(topic, b"order-%d" % n)
+        await adapter.receive(shipping, 1, 2.0)
+        rows = as_json(reliable_sub("--nats-url", nats_server.url, "--nats-prefix", prefix,
+                                    "stats", billing, shipping, "--json"))
+    finally:
+        await adapter.close()
+    assert [(r["subscription"], r["backlog"], r["in_flight"], r["ack_deadline_seconds"])
+            for r in rows] == [(billing, 3, 0, 30.0), (shipping, 3, 1, 30.0)]

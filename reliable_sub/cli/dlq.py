@@ -1,4 +1,4 @@
-"""``reliable-sub dlq list|show|replay|purge``: a dead-letter queue (a subscription on the
+"""``reliable-sub dlq list|peek|show|replay|purge``: a dead-letter queue (a subscription on the
 dead-letter topic)."""
 
 from __future__ import annotations
@@ -72,6 +72,34 @@ async def list_(adapter: Adapter, subscription: str, limit: int, wait: float,
 
 @dlq.command()
 @click.argument("subscription")
+@click.option("--limit", default=1, show_default=True, type=click.IntRange(min=1),
+              help="How many dead letters, oldest first.")
+@wait_option
+@json_option
+@with_adapter
+async def peek(adapter: Adapter, subscription: str, limit: int, wait: float,
+               as_json: bool) -> None:
+    """The oldest dead letters in SUBSCRIPTION in full (data, attributes, error), left in the
+    queue: ``list`` shows one line each, ``show`` one by id."""
+    letters = [as_dict(letter)
+               for letter in await DeadLetterQueue(adapter, subscription, wait=wait).peek(limit)]
+    if as_json:
+        print_json(letters)
+        return
+    if not letters:
+        click.echo(f"no dead letters in {subscription}")
+    for letter in letters:
+        _print_letter(letter)
+
+
+def _print_letter(letter: dict[str, Any]) -> None:
+    attributes = letter.pop("attributes")
+    print_table(f"dead letter {letter['id']}", ["field", "value"],
+                [*letter.items(), *((f"attribute {k}", v) for k, v in attributes.items())])
+
+
+@dlq.command()
+@click.argument("subscription")
 @click.argument("message_id")
 @wait_option
 @json_option
@@ -83,9 +111,7 @@ async def show(adapter: Adapter, subscription: str, message_id: str, wait: float
     if as_json:
         print_json(letter)
         return
-    attributes = letter.pop("attributes")
-    print_table(f"dead letter {message_id}", ["field", "value"],
-                [*letter.items(), *((f"attribute {k}", v) for k, v in attributes.items())])
+    _print_letter(letter)
 
 
 def _progress(verb: str) -> Progress:

@@ -1,9 +1,11 @@
-"""``reliable-sub stats SUBSCRIPTION``: what a subscription holds now (``--watch``: as it goes)."""
+"""``reliable-sub stats SUBSCRIPTION...``: what subscriptions hold now, one row each
+(``--watch``: as it goes); ``reliable-sub top SUBSCRIPTION...``: the same, redrawn in place."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import click
@@ -14,34 +16,72 @@ from ..ports import Adapter, Inspectable, SubscriptionStats
 from .app import USAGE, Seconds, fail, json_option, print_json, print_table, table_of, with_adapter
 
 UNKNOWN = "unknown"
+DEFAULT_TOP_INTERVAL = 2.0
+# The table's column per figure (JSON keeps the field names): short, so a row fits 80 columns.
+HEADINGS = {"backlog": "backlog", "in_flight": "in flight",
+            "oldest_unacked_age_seconds": "oldest unacked", "ack_deadline_seconds": "deadline",
+            "dead_lettered_waiting": "dead letters"}
+
+subscriptions_argument = click.argument("subscriptions", nargs=-1, required=True,
+                                        metavar="SUBSCRIPTION...")
+dead_letters_option = click.option(
+    "--dead-letter-subscription", metavar="SUBSCRIPTION",
+    help="Also count what waits in this dead-letter queue.")
+iterations_option = click.option("--iterations", type=click.IntRange(min=1), metavar="N",
+                                  help="Stop after N readings.")
 
 
 @click.command()
-@click.argument("subscription")
-@click.option("--dead-letter-subscription", metavar="SUBSCRIPTION",
-              help="Also count what waits in this dead-letter queue.")
+@subscriptions_argument
+@dead_letters_option
 @click.option("--watch", type=Seconds(positive=True), metavar="SECONDS",
               help="Read the figures again every SECONDS until interrupted: the table is "
                    "redrawn in place (with --json, one JSON object per line).")
-@click.option("--iterations", type=click.IntRange(min=1), metavar="N",
-              help="With --watch: stop after N readings.")
+@iterations_option
 @json_option
 @with_adapter
-async def stats(adapter: Adapter, subscription: str, dead_letter_subscription: str | None,
-                watch: float | None, iterations: int | None, as_json: bool) -> None:
-    """Backlog, in flight, oldest unacked age, ack deadline (and dead letters waiting).
+async def stats(adapter: Adapter, subscriptions: tuple[str, ...],
+                dead_letter_subscription: str | None, watch: float | None,
+                iterations: int | None, as_json: bool) -> None:
+    """Backlog, in flight, oldest unacked age and ack deadline of each SUBSCRIPTION (and dead
+    letters waiting).
 
-    The lease deadline the consumers use now is theirs: see the reliable_sub.lease.deadline
-    metric. Pub/Sub reports backlogs through Cloud Monitoring only: they show as unknown.
+    With --json: an object for one subscription, a list of them for several. The lease
+    deadline consumers use now is theirs: see the reliable_sub.lease.deadline metric. Pub/Sub
+    reports backlogs through Cloud Monitoring only: they show as unknown.
     """
-    if not isinstance(adapter, Inspectable):
-        fail(USAGE, f"{type(adapter).__name__} reports no figures")
     if iterations is not None and watch is None:
         fail(USAGE, "--iterations counts the readings of --watch: give --watch SECONDS too")
-    dead_letters = dead_letter_subscription is not None
+    await _show(adapter, subscriptions, dead_letter_subscription, watch, iterations, as_json)
+
+
+@click.command()
+@subscriptions_argument
+@dead_letters_option
+@click.option("--interval", type=Seconds(positive=True), default=DEFAULT_TOP_INTERVAL,
+              show_default=True, metavar="SECONDS", help="Seconds between readings.")
+@iterations_option
+@json_option
+@with_adapter
+async def top(adapter: Adapter, subscriptions: tuple[str, ...],
+              dead_letter_subscription: str | None, interval: float, iterations: int | None,
+              as_json: bool) -> None:
+    """The figures of each SUBSCRIPTION, read again every --interval and redrawn in place
+    until interrupted (``stats --watch``)."""
+    await _show(adapter, subscriptions, dead_letter_subscription, interval, iterations, as_json)
+
+
+async def _show(adapter: Adapter, subscriptions: Sequence[str], dead_letters: str | None,
+                watch: float | None, iterations: int | None, as_json: bool) -> None:
+    if not isinstance(adapter, Inspectable):
+        fail(USAGE, f"{type(adapter).__name__} reports no figures")
+    title = ", ".join(subscriptions)
+
+    async def read() -> list[dict[str, Any]]:
+        return [await figures_of(adapter, s, dead_letters) for s in subscriptions]
+
     if watch is None:
-        show(subscription, await figures_of(adapter, subscription, dead_letter_subscription),
-             as_json, dead_letters)
+        show(title, await read(), as_json, dead_letters is not None)
         return
     console = Console()
     live = (Live(console=console, auto_refresh=False)
@@ -49,11 +89,12 @@ async def stats(adapter: Adapter, subscription: str, dead_letter_subscription: s
     with live if live is not None else contextlib.nullcontext():
         readings = 0
         while True:
-            values = await figures_of(adapter, subscription, dead_letter_subscription)
+            rows = await read()
             if live is not None:
-                live.update(table_of(subscription, *_shown(values, dead_letters)), refresh=True)
+                live.update(table_of(title, *_shown(rows, dead_letters is not None)),
+                            refresh=True)
             else:
-                show(subscription, values, as_json, dead_letters, one_line=True)
+                show(title, rows, as_json, dead_letters is not None, one_line=True)
             readings += 1
             if iterations is not None and readings >= iterations:
                 return
@@ -66,28 +107,39 @@ async def figures_of(adapter: Inspectable, subscription: str,
     dead: SubscriptionStats | None = None
     if dead_letter_subscription is not None:
         dead = await adapter.subscription_stats(dead_letter_subscription)
-    values: dict[str, Any] = {
+    return {
+        "subscription": subscription,
         "backlog": figures.backlog, "in_flight": figures.in_flight,
         "oldest_unacked_age_seconds": figures.oldest_unacked_age,
         "ack_deadline_seconds": figures.ack_deadline,
         "dead_lettered_waiting": None if dead is None else dead.backlog,
     }
-    return values
 
 
-def show(subscription: str, values: dict[str, Any], as_json: bool, dead_letters: bool,
+def show(title: str, rows: list[dict[str, Any]], as_json: bool, dead_letters: bool,
          one_line: bool = False) -> None:
     if as_json:
-        print_json({"subscription": subscription, **values}, one_line=one_line)
+        print_json(rows[0] if len(rows) == 1 else rows, one_line=one_line)
     else:
-        print_table(subscription, *_shown(values, dead_letters))
+        print_table(title, *_shown(rows, dead_letters))
 
 
-def _shown(values: dict[str, Any], dead_letters: bool) -> tuple[list[str], list[list[Any]]]:
-    """The table's columns and row (a dead-letter column when a queue was named)."""
-    shown = {name: UNKNOWN if value is None else value for name, value in values.items()
-             if name != "dead_lettered_waiting" or dead_letters}
-    return list(shown), [list(shown.values())]
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s"
 
 
-COMMANDS = [stats]
+_FORMATS: dict[str, Callable[[Any], str]] = {
+    "oldest_unacked_age_seconds": _seconds, "ack_deadline_seconds": _seconds}
+
+
+def _shown(rows: list[dict[str, Any]], dead_letters: bool
+           ) -> tuple[list[str], list[list[Any]]]:
+    """The table's columns and rows (a dead-letter column when a queue was named)."""
+    names = [name for name in HEADINGS if name != "dead_lettered_waiting" or dead_letters]
+    return (["subscription", *(HEADINGS[name] for name in names)],
+            [[row["subscription"], *(UNKNOWN if row[name] is None
+                                     else _FORMATS.get(name, str)(row[name])
+                                     for name in names)] for row in rows])
+
+
+COMMANDS = [stats, top]
