@@ -58,6 +58,7 @@ import pytest_asyncio
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import NoOpTracerProvider
 
 from reliable_sub import (
     DeadLetterPolicy,
@@ -184,7 +185,7 @@ async def running(request: pytest.FixtureRequest) -> AsyncIterator[World]:
         topic, subscription = await harness.topic_and_subscription()
         dlq_topic, dlq_subscription = await harness.topic_and_subscription()
         spans = InMemorySpanExporter()
-        tracer_provider = TracerProvider()  # this Subscriber's own: publishing stays untraced
+        tracer_provider = TracerProvider()  # this Subscriber's own
         tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
         world = World(request.param, harness, adapter, topic, subscription, dlq_subscription,
                       spans)
@@ -194,6 +195,9 @@ async def running(request: pytest.FixtureRequest) -> AsyncIterator[World]:
             tracer_provider=tracer_provider,
         )
         world.subscriber = subscriber
+        # publishing stays untraced: the attributes published are exactly the test's (a send
+        # span would inject its own traceparent over a malformed one)
+        adapter.instrument_publishes(tracer_provider=NoOpTracerProvider())
 
         @subscriber.handler(subscription)
         async def handle(message: Message) -> None:

@@ -115,14 +115,16 @@ class PublishTelemetry:
         self._span_attributes: dict[str, str | int] | None = None
 
     def bind(self, tracer_provider: TracerProvider | None = None,
-             meter_provider: MeterProvider | None = None) -> None:
-        """Record on these providers from now on (None leaves that one as it was)."""
+             meter_provider: MeterProvider | None = None, *, warn: bool = False) -> None:
+        """Record on these providers from now on (None leaves that one as it was); ``warn``:
+        log a WARNING when one replaces another already bound (bound implicitly, by a
+        Subscriber or relay, rather than by the user)."""
         for name, given in (("tracer_provider", tracer_provider),
                             ("meter_provider", meter_provider)):
             if given is None:
                 continue
             bound = getattr(self, name)
-            if bound is not None and bound is not given:
+            if warn and bound is not None and bound is not given:
                 logger.warning("this %s adapter's publishes were recorded on another %s; "
                                "from now on on the one given last (give one adapter the same "
                                "providers everywhere)", self.system, name)
@@ -217,7 +219,8 @@ class InstrumentedPublishing:
                              meter_provider: MeterProvider | None = None) -> None:
         """Record this adapter's publishes (send spans, ``messaging.client.sent.messages``,
         ``messaging.client.operation.duration``) on these providers instead of the global
-        ones. A Subscriber or OutboxRelay given providers calls it for you."""
+        ones. A Subscriber or OutboxRelay given providers binds them for you; call this after
+        it to choose otherwise (``NoOpTracerProvider()``: publishes untraced)."""
         where = f"{type(self).__name__}.instrument_publishes"
         check_with(f"{where}(tracer_provider=)", tracer_provider, "get_tracer",
                    "an OpenTelemetry TracerProvider", "pass the SDK's TracerProvider(), or None")
@@ -230,8 +233,11 @@ def instrument_publishes(adapter: object, tracer_provider: TracerProvider | None
                          meter_provider: MeterProvider | None) -> None:
     """Bind the providers a Subscriber or relay was given to its adapter's publishes, if it
     records them (:class:`~reliable_sub.ports.InstrumentsPublishes`) and any was given."""
-    if (tracer_provider is not None or meter_provider is not None) and isinstance(
-            adapter, InstrumentsPublishes):
+    if tracer_provider is None and meter_provider is None:
+        return
+    if isinstance(adapter, InstrumentedPublishing):
+        adapter._publishing.bind(tracer_provider, meter_provider, warn=True)
+    elif isinstance(adapter, InstrumentsPublishes):
         adapter.instrument_publishes(tracer_provider, meter_provider)
 
 
