@@ -602,6 +602,18 @@ class InstrumentsPublishes(Protocol):
         ...
 
 
+@runtime_checkable
+class Prefetches(Protocol):
+    """An optional capability of a broker that pushes deliveries ahead (RabbitMQ): how many of
+    a subscription's it may push before they are acked. A Subscriber sets its flow-control
+    window (``FlowControl.max_messages``) when it starts, so the broker keeps the rest for
+    the subscription's other consumers."""
+
+    def set_prefetch(self, subscription: str, messages: int) -> None:
+        """Push at most ``messages`` unacked deliveries of ``subscription`` from now on."""
+        ...
+
+
 # -- inspection -----------------------------------------------------------------------------------
 
 

@@ -408,3 +408,39 @@ async def test_stats_on_nats_shows_each_subscriptions_lag(nats_server: Any) -> N
         await adapter.close()
     assert [(r["subscription"], r["backlog"], r["in_flight"], r["ack_deadline_seconds"])
             for r in rows] == [(billing, 3, 0, 30.0), (shipping, 3, 1, 30.0)]
+
+
+async def test_the_cli_reaches_rabbitmq() -> None:
+    """#29: ``--amqp-url``: stats (AMQP tells no backlog: unknown) and the dead-letter tools."""
+    from reliable_sub.adapters.rabbitmq import RabbitMQAdapter
+    from reliable_sub.testing.services import rabbitmq_url
+
+    url = rabbitmq_url()
+    prefix = f"cli-{uuid.uuid4().hex[:8]}"
+    adapter = RabbitMQAdapter(url, prefix=prefix)
+    topic, sub = f"{prefix}-orders", f"{prefix}-billing"
+    dlq_topic, dlq = f"{prefix}-orders-dlq", f"{prefix}-dlq-ops"
+    await adapter.ensure_subscription(topic, sub, ack_deadline=30.0)
+    await adapter.ensure_subscription(dlq_topic, dlq, ack_deadline=30.0)
+    original = Message(id="m-1", data=b"order-1", attributes={}, subscription=sub)
+    await adapter.publish(dlq_topic, b"order-1",
+                          dead_letter_attributes(original, 3, ValueError("no stock")))
+    args = ("--amqp-url", url, "--amqp-prefix", prefix)
+    try:
+        figures = as_json(reliable_sub(*args, "stats", sub, "--json"))
+        assert (figures["backlog"], figures["ack_deadline_seconds"]) == (None, 30.0)
+        [letter] = as_json(reliable_sub(*args, "dlq", "peek", dlq, "--json", "--wait", "0.5"))
+        assert (letter["data"], letter["error_message"]) == ("order-1", "no stock")
+        missing = reliable_sub(*args, "stats", f"{prefix}-nothing")
+        assert missing.returncode == 4, missing.stderr
+    finally:
+        import aio_pika
+
+        connection = await aio_pika.connect(url)
+        channel = await connection.channel()
+        for name in (sub, dlq, f"{prefix}.settings.{sub}", f"{prefix}.settings.{dlq}"):
+            await channel.queue_delete(name)
+        for name in (topic, dlq_topic):
+            await channel.exchange_delete(name)
+        await connection.close()
+        await adapter.close()

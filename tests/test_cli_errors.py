@@ -428,13 +428,15 @@ async def test_another_broker_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(connect, "BROKERS", (*brokers.BROKERS, entry))
     connection = Connection.from_options({
         "redis_url": None, "redis_prefix": "reliable-sub", "nats_url": None,
-        "nats_prefix": "reliable-sub", "pubsub_project": None, "memory_url": "memory://here"})
+        "nats_prefix": "reliable-sub", "amqp_url": None, "amqp_prefix": "reliable-sub",
+        "pubsub_project": None, "memory_url": "memory://here"})
     assert connection.adapter() is memory
     await connection.reach_adapter(memory)
     assert (entry.param, entry.envvar) == ("memory_url", "RELIABLE_SUB_MEMORY_URL")
     wrong = Connection.from_options({
         "redis_url": None, "redis_prefix": "reliable-sub", "nats_url": None,
-        "nats_prefix": "reliable-sub", "pubsub_project": None, "memory_url": "http://x"})
+        "nats_prefix": "reliable-sub", "amqp_url": None, "amqp_prefix": "reliable-sub",
+        "pubsub_project": None, "memory_url": "http://x"})
     with pytest.raises(ValueError, match="--memory-url 'http://x'"):
         wrong.adapter()
 

@@ -1,4 +1,4 @@
-"""The shipped adapter suite, run against this package's four adapters.
+"""The shipped adapter suite, run against this package's five adapters.
 
 fakeredis stands in for Redis only on a laptop without one; under ``CI=true`` a missing Redis
 fails the Redis class instead.
@@ -17,7 +17,8 @@ from reliable_sub.testing import (
     pubsub_harness,
     redis_harness,
 )
-from reliable_sub.testing.services import in_ci, redis_available
+from reliable_sub.testing.harness import rabbitmq_harness
+from reliable_sub.testing.services import in_ci, rabbitmq_url, redis_available
 from tests.nats_processes import NatsServer
 from tests.redis_processes import RedisClusterProcesses
 
@@ -79,3 +80,11 @@ if not in_ci() and not redis_available():  # a laptop without Redis: fakeredis s
     class TestRedisStreamsAdapterOnFakeredis(AdapterSuite):
         def make_harness(self) -> Harness:
             return fakeredis_harness()
+
+
+class TestRabbitMQAdapter(AdapterSuite):
+    """On the shared RabbitMQ (127.0.0.1:5672), each run with names of its own; 2 s leases, as
+    on NATS."""
+
+    def make_harness(self) -> Harness:
+        return rabbitmq_harness(rabbitmq_url(), ack_deadline=2.0)

@@ -84,6 +84,13 @@ def _nats(url: str, prefix: str | None) -> Adapter:
     return NatsJetStreamAdapter(url, prefix=prefix, name=CLIENT_NAME)
 
 
+def _rabbitmq(url: str, prefix: str | None) -> Adapter:
+    from ..adapters.rabbitmq import RabbitMQAdapter
+
+    assert prefix is not None
+    return RabbitMQAdapter(url, prefix=prefix, name=CLIENT_NAME)
+
+
 def _pubsub(project: str, _prefix: str | None) -> Adapter:
     from ..adapters.pubsub import PubSubAdapter
 
@@ -125,6 +132,8 @@ BROKERS: tuple[Broker, ...] = (
     Broker("--nats-url", "The NATS JetStream broker (nats://host:port; several "
            "comma-separated for a cluster).", _nats, ("nats", "tls", "ws", "wss"),
            prefix="reliable-sub"),
+    Broker("--amqp-url", "The RabbitMQ broker (amqp://user:password@host:port/vhost).",
+           _rabbitmq, ("amqp", "amqps"), prefix="reliable-sub"),
     Broker("--pubsub-project", "The Pub/Sub project (PUBSUB_EMULATOR_HOST selects the "
            "emulator).", _pubsub, probe=_reach_pubsub),
 )

@@ -36,7 +36,7 @@ from ..message import Message
 from ..middleware.dead_letter import DeadLetterOrBackoff
 from ..outcome import DeliveryEvent, Outcome, SubscriberStats
 from ..policy import FlowControl
-from ..ports import DescribesConnection, Inspectable
+from ..ports import DescribesConnection, Inspectable, Prefetches
 from ..telemetry.backlog import BacklogSampler, Sampled
 from ..telemetry.consumer import DeliveryTelemetry
 from .batches import Batches
@@ -116,6 +116,8 @@ class Runtime:
         )
         connection = self._connection_attributes() if telemetry is not None else {}
         for route in self.routes:
+            if isinstance(adapter, Prefetches):
+                adapter.set_prefetch(route.subscription, config.flow_control.max_messages)
             deadline = await adapter.subscription_ack_deadline(route.subscription)
             route_telemetry = on_extended = None
             if telemetry is not None:

@@ -10,6 +10,7 @@ fails a test instead of silently skipping others).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -73,6 +74,7 @@ class Harness:
     adapters: list[Adapter] = field(default_factory=list)
     new_store: Callable[[str], DedupStore] | None = None
     memory_store: MemoryDedupStore | None = None  # whose records the memory stores share
+    names: list[str] = field(default_factory=list)  # every name name_for gave
 
     @property
     def capabilities(self) -> Capabilities:
@@ -84,7 +86,9 @@ class Harness:
             pytest.skip(f"{self.name} is declared without {feature}")
 
     def name_for(self, kind: str) -> str:
-        return f"{self.prefix}-{kind}-{next(_names)}"
+        name = f"{self.prefix}-{kind}-{next(_names)}"
+        self.names.append(name)
+        return name
 
     async def adapter(self) -> Adapter:
         """A connection to the broker (several may coexist, as separate consumers)."""
@@ -308,6 +312,43 @@ def nats_harness(url: str, ack_deadline: float = 1.0) -> Harness:
 
     return Harness(name="nats", clock=SystemClock(), ack_deadline=ack_deadline, tick=0.1,
                    new_adapter=new_adapter, prefix=prefix, cleanup=cleanup)
+
+
+def rabbitmq_harness(url: str, ack_deadline: float = 1.0) -> Harness:
+    """A real RabbitMQ broker at ``url``. Real time, as on NATS; the run's exchanges and queues
+    (their names hold the run's prefix) are deleted afterwards."""
+    from reliable_sub.adapters.rabbitmq import RabbitMQAdapter
+
+    prefix = f"conf-{uuid.uuid4().hex[:10]}"
+
+    async def new_adapter() -> Adapter:
+        return RabbitMQAdapter(url, prefix=prefix)
+
+    async def cleanup() -> None:
+        await delete_rabbitmq_names(url, prefix, harness)
+
+    harness = Harness(name="rabbitmq", clock=SystemClock(), ack_deadline=ack_deadline,
+                      tick=0.1, new_adapter=new_adapter, prefix=prefix, cleanup=cleanup)
+    return harness
+
+
+async def delete_rabbitmq_names(url: str, prefix: str, harness: Harness) -> None:
+    """Delete the queues and exchanges ``harness`` named (AMQP cannot list them), and their
+    settings queues; a name never used is fine."""
+    import aio_pika
+
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        for name in harness.names:
+            for delete, target in (("queue_delete", name), ("exchange_delete", name),
+                                   ("queue_delete", f"{prefix}.settings.{name}")):
+                if channel.is_closed:
+                    channel = await connection.channel()
+                with contextlib.suppress(Exception):
+                    await getattr(channel, delete)(target)
+    finally:
+        await connection.close()
 
 
 async def delete_nats_streams(url: str, fragment: str) -> None:

@@ -6,6 +6,7 @@ skip. For benchmarks and scripts: :class:`EmulatorProcess` starts and stops an e
 
 * Redis: ``RELIABLE_SUB_REDIS_URL`` (default ``redis://127.0.0.1:6379/0``).
 * PostgreSQL: ``RELIABLE_SUB_POSTGRES_URL`` (default ``postgresql://postgres@127.0.0.1:5432/test``).
+* RabbitMQ: ``RELIABLE_SUB_AMQP_URL`` (default ``amqp://guest:guest@127.0.0.1:5672/``).
 * The emulator (Debian package ``google-cloud-cli-pubsub-emulator``, needs a JDK) is started on a
   free loopback port on first use; ``PUBSUB_EMULATOR_HOST`` is set for the Google clients.
 """
@@ -26,6 +27,7 @@ import time
 import pytest
 
 DEFAULT_REDIS_URL = os.environ.get("RELIABLE_SUB_REDIS_URL", "redis://127.0.0.1:6379/0")
+DEFAULT_AMQP_URL = os.environ.get("RELIABLE_SUB_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/")
 # A local Redis answers a PING in well under a millisecond; this only bounds a black-holed host.
 PING_TIMEOUT = 1.0
 EMULATOR_PACKAGE = "google-cloud-cli-pubsub-emulator"
@@ -49,6 +51,25 @@ def missing_service(problem: str) -> None:
     if in_ci():
         pytest.fail(f"{problem} (CI=true: a missing service is a failure, not a skip)")
     pytest.skip(problem)
+
+
+# -- RabbitMQ ------------------------------------------------------------------------------------
+
+
+def rabbitmq_url(url: str = DEFAULT_AMQP_URL) -> str:
+    """``url`` once a TCP connection to its broker opens; else skip the test (fail it when
+    ``CI=true``)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 5672),
+                                      timeout=PING_TIMEOUT):
+            pass
+    except OSError as error:
+        missing_service(f"RabbitMQ at {parts.hostname}:{parts.port or 5672} is unreachable: "
+                        f"{error}")
+    return url
 
 
 # -- Redis ---------------------------------------------------------------------------------------

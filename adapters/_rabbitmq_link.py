@@ -1,0 +1,305 @@
+"""The RabbitMQ adapter's connection in one event loop, and its consumers.
+
+A :class:`Link` is one AMQP connection with a publishing channel (publisher confirms) and, per
+subscription, a :class:`Consumer`: a channel of its own (its prefetch is ``basic.qos``) with a
+``basic.consume`` on the subscription's queue. What the broker pushes waits in the consumer's
+buffer until ``receive`` hands it out.
+
+RabbitMQ has no ack deadline: a delivery stays with its channel until acked, rejected, or the
+channel closes. The consumer keeps the deadline itself. A handed-out delivery is *held* until a
+loop time; when that passes without an ack or an extension, the consumer rejects it with
+requeue, and the broker delivers it again (the quorum queue counting ``x-delivery-count``).
+What the broker pushed and no ``receive`` took within the ack deadline (a Subscriber that stopped
+asking: its workers all busy) is given back too, and the consumer cancelled until the next
+``receive``: a message does not wait in one process while others could run it.
+
+Delivery tags belong to a channel. Each consumer channel has a *generation*; an ack id is
+``"<generation>.<tag>"``. An ack, nack or extend of an id whose channel is gone, or whose
+delivery is no longer held (expired, nacked, acked), is refused here, never sent: on a new
+channel it would ack another message, or close the channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+from collections import deque
+from collections.abc import Coroutine, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aio_pika
+import aiormq.abc
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
+
+logger = logging.getLogger("reliable_sub.adapters.rabbitmq")
+
+_generations = itertools.count(1)
+
+
+@dataclass
+class Held:
+    """A handed-out delivery: its message, and the loop time its lease ends."""
+
+    message: AbstractIncomingMessage
+    ends: float
+
+
+class Consumer:
+    """One subscription's consumer on its own channel (see the module's docstring)."""
+
+    def __init__(self, queue: AbstractQueue, channel: AbstractChannel, prefetch: int,
+                 idle_limit: float) -> None:
+        self.queue = queue
+        self.channel = channel
+        self.prefetch = prefetch
+        self.generation = next(_generations)
+        self.buffer: deque[AbstractIncomingMessage] = deque()
+        self.arrived = asyncio.Event()
+        self.held: dict[int, Held] = {}
+        self.consumer_tag: str | None = None
+        self._idle_limit = idle_limit
+        self._last_take = asyncio.get_running_loop().time()
+        self._expiry: asyncio.TimerHandle | None = None
+        self._idle_check: asyncio.TimerHandle | None = None
+        self._resuming = asyncio.Lock()
+
+    @property
+    def alive(self) -> bool:
+        return not self.channel.is_closed
+
+    async def pushed(self, message: AbstractIncomingMessage) -> None:
+        """basic.consume's callback: the broker pushed ``message`` (aiormq runs it as a task
+        per message, whatever it is). One that comes after a pause began goes back."""
+        if self.consumer_tag is None:
+            await self._reject([message.delivery_tag or 0])
+            return
+        self.buffer.append(message)
+        self.arrived.set()
+        if self._idle_check is None:
+            self._idle_check = asyncio.get_running_loop().call_later(
+                self._idle_limit, self._check_idle)
+
+    async def resume(self) -> None:
+        """Consume again after a pause (a ``receive`` came)."""
+        async with self._resuming:
+            if self.consumer_tag is None and self.alive:
+                self._last_take = asyncio.get_running_loop().time()
+                self.consumer_tag = await self.queue.consume(self.pushed)
+
+    def take(self, count: int, lease: float) -> list[AbstractIncomingMessage]:
+        """Up to ``count`` buffered messages, held for ``lease`` seconds from now."""
+        self._last_take = asyncio.get_running_loop().time()
+        ends = self._last_take + lease
+        taken: list[AbstractIncomingMessage] = []
+        while self.buffer and len(taken) < count:
+            message = self.buffer.popleft()
+            self.held[message.delivery_tag or 0] = Held(message, ends)
+            taken.append(message)
+        if not self.buffer:
+            self.arrived.clear()
+        if taken:
+            self._arm(ends)
+        return taken
+
+    def live(self, tag: int) -> Held | None:
+        """The held delivery of ``tag`` if its lease has not ended (one that has is given back
+        now)."""
+        held = self.held.get(tag)
+        if held is None:
+            return None
+        if held.ends <= asyncio.get_running_loop().time():
+            self.expire_due()
+            return None
+        return held
+
+    def extend(self, tag: int, seconds: float) -> None:
+        ends = asyncio.get_running_loop().time() + seconds
+        self.held[tag].ends = ends
+        self._arm(ends)
+
+    def release(self, tag: int) -> AbstractIncomingMessage:
+        """Stop holding ``tag`` (acked elsewhere: a delayed copy replaces it)."""
+        return self.held.pop(tag).message
+
+    async def ack(self, tags: Iterable[int]) -> None:
+        """Ack ``tags``: one ``basic.ack`` with ``multiple`` for the run of them below every
+        other outstanding tag of the channel, one each for the rest."""
+        mine = sorted(set(tags))
+        if not mine:
+            return
+        for tag in mine:
+            self.held.pop(tag, None)
+        others = [m.delivery_tag or 0 for m in self.buffer]
+        others.extend(self.held)
+        below = min(others, default=None)
+        run = [t for t in mine if below is None or t < below]
+        rest = mine[len(run):]
+        channel = await self._amqp()
+        if len(run) > 1:
+            await channel.basic_ack(run[-1], multiple=True)
+        elif run:
+            await channel.basic_ack(run[0])
+        for tag in rest:
+            await channel.basic_ack(tag)
+
+    async def requeue(self, tags: Iterable[int]) -> None:
+        """Give held ``tags`` back at once (``basic.reject`` with requeue)."""
+        tags = list(tags)
+        for tag in tags:
+            self.held.pop(tag, None)
+        await self._reject(tags)
+
+    def expire_due(self) -> None:
+        """Give back every held delivery whose lease has ended."""
+        now = asyncio.get_running_loop().time()
+        due = [tag for tag, held in self.held.items() if held.ends <= now]
+        for tag in due:
+            del self.held[tag]
+        if due:
+            logger.debug("%d deliveries of %r outlived their lease: requeued", len(due),
+                         self.queue.name)
+            self._spawn(self._reject(due))
+        if self.held:
+            self._arm(min(held.ends for held in self.held.values()))
+
+    def _check_idle(self) -> None:
+        """The buffer has waited: if no receive took from it for the idle limit, pause."""
+        self._idle_check = None
+        if not self.buffer or not self.alive or self.consumer_tag is None:
+            return
+        loop = asyncio.get_running_loop()
+        waited = loop.time() - self._last_take
+        if waited < self._idle_limit:
+            self._idle_check = loop.call_later(self._idle_limit - waited, self._check_idle)
+            return
+        self._spawn(self._pause())
+
+    async def _pause(self) -> None:
+        tag, self.consumer_tag = self.consumer_tag, None
+        if tag is not None:
+            await self.queue.cancel(tag)
+        given_back = [message.delivery_tag or 0 for message in self.buffer]
+        self.buffer.clear()
+        self.arrived.clear()
+        logger.debug("no receive took %d deliveries of %r within %gs: given back, consumer "
+                     "paused until the next receive", len(given_back), self.queue.name,
+                     self._idle_limit)
+        await self._reject(given_back)
+
+    async def _reject(self, tags: list[int]) -> None:
+        if not tags or not self.alive:
+            return  # the broker requeued them with the channel
+        channel = await self._amqp()
+        for tag in tags:
+            await channel.basic_reject(tag, requeue=True)
+
+    def _arm(self, ends: float) -> None:
+        """Expire due leases at ``ends`` (or earlier, if armed earlier)."""
+        loop = asyncio.get_running_loop()
+        if self._expiry is not None:
+            if self._expiry.when() <= ends:
+                return
+            self._expiry.cancel()
+        self._expiry = loop.call_at(ends, self._expire_from_timer)
+
+    def _expire_from_timer(self) -> None:
+        self._expiry = None
+        if self.alive:
+            self.expire_due()
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        asyncio.ensure_future(coroutine).add_done_callback(_log_failure)
+
+    async def _amqp(self) -> aiormq.abc.AbstractChannel:
+        return await self.channel.get_underlay_channel()
+
+    def forget(self) -> None:
+        """The channel is gone: drop what it held (the broker requeued it)."""
+        for timer in (self._expiry, self._idle_check):
+            if timer is not None:
+                timer.cancel()
+        self._expiry = self._idle_check = None
+        self.held.clear()
+        self.buffer.clear()
+        self.arrived.set()  # a receive waiting on it looks again, and finds the channel gone
+
+
+def _log_failure(task: asyncio.Future[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.warning("giving deliveries back failed (the broker requeues them when the "
+                       "channel closes): %s", task.exception())
+
+
+@dataclass
+class Link:
+    """This event loop's connection, its publishing channel and its consumers."""
+
+    url: str
+    name: str
+    connection: AbstractRobustConnection | None = None
+    publisher: AbstractChannel | None = None
+    consumers: dict[str, Consumer] = field(default_factory=dict)
+    topics: set[str] = field(default_factory=set)  # exchanges known to exist
+    delay_queues: set[str] = field(default_factory=set)  # declared by this link
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def connected(self, timeout: float) -> aio_pika.abc.AbstractConnection:
+        if self.connection is None or self.connection.is_closed:
+            async with self.lock:
+                if self.connection is None or self.connection.is_closed:
+                    self._drop_consumers()
+                    self.publisher = None
+                    self.connection = await aio_pika.connect(  # type: ignore[assignment]
+                        self.url, timeout=timeout, client_properties={
+                            "connection_name": self.name})
+        assert self.connection is not None
+        return self.connection
+
+    async def publishing(self, timeout: float) -> AbstractChannel:
+        if self.publisher is None or self.publisher.is_closed:
+            connection = await self.connected(timeout)
+            self.publisher = await connection.channel(publisher_confirms=True)
+        return self.publisher
+
+    async def consumer(self, queue: str, timeout: float, prefetch: int,
+                       idle_limit: float) -> Consumer:
+        """The consumer of ``queue`` (a new channel and ``basic.consume`` if it has none, its
+        channel closed, or its prefetch is another); resumed if it was paused."""
+        found = self.consumers.get(queue)
+        if found is not None and found.alive and found.prefetch == prefetch:
+            if found.consumer_tag is None:
+                await found.resume()
+            return found
+        if found is not None:
+            found.forget()
+            with contextlib.suppress(Exception):
+                await found.channel.close()  # what it held goes back to the queue
+        connection = await self.connected(timeout)
+        channel = await connection.channel(publisher_confirms=False)
+        await channel.set_qos(prefetch_count=prefetch)
+        amqp_queue = await channel.get_queue(queue, ensure=True)
+        consumer = Consumer(amqp_queue, channel, prefetch, idle_limit)
+        channel.close_callbacks.add(lambda *_: consumer.forget())
+        consumer.consumer_tag = await amqp_queue.consume(consumer.pushed)
+        self.consumers[queue] = consumer
+        return consumer
+
+    def _drop_consumers(self) -> None:
+        for consumer in self.consumers.values():
+            consumer.forget()
+        self.consumers.clear()
+
+    async def close(self) -> None:
+        self._drop_consumers()
+        connection, self.connection, self.publisher = self.connection, None, None
+        if connection is not None and not connection.is_closed:
+            with contextlib.suppress(Exception):
+                await connection.close()

@@ -1,0 +1,134 @@
+"""What the RabbitMQ adapter keeps at the broker beside the exchanges and queues it serves:
+each subscription's settings, and its delay queues.
+
+Settings (topic, ack deadline) are one JSON message in the classic queue
+``{prefix}.settings.{subscription}`` (``x-max-length: 1`` with ``x-overflow: reject-publish``:
+a second publish is refused, so the settings recorded first are kept). AMQP cannot read a
+queue's arguments or bindings; a message can be read with ``basic.get`` and given back.
+
+A delay queue ``{prefix}.delay.{subscription}.{ms}`` holds copies of nacked messages for ``ms``
+(``x-message-ttl``), then dead-letters them to the subscription's queue through the default
+exchange. One length per queue keeps each queue first-in first-out: a short delay never waits
+behind a long one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import aio_pika
+import aio_pika.exceptions
+from aio_pika.abc import AbstractChannel, AbstractConnection
+from aiormq.exceptions import ChannelNotFoundEntity
+
+from reliable_sub.errors import ConfigurationError
+
+# How long a reader waits for the settings message another reader holds for a moment.
+SETTINGS_WAIT = 2.0
+# Delay queues: lengths from 0.1 s, each the square root of two longer than the last.
+_FIRST_DELAY_MS = 100
+
+
+@dataclass(frozen=True)
+class Settings:
+    """A subscription's settings, as recorded at the broker."""
+
+    topic: str
+    ack_deadline: float
+
+
+def delay_bucket(delay: float) -> int:
+    """The delay queue length (ms) for ``delay`` seconds: the first at least as long."""
+    wanted = max(delay * 1000.0, _FIRST_DELAY_MS)
+    step = math.ceil(2 * math.log2(wanted / _FIRST_DELAY_MS) - 1e-9)
+    millis = math.ceil(_FIRST_DELAY_MS * 2 ** (step / 2))
+    return millis if millis >= wanted else math.ceil(wanted)
+
+
+class Topology:
+    """Settings and delay queues under one prefix, on connections ``connect`` gives."""
+
+    def __init__(self, prefix: str,
+                 connect: Callable[[], Awaitable[AbstractConnection]]) -> None:
+        self.prefix = prefix
+        self._connect = connect
+
+    @contextlib.asynccontextmanager
+    async def channel(self, confirms: bool = False) -> AsyncIterator[AbstractChannel]:
+        """A short-lived channel (a refused declare closes it, not a long-lived one)."""
+        channel = await (await self._connect()).channel(publisher_confirms=confirms)
+        try:
+            yield channel
+        finally:
+            if not channel.is_closed:
+                with contextlib.suppress(Exception):
+                    await channel.close()
+
+    def settings_queue(self, subscription: str) -> str:
+        return f"{self.prefix}.settings.{subscription}"
+
+    async def record(self, subscription: str, settings: Settings) -> Settings:
+        """Record ``settings`` unless some are; the recorded ones."""
+        name = self.settings_queue(subscription)
+        async with self.channel() as channel:
+            await channel.declare_queue(name, durable=True, arguments={
+                "x-max-length": 1, "x-overflow": "reject-publish"})
+        found = await self.read(subscription, wait=0.0)
+        if found is not None:
+            return found
+        body = json.dumps({"topic": settings.topic, "ack_deadline": settings.ack_deadline})
+        async with self.channel(confirms=True) as channel:
+            with contextlib.suppress(aio_pika.exceptions.DeliveryError):  # another was first
+                await channel.default_exchange.publish(
+                    aio_pika.Message(body.encode(),
+                                     delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                    routing_key=name)
+        found = await self.read(subscription, wait=SETTINGS_WAIT)
+        if found is None:
+            raise ConfigurationError(
+                f"the settings of subscription {subscription!r} could not be recorded in "
+                f"queue {name!r}")
+        return found
+
+    async def read(self, subscription: str, wait: float) -> Settings | None:
+        """The recorded settings (None: none recorded). The message is taken with
+        ``basic.get`` and given back; a reader finding the queue empty while another holds it
+        looks again for up to ``wait`` seconds."""
+        name = self.settings_queue(subscription)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + wait
+        async with self.channel() as channel:
+            try:
+                queue = await channel.get_queue(name, ensure=True)
+            except ChannelNotFoundEntity:
+                return None
+            while True:
+                message = await queue.get(no_ack=False, fail=False)
+                if message is not None:
+                    try:
+                        recorded = json.loads(message.body)
+                        return Settings(str(recorded["topic"]),
+                                        float(recorded["ack_deadline"]))
+                    finally:
+                        await message.reject(requeue=True)
+                if loop.time() >= give_up:
+                    return None
+                await asyncio.sleep(0.05)
+
+    async def delay_queue(self, subscription: str, delay: float, known: set[str]) -> str:
+        """The delay queue of ``subscription`` for ``delay`` (rounded up), declared unless in
+        ``known`` (then added to it)."""
+        millis = delay_bucket(delay)
+        name = f"{self.prefix}.delay.{subscription}.{millis}"
+        if name not in known:
+            async with self.channel() as channel:
+                await channel.declare_queue(name, durable=True, arguments={
+                    "x-message-ttl": millis, "x-dead-letter-exchange": "",
+                    "x-dead-letter-routing-key": subscription})
+            known.add(name)
+        return name

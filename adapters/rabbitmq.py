@@ -1,0 +1,455 @@
+"""RabbitMQ: a topic is a fanout exchange, a subscription a durable quorum queue bound to it.
+
+Layout. Topic ``orders`` is the durable ``fanout`` exchange ``orders``: every queue bound to it
+gets every message, as every subscription of a topic does. Subscription ``billing`` is the
+durable quorum queue ``billing`` (``x-queue-type: quorum``), bound to it. Its settings (topic,
+ack deadline) are kept by the broker, so every consumer agrees on them and
+``subscription_topic`` works from the name alone: as one message in the classic queue
+``{prefix}.settings.{subscription}`` (at most one message; a second publish is refused, so the
+first settings recorded are kept), read with ``basic.get`` and given back.
+
+Publishing waits for the broker's confirm (publisher confirms); ``publish_many`` publishes its
+messages on one channel with their confirms in flight together. See ``_rabbitmq_messages`` for
+how a message is written and read.
+
+Consuming. Each subscription has a channel with ``basic.qos(prefetch)`` and a
+``basic.consume``; ``receive`` hands out what the broker pushed. RabbitMQ has no ack deadline,
+so this adapter keeps it (``_rabbitmq_link``): a delivery not acked or extended within it is
+rejected with requeue and delivered again, with ``x-delivery-count`` one higher. The prefetch is
+the Subscriber's flow-control window (``set_prefetch``).
+
+Delays. A nack with a delay publishes a copy of the message (same id, body and headers, and the
+count of its deliveries so far) to a *delay queue* of the subscription, then acks the delivery.
+A delay queue holds copies for one length (``x-message-ttl``) and dead-letters them, when it
+ends, to the subscription's queue. Its lengths step by a factor of the square root of two from
+0.1 s, so a delay is rounded up by at most 41% (``{prefix}.delay.{subscription}.{ms}``,
+classic queues declared when first used). The delay survives a crash of the consumer; a crash
+between the copy's confirm and the ack leaves both: the dedup store sees a duplicate.
+Acks of deliveries whose channel is gone or whose lease ran out are refused without being sent
+(``refuses_stale_acks``). The broker closes a channel whose delivery stays unacked past its
+``consumer_timeout`` (30 minutes by default): keep ``LeasePolicy.max_lease_duration`` under it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import math
+import re
+import time
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from reliable_sub.entries import read_each
+from reliable_sub.errors import (
+    ConfigurationError,
+    MissingExtraError,
+    UnknownSubscriptionError,
+    UnknownTopicError,
+)
+from reliable_sub.idempotency.background_loop import BackgroundLoop
+from reliable_sub.loops import PerLoop
+from reliable_sub.message import Delivery, Message
+from reliable_sub.ports import Capabilities, Outgoing, Payload, SubscriptionStats, checked_message
+from reliable_sub.telemetry.publishing import InstrumentedPublishing
+
+try:
+    import aio_pika
+    import aio_pika.exceptions
+    from aio_pika.abc import AbstractIncomingMessage
+    from aiormq.exceptions import ChannelNotFoundEntity
+
+    from reliable_sub.adapters._rabbitmq_link import Consumer, Link
+    from reliable_sub.adapters._rabbitmq_messages import delayed_copy, incoming, outgoing
+    from reliable_sub.adapters._rabbitmq_topology import SETTINGS_WAIT, Settings, Topology
+except ImportError as error:  # pragma: no cover - exercised in a subprocess test
+    raise MissingExtraError("RabbitMQAdapter", "rabbitmq", "aio-pika") from error
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_URL = "amqp://guest:guest@127.0.0.1:5672/"
+DEFAULT_ACK_DEADLINE = 30.0
+DEFAULT_PREFIX = "reliable-sub"
+DEFAULT_PREFETCH = 100
+# RabbitMQ's default consumer_timeout: a delivery unacked this long closes its channel.
+DEFAULT_CONSUMER_TIMEOUT = 1800.0
+CONNECT_TIMEOUT = 5.0
+_NAME = re.compile(r"^[^\x00-\x1f]{1,200}$")
+
+CAPABILITIES = Capabilities(
+    min_ack_deadline=0.0,
+    max_ack_deadline=DEFAULT_CONSUMER_TIMEOUT,
+    native_dead_letter=False,
+    native_retry_backoff=False,
+    exactly_once=False,
+    seek=False,
+    ordering=False,
+    delivery_attempt_exact=True,  # the quorum queue's x-delivery-count
+    refuses_stale_acks=True,
+    cancel_safe_receive=False,
+    messaging_system="rabbitmq",
+)
+
+
+def _check_name(kind: str, name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name) or name.startswith("amq."):
+        raise ConfigurationError(
+            f"a RabbitMQ {kind} name must be 1-200 characters without control characters and "
+            f"not start with 'amq.' (reserved by the broker), got {name!r}")
+    return name
+
+
+class RabbitMQAdapter(InstrumentedPublishing):
+    """Consume from and publish to RabbitMQ (see the module's docstring for the layout).
+
+    Args:
+        url: the broker, ``amqp://user:password@host:port/vhost`` (``amqps://`` for TLS).
+        prefix: prefix of the queues that keep subscription settings, and of this adapter's
+            dedup namespaces.
+        prefetch: the consumer channels' ``basic.qos`` prefetch count (deliveries pushed and
+            not yet acked, per subscription) until a Subscriber sets its flow-control window
+            (``set_prefetch``): for ``receive`` called by your own code.
+        name: the connection name the broker shows (``rabbitmqctl list_connections name``).
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, *, prefix: str = DEFAULT_PREFIX,
+                 prefetch: int = DEFAULT_PREFETCH, name: str = "reliable-sub") -> None:
+        parts = urlsplit(url)
+        if parts.scheme not in ("amqp", "amqps"):
+            raise ConfigurationError(
+                f"RabbitMQAdapter needs an amqp:// or amqps:// URL, got {url!r}")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
+            raise ConfigurationError(
+                f"RabbitMQAdapter.prefetch must be an int >= 1, got {prefetch!r}")
+        self.url = url
+        self._prefix = _check_name("prefix", prefix)
+        self._name = name
+        self._links: PerLoop[Link] = PerLoop(lambda: Link(url, name))
+        self._default_prefetch = prefetch
+        self._prefetch: dict[str, int] = {}
+        self._background = BackgroundLoop()
+        self._topology = Topology(self._prefix,
+                                  lambda: self._links.get().connected(CONNECT_TIMEOUT))
+        self._subscriptions: dict[str, Settings] = {}
+        self.stats = {"refused_as_stale": 0, "malformed": 0, "expired": 0}
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
+    def connection_attributes(self) -> dict[str, str | int]:
+        """The broker's host and port from the URL, and the connection's name, for spans."""
+        parts = urlsplit(self.url)
+        found: dict[str, str | int] = {"messaging.client.id": self._name}
+        if parts.hostname:
+            found["server.address"] = parts.hostname
+        found["server.port"] = parts.port or (5671 if parts.scheme == "amqps" else 5672)
+        return found
+
+    def _run_blocking(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return self._background.run(coroutine, store=self)
+
+    # -- administration -------------------------------------------------------------------
+
+    async def ensure_subscription(self, topic: str, subscription: str, *,
+                                  ack_deadline: float = DEFAULT_ACK_DEADLINE,
+                                  delivery_limit: int | None = None,
+                                  queue_arguments: dict[str, Any] | None = None,
+                                  **options: Any) -> None:
+        """Declare the exchange of ``topic`` and the quorum queue ``subscription`` bound to it
+        (idempotent; the settings recorded first are kept).
+
+        Args:
+            ack_deadline: seconds a delivery may stay unacked before it is given back (kept by
+                the adapter; RabbitMQ has no deadline of its own).
+            delivery_limit: the queue's ``x-delivery-limit`` (default: none). The Subscriber
+                dead-letters after ``DeadLetterPolicy.max_delivery_attempts`` itself; a limit
+                above that is a backstop: past it the broker drops the message (or moves it to
+                the queue's own dead-letter exchange, if ``queue_arguments`` names one).
+            queue_arguments: more arguments for the queue (``x-max-length``...).
+            retain_acked_messages: accepted for portability; a queue deletes what is acked.
+        """
+        options.pop("retain_acked_messages", None)
+        if options:
+            raise ConfigurationError(
+                f"RabbitMQAdapter.ensure_subscription got unknown options {sorted(options)}; "
+                "allowed: ack_deadline, delivery_limit, queue_arguments, retain_acked_messages")
+        _check_name("topic", topic)
+        _check_name("subscription", subscription)
+        if not (isinstance(ack_deadline, int | float) and ack_deadline > 0
+                and math.isfinite(ack_deadline)):
+            raise ConfigurationError(
+                f"ensure_subscription: ack_deadline must be in (0, inf), got {ack_deadline!r}")
+        if delivery_limit is not None and (not isinstance(delivery_limit, int)
+                                           or delivery_limit < 1):
+            raise ConfigurationError(
+                f"ensure_subscription: delivery_limit must be an int >= 1, got "
+                f"{delivery_limit!r}")
+        await self.ensure_topic(topic)
+        recorded = await self._topology.record(subscription, Settings(topic, ack_deadline))
+        if recorded.topic != topic:
+            raise ConfigurationError(
+                f"subscription {subscription!r} already exists on topic {recorded.topic!r}, "
+                f"not {topic!r}; a subscription (queue) belongs to one topic: choose another "
+                "name")
+        arguments: dict[str, Any] = {"x-queue-type": "quorum", **(queue_arguments or {})}
+        if delivery_limit is not None:
+            arguments["x-delivery-limit"] = delivery_limit
+        async with self._topology.channel() as channel:
+            queue = await channel.declare_queue(subscription, durable=True,
+                                                arguments=arguments)
+            await queue.bind(topic, routing_key="")
+        self._subscriptions[subscription] = recorded
+
+    def ensure_subscription_sync(self, topic: str, subscription: str, **options: Any) -> None:
+        """Blocking twin of :meth:`ensure_subscription`."""
+        self._run_blocking(self.ensure_subscription(topic, subscription, **options))
+
+    async def ensure_topic(self, topic: str) -> None:
+        """Declare the durable fanout exchange ``topic`` (an exchange of another type by that
+        name is refused)."""
+        _check_name("topic", topic)
+        async with self._topology.channel() as channel:
+            try:
+                await channel.declare_exchange(topic, aio_pika.ExchangeType.FANOUT, durable=True)
+            except aio_pika.exceptions.ChannelPreconditionFailed as error:
+                raise ConfigurationError(
+                    f"exchange {topic!r} exists but is not a durable fanout exchange: "
+                    f"{error}") from None
+        self._links.get().topics.add(topic)
+
+    def ensure_topic_sync(self, topic: str) -> None:
+        """Blocking twin of :meth:`ensure_topic`."""
+        self._run_blocking(self.ensure_topic(topic))
+
+    async def topic_exists(self, topic: str) -> bool:
+        """Whether the exchange ``topic`` exists."""
+        _check_name("topic", topic)
+        async with self._topology.channel() as channel:
+            try:
+                await channel.get_exchange(topic, ensure=True)
+            except ChannelNotFoundEntity:
+                return False
+        return True
+
+    def dedup_namespace(self, subscription: str) -> str:
+        """``rabbitmq:<prefix>:<queue>``: a queue belongs to one topic, and message ids are
+        unique only within what one publisher sent."""
+        return f"rabbitmq:{self._prefix}:{subscription}"
+
+    async def subscription_ack_deadline(self, subscription: str) -> float:
+        return (await self._subscription(subscription)).ack_deadline
+
+    async def subscription_topic(self, subscription: str) -> str:
+        return (await self._subscription(subscription)).topic
+
+    async def _subscription(self, name: str) -> Settings:
+        found = self._subscriptions.get(name)
+        if found is None:
+            found = await self._topology.read(name, wait=SETTINGS_WAIT)
+            if found is None:
+                raise UnknownSubscriptionError(
+                    f"subscription {name!r} does not exist; create it with ensure_subscription")
+            self._subscriptions[name] = found
+        return found
+
+    async def subscription_stats(self, subscription: str) -> SubscriptionStats:
+        """The ack deadline. AMQP tells a queue's *ready* messages only (a passive declare),
+        and a consumer's prefetch makes most of a backlog unacked rather than ready: backlog,
+        in flight and the oldest message's age are unknown (the management API knows them)."""
+        settings = await self._subscription(subscription)
+        async with self._topology.channel() as channel:
+            try:
+                queue = await channel.declare_queue(subscription, passive=True)
+            except ChannelNotFoundEntity:
+                raise UnknownSubscriptionError(
+                    f"queue {subscription!r} is gone") from None
+        del queue  # it exists: its ready count alone would read as a backlog of zero
+        return SubscriptionStats(None, None, None, settings.ack_deadline)
+
+    # -- publishing ------------------------------------------------------------------------
+
+    async def publish(self, topic: str, data: Payload, attributes: dict[str, str] | None = None,
+                      ordering_key: str | None = None) -> str:
+        with self._publishing.send(topic, attributes) as attributes:
+            payload, checked = checked_message(data, attributes)
+            return await self._publish(topic, outgoing(payload, checked, ordering_key))
+
+    async def _publish(self, topic: str, message: aio_pika.Message) -> str:
+        _check_topic_name(topic)
+        link = self._links.get()
+        channel = await link.publishing(CONNECT_TIMEOUT)
+        if topic not in link.topics:
+            try:
+                await channel.get_exchange(topic, ensure=True)
+            except ChannelNotFoundEntity:
+                raise UnknownTopicError(
+                    f"topic {topic!r} does not exist; create it with ensure_topic or "
+                    "ensure_subscription") from None
+            link.topics.add(topic)
+        exchange = await channel.get_exchange(topic, ensure=False)
+        try:
+            await exchange.publish(message, routing_key="")
+        except ChannelNotFoundEntity:
+            link.topics.discard(topic)
+            raise UnknownTopicError(f"topic {topic!r} does not exist (any more)") from None
+        return str(message.message_id)
+
+    async def publish_many(self, messages: Sequence[Outgoing]) -> list[str | Exception]:
+        """Publish ``messages`` on one channel, their confirms in flight together; returns
+        each one's message id or the error that refused it."""
+        async def one(message: Outgoing) -> str:
+            payload, checked = checked_message(message.data, message.attributes)
+            return await self._publish(message.topic,
+                                       outgoing(payload, checked, message.ordering_key))
+
+        began = time.perf_counter()
+        results = await asyncio.gather(*(one(m) for m in messages), return_exceptions=True)
+        sent = [r if isinstance(r, str | Exception) else Exception(repr(r)) for r in results]
+        self._publishing.sent_many(messages, sent, began)
+        return sent
+
+    def publish_sync(self, topic: str, data: Payload, attributes: dict[str, str] | None = None,
+                     ordering_key: str | None = None) -> str:
+        """Blocking twin of :meth:`publish` (runs it on this adapter's background loop)."""
+        return self._run_blocking(self.publish(topic, data, attributes, ordering_key))
+
+    # -- consuming -------------------------------------------------------------------------
+
+    def set_prefetch(self, subscription: str, messages: int) -> None:
+        """The prefetch of ``subscription``'s consumer from now on (a Subscriber sets its
+        flow-control window, ``FlowControl.max_messages``, when it starts)."""
+        if not isinstance(messages, int) or isinstance(messages, bool) or messages < 1:
+            raise ConfigurationError(f"set_prefetch: messages must be an int >= 1, got "
+                                     f"{messages!r}")
+        self._prefetch[subscription] = messages
+
+    async def _consumer(self, subscription: str, settings: Settings) -> Consumer:
+        prefetch = self._prefetch.get(subscription, self._default_prefetch)
+        try:
+            return await self._links.get().consumer(subscription, CONNECT_TIMEOUT, prefetch,
+                                                    idle_limit=settings.ack_deadline)
+        except ChannelNotFoundEntity:
+            raise UnknownSubscriptionError(
+                f"queue {subscription!r} does not exist; create it with ensure_subscription"
+            ) from None
+
+    async def receive(self, subscription: str, max_messages: int, timeout: float
+                      ) -> list[Delivery]:
+        if max_messages < 1:
+            raise ValueError(f"receive: max_messages must be >= 1, got {max_messages}")
+        settings = await self._subscription(subscription)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + max(0.0, timeout)
+        while True:
+            consumer = await self._consumer(subscription, settings)
+            taken = consumer.take(max_messages, settings.ack_deadline)
+            if taken:
+                return read_each(
+                    taken, functools.partial(self._delivery, consumer, subscription),
+                    functools.partial(self._unreadable, consumer, subscription))
+            remaining = give_up - loop.time()
+            if remaining <= 0:
+                return []
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(consumer.arrived.wait(), remaining)
+
+    def _delivery(self, consumer: Consumer, subscription: str,
+                  raw: AbstractIncomingMessage) -> Delivery:
+        message, problem = incoming(raw, subscription)
+        ack_id = f"{consumer.generation}.{raw.delivery_tag}"
+        if problem is not None:
+            self.stats["malformed"] += 1
+            logger.warning("message %s of queue %r cannot be read as a message: %s", message.id,
+                           subscription, problem)
+        return Delivery(message, ack_id, malformed=problem)
+
+    def _unreadable(self, consumer: Consumer, subscription: str,
+                    raw: AbstractIncomingMessage, problem: str) -> Delivery:
+        self.stats["malformed"] += 1
+        message = Message(id=str(raw.message_id or f"tag-{raw.delivery_tag}"),
+                          data=bytes(raw.body), subscription=subscription)
+        return Delivery(message, f"{consumer.generation}.{raw.delivery_tag}", malformed=problem)
+
+    def _live(self, deliveries: Sequence[Delivery]
+              ) -> tuple[dict[str, tuple[Consumer, list[int]]], list[Delivery]]:
+        """The deliveries still held, by subscription (its consumer and their tags), and the
+        others (stale: refused without being sent)."""
+        link = self._links.get()
+        live: dict[str, tuple[Consumer, list[int]]] = {}
+        stale: list[Delivery] = []
+        for delivery in deliveries:
+            subscription = delivery.message.subscription
+            consumer = link.consumers.get(subscription)
+            generation, _, tag_text = delivery.ack_id.partition(".")
+            tag = int(tag_text) if tag_text.isdigit() else -1
+            if (consumer is None or not consumer.alive
+                    or str(consumer.generation) != generation or consumer.live(tag) is None):
+                stale.append(delivery)
+                continue
+            live.setdefault(subscription, (consumer, []))[1].append(tag)
+        if stale:
+            self.stats["refused_as_stale"] += len(stale)
+        return live, stale
+
+    async def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
+        live, stale = self._live(deliveries)
+        for consumer, tags in live.values():
+            await consumer.ack(tags)
+        return stale
+
+    async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
+        live, _ = self._live(deliveries)
+        attempts = {d.ack_id: d.message.delivery_attempt for d in deliveries}
+        for subscription, (consumer, tags) in live.items():
+            if delay <= 0:
+                await consumer.requeue(tags)
+                continue
+            try:
+                queue = await self._topology.delay_queue(subscription, delay,
+                                                         self._links.get().delay_queues)
+                await self._hold_back(consumer, queue, tags, attempts)
+            except Exception as error:  # the copy is not confirmed: give it back at once
+                logger.warning("holding %d deliveries of %r back for %gs failed (%s); given "
+                               "back at once", len(tags), subscription, delay, error)
+                await consumer.requeue(t for t in tags if t in consumer.held)
+
+    async def _hold_back(self, consumer: Consumer, queue: str, tags: list[int],
+                         attempts: dict[str, int]) -> None:
+        """Each delivery's copy into ``queue`` (confirmed), then the delivery acked."""
+        channel = await self._links.get().publishing(CONNECT_TIMEOUT)
+        copies = [delayed_copy(consumer.held[tag].message,
+                               attempts.get(f"{consumer.generation}.{tag}", 1))
+                  for tag in tags]
+        await asyncio.gather(*(channel.default_exchange.publish(copy, routing_key=queue)
+                               for copy in copies))
+        await consumer.ack(tags)
+
+    async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
+        live, stale = self._live(deliveries)
+        for consumer, tags in live.values():
+            for tag in tags:
+                consumer.extend(tag, seconds)
+        return stale
+
+    async def close(self) -> None:
+        """Close this loop's connection (what its consumers held goes back to the queues);
+        reconnects on next use."""
+        link = self._links.pop()
+        if link is not None:
+            await link.close()
+
+    def close_sync(self) -> None:
+        """Close the blocking twins' connection (on the adapter's background loop)."""
+        self._background.run(self.close())
+
+
+def _check_topic_name(topic: str) -> None:
+    _check_name("topic", topic)
+
+
+__all__ = ["CAPABILITIES", "DEFAULT_URL", "RabbitMQAdapter"]
