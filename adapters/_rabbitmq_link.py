@@ -42,6 +42,8 @@ from aio_pika.abc import (
 logger = logging.getLogger("reliable_sub.adapters.rabbitmq")
 
 _generations = itertools.count(1)
+# Given-back message ids remembered per consumer before the memory is cleared.
+_MAX_GIVEN_BACK = 10_000
 
 
 @dataclass
@@ -64,6 +66,8 @@ class Consumer:
         self.buffer: deque[AbstractIncomingMessage] = deque()
         self.arrived = asyncio.Event()
         self.held: dict[int, Held] = {}
+        # message id -> loop time this consumer gave it back (see take)
+        self.given_back: dict[str, float] = {}
         self.consumer_tag: str | None = None
         self._idle_limit = idle_limit
         self._last_take = asyncio.get_running_loop().time()
@@ -94,17 +98,31 @@ class Consumer:
                 self._last_take = asyncio.get_running_loop().time()
                 self.consumer_tag = await self.queue.consume(self.pushed)
 
-    def take(self, count: int, lease: float) -> list[AbstractIncomingMessage]:
-        """Up to ``count`` buffered messages, held for ``lease`` seconds from now."""
+    def take(self, count: int, lease: float, asked_at: float) -> list[AbstractIncomingMessage]:
+        """Up to ``count`` buffered messages, held for ``lease`` seconds from now; not one this
+        consumer gave back after ``asked_at`` (when the receive call began): the broker pushes
+        a requeued message straight back, and a stopping Subscriber's receive call in flight
+        must not get back what it gives back."""
         self._last_take = asyncio.get_running_loop().time()
         ends = self._last_take + lease
         taken: list[AbstractIncomingMessage] = []
+        kept: list[AbstractIncomingMessage] = []
+        given_back = self.given_back
         while self.buffer and len(taken) < count:
             message = self.buffer.popleft()
+            if given_back:
+                when = given_back.get(message.message_id or "")
+                if when is not None:
+                    if when >= asked_at:
+                        kept.append(message)
+                        continue
+                    del given_back[message.message_id or ""]
             self.held[message.delivery_tag or 0] = Held(message, ends)
             taken.append(message)
-        if not self.buffer:
-            self.arrived.clear()
+        if kept:
+            self.buffer.extendleft(reversed(kept))
+        if not taken or not self.buffer:
+            self.arrived.clear()  # only what this call may not take is left: wait for more
         if taken:
             self._arm(ends)
         return taken
@@ -153,8 +171,13 @@ class Consumer:
     async def requeue(self, tags: Iterable[int]) -> None:
         """Give held ``tags`` back at once (``basic.reject`` with requeue)."""
         tags = list(tags)
+        now = asyncio.get_running_loop().time()
+        if len(self.given_back) > _MAX_GIVEN_BACK:
+            self.given_back.clear()  # a receive call lasts seconds: old entries mean nothing
         for tag in tags:
-            self.held.pop(tag, None)
+            held = self.held.pop(tag, None)
+            if held is not None and held.message.message_id:
+                self.given_back[held.message.message_id] = now
         await self._reject(tags)
 
     def expire_due(self) -> None:

@@ -3,9 +3,10 @@
 Writing: the body is the data; ``message_id`` a fresh id (the message's identity on every
 adapter: dead letters and replays name messages by it); ``timestamp`` the publish time;
 delivery mode persistent; ``content_type`` from the ``content-type`` attribute. Attributes are
-headers of their own name with string values, unless one cannot be (a name over 255 bytes, or
-starting ``x-``, RabbitMQ's own): then all of them travel as one JSON object in the header
-``reliable-sub-attributes``. The ordering key is the header ``reliable-sub-ordering-key``.
+headers of their own name with string values, unless one cannot be (a name over 255 bytes or
+starting ``x-``, RabbitMQ's own; text that is not valid Unicode, a lone surrogate): then all of
+them travel as one JSON object in the header ``reliable-sub-attributes``. The ordering key is
+the header ``reliable-sub-ordering-key``.
 
 Reading: ``delivery_attempt`` is the quorum queue's ``x-delivery-count`` plus one. Headers of
 other publishers become attributes too, whatever their AMQP type: numbers, booleans and
@@ -29,6 +30,7 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage, DeliveryMode
 
+from reliable_sub.errors import InvalidMessageError
 from reliable_sub.message import Message
 from reliable_sub.ports import CONTENT_TYPE, attributes_from_json
 
@@ -50,11 +52,18 @@ def outgoing(payload: bytes, attributes: dict[str, str], ordering_key: str | Non
              ) -> aio_pika.Message:
     """The AMQP message for checked data and attributes."""
     headers: dict[str, Any]
-    if all(_plain_name(name) for name in attributes):
+    if all(_plain(name, value) for name, value in attributes.items()):
         headers = dict(attributes)
     else:
         headers = {ATTRIBUTES_HEADER: json.dumps(attributes, separators=(",", ":"))}
     if ordering_key:
+        try:
+            ordering_key.encode()
+        except UnicodeEncodeError:
+            raise InvalidMessageError(
+                f"publish: the ordering key {ordering_key!r} is not valid Unicode text (a lone "
+                "surrogate): an AMQP header cannot carry it; pass text that encodes as UTF-8"
+            ) from None
         headers[ORDERING_KEY_HEADER] = ordering_key
     return aio_pika.Message(
         payload, headers=headers, message_id=uuid.uuid4().hex,
@@ -62,9 +71,15 @@ def outgoing(payload: bytes, attributes: dict[str, str], ordering_key: str | Non
         content_type=attributes.get(CONTENT_TYPE))
 
 
-def _plain_name(name: str) -> bool:
-    return (len(name.encode()) <= MAX_HEADER_NAME and not name.startswith("x-")
-            and name not in _OURS)
+def _plain(name: str, value: str) -> bool:
+    """Whether an attribute can be a header of its own (else all go as one JSON header, whose
+    escapes carry any text, a lone surrogate too)."""
+    try:
+        encoded = name.encode()
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return len(encoded) <= MAX_HEADER_NAME and not name.startswith("x-") and name not in _OURS
 
 
 def incoming(raw: AbstractIncomingMessage, subscription: str) -> tuple[Message, str | None]:

@@ -5,12 +5,12 @@ handled (the consumer stays healthy, other messages keep flowing), and checks th
 message's outcome exactly: acked, retried, dead-lettered with an error naming the problem, or
 refused at publish with a named exception.
 
-Payloads, attributes and idempotency keys run on all four adapters: the in-memory broker (on a
-ManualClock), Redis Streams (real Redis), the Pub/Sub emulator and NATS JetStream (a private
-nats-server). Each adapter gets one running Subscriber for the whole module (a ``world``): the
-hostile messages of one test after another go through the same consumer, which must still be
-healthy after all of them. Its dead-letter policy allows 2 handler failures, so a poison message is
-``retried`` once, then ``dead_lettered``.
+Payloads, attributes and idempotency keys run on all five adapters: the in-memory broker (on a
+ManualClock), Redis Streams (real Redis), the Pub/Sub emulator, NATS JetStream (a private
+nats-server) and RabbitMQ (the shared broker). Each adapter gets one running Subscriber for the
+whole module (a ``world``): the hostile messages of one test after another go through the same
+consumer, which must still be healthy after all of them. Its dead-letter policy allows 2 handler
+failures, so a poison message is ``retried`` once, then ``dead_lettered``.
 
 Handler behaviour (never returns, raises ``KeyboardInterrupt``/``SystemExit``/``CancelledError``,
 blocks the loop) is in ``tests/test_hostile_handlers.py``, on the in-memory broker, where a
@@ -74,18 +74,19 @@ from reliable_sub.testing.harness import (
     memory_harness,
     nats_harness,
     pubsub_harness,
+    rabbitmq_harness,
     redis_harness,
 )
-from reliable_sub.testing.services import missing_service
+from reliable_sub.testing.services import missing_service, rabbitmq_url
 
 # One event loop for the module: the worlds (a running Subscriber per adapter) outlive a test.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-ADAPTERS = ["memory", "redis", "pubsub", "nats"]
+ADAPTERS = ["memory", "redis", "pubsub", "nats", "rabbitmq"]
 # Handler failures after which the worlds dead-letter a message: retried once, then dead.
 MAX_ATTEMPTS = 2
 # How long a world may take to settle a message: clock seconds (virtual on memory).
-WITHIN = {"memory": 300.0, "redis": 20.0, "pubsub": 30.0, "nats": 20.0}
+WITHIN = {"memory": 300.0, "redis": 20.0, "pubsub": 30.0, "nats": 20.0, "rabbitmq": 20.0}
 
 MIB = 1024 * 1024
 # "10 MB": 10 MiB on memory and Redis. Pub/Sub's limit is 10,000,000 bytes per publish request
@@ -224,6 +225,8 @@ def _harness(name: str, request: pytest.FixtureRequest) -> Harness:
         if importlib.util.find_spec("nats") is None:
             missing_service('the NATS tests need pip install "reliable-sub[nats]"')
         return nats_harness(request.getfixturevalue("nats_server").url)
+    if name == "rabbitmq":
+        return rabbitmq_harness(rabbitmq_url())  # fails under CI=true without RabbitMQ
     if importlib.util.find_spec("google.cloud.pubsub_v1") is None:
         missing_service('the Pub/Sub tests need pip install "reliable-sub[pubsub]"')
     return pubsub_harness()  # starts the emulator; skips without it (fails under CI=true)

@@ -337,12 +337,19 @@ async def delete_rabbitmq_names(url: str, prefix: str, harness: Harness) -> None
     settings queues; a name never used is fine."""
     import aio_pika
 
+    from reliable_sub.adapters._rabbitmq_topology import delay_bucket
+
     connection = await aio_pika.connect(url)
     try:
         channel = await connection.channel()
+        # the delay queues a nack may have made: one per length up to ten minutes
+        lengths = sorted({delay_bucket(tenths / 10) for tenths in range(6001)})
         for name in harness.names:
-            for delete, target in (("queue_delete", name), ("exchange_delete", name),
-                                   ("queue_delete", f"{prefix}.settings.{name}")):
+            targets = [("queue_delete", name), ("exchange_delete", name),
+                       ("queue_delete", f"{prefix}.settings.{name}")]
+            if "-sub-" in name:
+                targets += [("queue_delete", f"{prefix}.delay.{name}.{ms}") for ms in lengths]
+            for delete, target in targets:
                 if channel.is_closed:
                     channel = await connection.channel()
                 with contextlib.suppress(Exception):
