@@ -1,0 +1,408 @@
+"""Throughput on RabbitMQ: the Subscriber against a raw aio-pika consumer and FastStream.
+
+Run from the repository root, with RabbitMQ at ``--amqp`` and Redis at ``--redis`` (for the
+dedup row)::
+
+    python -m benchmarks.rabbitmq            # print the table
+    python -m benchmarks.rabbitmq --write    # ... and write the README section
+    python -m benchmarks.rabbitmq --quick    # a smoke test (small backlog, two repetitions)
+
+Every run gets a fresh durable quorum queue (bound to a fresh fanout exchange, as the adapter
+lays a subscription out) holding ``--messages`` messages of 64 bytes, published with publisher
+confirms before the clock starts; it is deleted right after the run. The clock runs from the
+moment the consumer starts until the handler has seen every message and the consumer has sent
+its acks (the raw loop its last ``basic.ack``; the Subscriber its acked outcomes; FastStream
+acks after each handler returns). After the clock, the consumer's connection is closed (an
+unacked message would go back to the queue) and the queue must hold nothing: every message
+acked, none twice (the handler must have seen each exactly once).
+
+Variants, each in the benchmark's one event loop, interleaved over the repetitions:
+
+* ``(a)`` raw aio-pika: ``basic.qos(prefetch_count=100)``, ``queue.consume`` with an async
+  callback that counts and acks every 100th message with ``multiple=True`` (one ack per batch).
+* ``(b)`` FastStream's RabbitMQ subscriber on the same queue (declared passively), one message
+  per handler call, ``RabbitBroker(logger=None)``, prefetch 100.
+* ``(c)`` ``Subscriber(RabbitMQAdapter(...))`` with default policies (the adapter's prefetch
+  set to the Subscriber's flow-control window, 1,000).
+* ``(d)`` the same with ``dedup=RedisDedupStore(redis_url, prefix=...)``, a prefix unique to
+  the run; its keys are deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import gc
+import os
+import platform
+import shlex
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from importlib import metadata
+from typing import Any
+
+import aio_pika
+import redis.asyncio as aioredis
+from faststream.rabbit import Channel, RabbitBroker, RabbitQueue
+
+from benchmarks._common import GcTimer, positive_int, verdict, write_section
+from benchmarks._common import Throughput as _CommonThroughput
+from benchmarks.redis_streams import Tally, count_in, delete_keys
+from reliable_sub import Subscriber
+from reliable_sub.adapters.rabbitmq import RabbitMQAdapter
+from reliable_sub.dedup import RedisDedupStore
+from reliable_sub.outcome import Outcome
+
+DEFAULT_AMQP = "amqp://guest:guest@127.0.0.1:5672/"
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+DEFAULT_MESSAGES = 20_000
+DEFAULT_REPETITIONS = 5
+WARMUP_MESSAGES = 2_000
+QUICK_MESSAGES, QUICK_REPETITIONS, QUICK_WARMUP = 2_000, 2, 200
+PAYLOAD = b"x" * 64
+PREFETCH = 100  # (a) and (b); the Subscriber's is its flow-control window
+PUBLISH_CHUNK = 1_000
+ACK_DEADLINE = 30.0
+POLL_INTERVAL = 0.001
+RUN_DEADLINE = 120.0
+SHUTDOWN_TIMEOUT = 0.5
+# Goals from the issue (#29).
+NO_DEDUP_VS_RAW, NO_DEDUP_VS_FASTSTREAM, DEDUP_VS_RAW = 0.6, 2.0, 0.4
+
+RAW = "(a) raw aio-pika: prefetch 100, one multiple-ack per 100"
+FASTSTREAM = "(b) FastStream RabbitBroker subscriber, one message per call"
+SUB = "(c) Subscriber(RabbitMQAdapter), no dedup"
+SUB_DEDUP = "(d) Subscriber + RedisDedupStore"
+VARIANTS = (RAW, FASTSTREAM, SUB, SUB_DEDUP)
+SECTION_NAME = "rabbitmq"
+RUN_ID = uuid.uuid4().hex[:8]
+_runs = iter(range(1, 1_000_000))
+
+
+@dataclass(frozen=True)
+class Names:
+    exchange: str
+    queue: str
+    dedup_prefix: str
+
+
+def next_names() -> Names:
+    n = next(_runs)
+    return Names(f"bench-{RUN_ID}-x{n}", f"bench-{RUN_ID}-q{n}", f"bench-{RUN_ID}-d{n}")
+
+
+class Consumer:
+    """One variant's consumer for one run."""
+
+    def __init__(self, bench: Bench, names: Names, tally: Tally, total: int) -> None:
+        self.bench, self.names, self.tally, self.total = bench, names, tally, total
+
+    async def prepare(self) -> None:
+        """Connect, outside the clock."""
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        """Every message handled and its ack sent."""
+        return self.tally.handled >= self.total
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+
+class RawConsumer(Consumer):
+    """(a): an async callback that counts, acking every 100th message with ``multiple``."""
+
+    connection: Any = None
+    acked = 0
+
+    async def prepare(self) -> None:
+        self.connection = await aio_pika.connect(self.bench.amqp)
+        self.channel = await self.connection.channel()
+        await self.channel.set_qos(prefetch_count=PREFETCH)
+        self.queue = await self.channel.get_queue(self.names.queue, ensure=True)
+
+    async def handle(self, message: Any) -> None:
+        self.tally.handled += 1
+        if self.tally.handled % PREFETCH == 0 or self.tally.handled == self.total:
+            await message.ack(multiple=True)
+            self.acked = self.tally.handled
+
+    async def start(self) -> None:
+        await self.queue.consume(self.handle)
+
+    def done(self) -> bool:
+        return self.acked >= self.total
+
+    async def close(self) -> None:
+        await self.connection.close()
+
+
+class FastStreamConsumer(Consumer):
+    """(b): FastStream's subscriber, one message per call, acking after each."""
+
+    def __init__(self, bench: Bench, names: Names, tally: Tally, total: int) -> None:
+        super().__init__(bench, names, tally, total)
+        self.broker = RabbitBroker(bench.amqp, logger=None)
+
+        async def handle(body: Any) -> None:
+            """The handler under test: does nothing but count."""
+            tally.handled += 1
+
+        # the benchmark made the queue: FastStream consumes it without declaring it
+        queue = RabbitQueue(names.queue, declare=False)
+        self.broker.subscriber(queue, channel=Channel(prefetch_count=PREFETCH))(handle)
+
+    async def prepare(self) -> None:
+        await self.broker.connect()
+
+    async def start(self) -> None:
+        await self.broker.start()
+
+    async def close(self) -> None:
+        await self.broker.stop()
+
+
+class SubscriberConsumer(Consumer):
+    """(c)/(d): our Subscriber on the RabbitMQAdapter, without or with dedup."""
+
+    def __init__(self, bench: Bench, names: Names, tally: Tally, total: int, *,
+                 dedup: bool) -> None:
+        super().__init__(bench, names, tally, total)
+        self.adapter = RabbitMQAdapter(bench.amqp, prefix=f"bench-{RUN_ID}")
+        self.store = (RedisDedupStore(bench.redis_url, prefix=names.dedup_prefix)
+                      if dedup else None)
+        self.subscriber = Subscriber(self.adapter, dedup=self.store)
+        count_in(self.subscriber, names.queue, tally, batch=False)
+        self.task: asyncio.Task[None] | None = None
+
+    async def prepare(self) -> None:
+        # the queue exists: this records the settings the adapter reads (topic, deadline)
+        await self.adapter.ensure_subscription(self.names.exchange, self.names.queue,
+                                               ack_deadline=ACK_DEADLINE)
+        if self.store is not None:
+            await self.store.client.ping()
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.subscriber.serve())
+
+    def done(self) -> bool:
+        return self.subscriber.stats[Outcome.ACKED] >= self.total
+
+    async def close(self) -> None:
+        await self.subscriber.shutdown(SHUTDOWN_TIMEOUT)
+        if self.task is not None:
+            await self.task
+        outcomes = dict(self.subscriber.stats.outcomes)
+        if outcomes != {Outcome.ACKED: self.total}:
+            raise RuntimeError(f"outcomes {outcomes}, expected {self.total} acked")
+        await self.adapter.close()
+        if self.store is not None:
+            await self.store.close()
+            await delete_keys(self.bench.redis, f"{self.names.dedup_prefix}:*")
+
+
+@dataclass(frozen=True)
+class Run:
+    seconds: float
+    cpu_seconds: float
+    gc_seconds: float
+
+
+@dataclass
+class Bench:
+    amqp: str
+    redis_url: str
+    redis: aioredis.Redis
+    control: Any  # an aio_pika connection for setting up and checking
+
+    def consumer(self, variant: str, names: Names, tally: Tally, total: int) -> Consumer:
+        if variant == RAW:
+            return RawConsumer(self, names, tally, total)
+        if variant == FASTSTREAM:
+            return FastStreamConsumer(self, names, tally, total)
+        return SubscriberConsumer(self, names, tally, total, dedup=variant == SUB_DEDUP)
+
+    async def publish_backlog(self, names: Names, total: int) -> None:
+        channel = await self.control.channel(publisher_confirms=True)
+        exchange = await channel.declare_exchange(names.exchange, aio_pika.ExchangeType.FANOUT,
+                                                  durable=True)
+        queue = await channel.declare_queue(names.queue, durable=True,
+                                            arguments={"x-queue-type": "quorum"})
+        await queue.bind(exchange)
+        for start in range(0, total, PUBLISH_CHUNK):
+            await asyncio.gather(*(
+                exchange.publish(aio_pika.Message(PAYLOAD, message_id=uuid.uuid4().hex,
+                                                  delivery_mode=aio_pika.DeliveryMode.PERSISTENT),
+                                 routing_key="")
+                for _ in range(min(PUBLISH_CHUNK, total - start))))
+        await channel.close()
+
+    async def ready(self, names: Names) -> int:
+        channel = await self.control.channel()
+        queue = await channel.declare_queue(names.queue, passive=True)
+        count = queue.declaration_result.message_count
+        await channel.close()
+        return int(count or 0)
+
+    async def remove(self, names: Names) -> None:
+        channel = await self.control.channel()
+        for name in (names.queue, f"bench-{RUN_ID}.settings.{names.queue}"):
+            await channel.queue_delete(name)
+        await channel.exchange_delete(names.exchange)
+        await channel.close()
+
+    async def run_once(self, variant: str, total: int) -> Run:
+        names, tally = next_names(), Tally()
+        await self.publish_backlog(names, total)
+        if await self.ready(names) != total:
+            raise RuntimeError(f"queue {names.queue} does not hold {total} messages")
+        consumer = self.consumer(variant, names, tally, total)
+        try:
+            await consumer.prepare()
+            gc.collect()
+            with GcTimer() as gc_timer:
+                started, cpu_started = time.perf_counter(), time.process_time()
+                await consumer.start()
+                while not consumer.done():
+                    if time.perf_counter() > started + RUN_DEADLINE:
+                        raise TimeoutError(f"{tally.handled} of {total} handled in time")
+                    await asyncio.sleep(POLL_INTERVAL)
+                drained = time.perf_counter()
+                cpu_seconds = time.process_time() - cpu_started
+        finally:
+            await consumer.close()
+        try:
+            left = await self.ready(names)
+            if left or tally.handled != total:
+                raise RuntimeError(f"{variant}: {left} messages back in the queue, the handler "
+                                   f"saw {tally.handled} of {total}")
+        finally:
+            await self.remove(names)
+        return Run(drained - started, cpu_seconds, gc_timer.seconds)
+
+
+class Throughput(_CommonThroughput[Run]):
+    @property
+    def cpu_micros_per_message(self) -> float:
+        return self.median_micros(run.cpu_seconds for run in self.runs)
+
+
+async def measure(bench: Bench, messages: int, repetitions: int,
+                  warmup: int) -> dict[str, Throughput]:
+    for variant in VARIANTS:
+        await bench.run_once(variant, warmup)
+    results = {variant: Throughput(variant, messages) for variant in VARIANTS}
+    for repetition in range(1, repetitions + 1):
+        for variant in VARIANTS:
+            run = await bench.run_once(variant, messages)
+            results[variant].runs.append(run)
+            print(f"  run {repetition}/{repetitions}  {variant:<62} "
+                  f"{messages / run.seconds:>9,.0f} msg/s", file=sys.stderr)
+    return results
+
+
+def goal(name: str, ours: Throughput, theirs: Throughput, target: float) -> str:
+    paired = [a / b for a, b in zip(ours.rates, theirs.rates, strict=True)]
+    met = sum(ratio >= target for ratio in paired)
+    return (f"{verdict(name, ours.median / theirs.median, target)} (repetition by repetition "
+            f"{min(paired):.2f}–{max(paired):.2f}×, met in {met} of {len(paired)})")
+
+
+def report(results: dict[str, Throughput], command: str, messages: int, repetitions: int,
+           broker_version: str, load: float) -> str:
+    raw = results[RAW]
+    found = ", ".join(f"{name} {metadata.version(name)}"
+                      for name in ("aio-pika", "aiormq", "faststream", "redis"))
+    lines = [
+        "## RabbitMQ: Subscriber vs. a raw aio-pika consumer and FastStream (no-op handler)",
+        "",
+        f"Command (from the repository root): `{command}`; measured "
+        f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, against RabbitMQ "
+        f"{broker_version} and Redis on the same machine (localhost TCP); {found}; 1-minute "
+        f"load average {load:.2f} at the start. {messages:,} messages per run (a fresh quorum "
+        f"queue each), {repetitions} timed runs per variant (interleaved); median shown.",
+        "",
+        "| Variant | median msgs/s | min – max msgs/s | µs/msg | client CPU µs/msg "
+        "| of which GC µs/msg | ratio to (a) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results.values():
+        lines.append(
+            f"| {r.variant} | {r.median:,.0f} | {min(r.rates):,.0f} – {max(r.rates):,.0f} | "
+            f"{r.micros_per_message:.1f} | {r.cpu_micros_per_message:.1f} | "
+            f"{r.gc_micros_per_message:.1f} | {r.median / raw.median:.2f}× |")
+    lines += [
+        "",
+        "Goals from the issue (#29):",
+        "",
+        goal("(c) / (a)", results[SUB], raw, NO_DEDUP_VS_RAW),
+        goal("(c) / (b) FastStream", results[SUB], results[FASTSTREAM], NO_DEDUP_VS_FASTSTREAM),
+        goal("(d) / (a)", results[SUB_DEDUP], raw, DEDUP_VS_RAW),
+        "",
+        "The clock starts when the consumer starts (connected before) and stops when the "
+        "handler has seen every message and the consumer sent its acks: (a) its last "
+        "`basic.ack(multiple=True)`, (c)/(d) every outcome `acked` (the adapter acks a settled "
+        "batch with one `basic.ack multiple` for its contiguous run), (b) the last handler call "
+        "(FastStream acks right after each). Then the consumer's connection is closed and the "
+        "queue must be empty: nothing left unacked, and the handler saw each message once. "
+        "*Client CPU* is this process's CPU time over the run; the broker runs on the same "
+        "cores. aiormq hands every delivery to the consumer in a task of its own, in every "
+        "variant.",
+    ]
+    return "\n".join(lines)
+
+
+async def everything(args: argparse.Namespace) -> str:
+    control = await aio_pika.connect(args.amqp)
+    redis = aioredis.Redis.from_url(args.redis)
+    try:
+        await redis.ping()
+        bench = Bench(args.amqp, args.redis, redis, control)
+        server = control.transport.connection.server_properties if hasattr(
+            control, "transport") else {}
+        broker_version = str((server or {}).get("version", "?"))
+        if isinstance(broker_version, bytes):
+            broker_version = broker_version.decode()
+        load = os.getloadavg()[0]
+        results = await measure(bench, args.messages, args.repetitions, args.warmup)
+        return report(results, args.command, args.messages, args.repetitions, broker_version,
+                      load)
+    finally:
+        with contextlib.suppress(Exception):
+            await control.close()
+        await redis.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--amqp", default=DEFAULT_AMQP, help=f"default {DEFAULT_AMQP}")
+    parser.add_argument("--redis", default=DEFAULT_REDIS, help=f"default {DEFAULT_REDIS}")
+    parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES)
+    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--write", action="store_true", help="write the README section")
+    args = parser.parse_args(argv)
+    args.warmup = WARMUP_MESSAGES
+    if args.quick:
+        args.messages, args.repetitions, args.warmup = (
+            QUICK_MESSAGES, QUICK_REPETITIONS, QUICK_WARMUP)
+    args.command = shlex.join(
+        ["python", "-m", "benchmarks.rabbitmq", *(sys.argv[1:] if argv is None else argv)])
+    started = time.perf_counter()
+    section = asyncio.run(everything(args))
+    print(section)
+    print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+    if args.write:
+        write_section(SECTION_NAME, section, append=True)
+        print("wrote benchmarks/README.md", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
