@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -92,6 +93,7 @@ CAPABILITIES = Capabilities(
     refuses_stale_acks=True,
     cancel_safe_receive=False,
     messaging_system="rabbitmq",
+    max_lease_duration=DEFAULT_CONSUMER_TIMEOUT,
 )
 
 
@@ -114,10 +116,14 @@ class RabbitMQAdapter(InstrumentedPublishing):
             not yet acked, per subscription) until a Subscriber sets its flow-control window
             (``set_prefetch``): for ``receive`` called by your own code.
         name: the connection name the broker shows (``rabbitmqctl list_connections name``).
+        consumer_timeout: the broker's ``consumer_timeout`` in seconds (RabbitMQ's default:
+            30 minutes): a Subscriber warns at start when its ``max_lease_duration`` is not
+            under it.
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, prefix: str = DEFAULT_PREFIX,
-                 prefetch: int = DEFAULT_PREFETCH, name: str = "reliable-sub") -> None:
+                 prefetch: int = DEFAULT_PREFETCH, name: str = "reliable-sub",
+                 consumer_timeout: float = DEFAULT_CONSUMER_TIMEOUT) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("amqp", "amqps"):
             raise ConfigurationError(
@@ -125,7 +131,13 @@ class RabbitMQAdapter(InstrumentedPublishing):
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
             raise ConfigurationError(
                 f"RabbitMQAdapter.prefetch must be an int >= 1, got {prefetch!r}")
+        if not (isinstance(consumer_timeout, int | float) and consumer_timeout > 0):
+            raise ConfigurationError(f"RabbitMQAdapter.consumer_timeout must be seconds > 0, "
+                                     f"got {consumer_timeout!r}")
         self.url = url
+        self._capabilities = dataclasses.replace(
+            CAPABILITIES, max_ack_deadline=float(consumer_timeout),
+            max_lease_duration=float(consumer_timeout))
         self._prefix = _check_name("prefix", prefix)
         self._name = name
         self._links: PerLoop[Link] = PerLoop(lambda: Link(url, name))
@@ -139,7 +151,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
 
     @property
     def capabilities(self) -> Capabilities:
-        return CAPABILITIES
+        return self._capabilities
 
     def connection_attributes(self) -> dict[str, str | int]:
         """The broker's host and port from the URL, and the connection's name, for spans."""

@@ -64,6 +64,10 @@ class Capabilities:
             lets the calls in flight return, and gives back what they bring.
         messaging_system: the broker's ``messaging.system`` in telemetry (the OpenTelemetry
             conventions' value where they have one: ``gcp_pubsub``, ``kafka``...).
+        max_lease_duration: the longest a delivery may stay unacked before the broker takes
+            it back whatever the consumer says (RabbitMQ's ``consumer_timeout`` closes the
+            channel); a Subscriber warns at start when ``LeasePolicy.max_lease_duration`` is
+            not under it.
     """
 
     min_ack_deadline: float = 0.0
@@ -78,6 +82,7 @@ class Capabilities:
     extension_limited_to_ack_deadline: bool = False
     cancel_safe_receive: bool = False
     messaging_system: str = "unknown"
+    max_lease_duration: float = math.inf
 
     def clamp_deadline(self, seconds: float) -> float:
         """``seconds`` limited to the broker's accepted range."""

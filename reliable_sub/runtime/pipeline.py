@@ -36,7 +36,7 @@ from ..message import Message
 from ..middleware.dead_letter import DeadLetterOrBackoff
 from ..outcome import DeliveryEvent, Outcome, SubscriberStats
 from ..policy import FlowControl
-from ..ports import DescribesConnection, Inspectable, Prefetches
+from ..ports import Capabilities, DescribesConnection, Inspectable, Prefetches
 from ..telemetry.backlog import BacklogSampler, Sampled
 from ..telemetry.consumer import DeliveryTelemetry
 from .batches import Batches
@@ -118,6 +118,7 @@ class Runtime:
         for route in self.routes:
             if isinstance(adapter, Prefetches):
                 adapter.set_prefetch(route.subscription, config.flow_control.max_messages)
+            _check_lease_limit(adapter.capabilities, route)
             deadline = await adapter.subscription_ack_deadline(route.subscription)
             route_telemetry = on_extended = None
             if telemetry is not None:
@@ -314,3 +315,15 @@ class Runtime:
                 return (f"handler {route.name} of subscription {route.subscription!r} "
                         f"(message {item.message_id})")
         return None
+
+
+def _check_lease_limit(capabilities: Capabilities, route: Route) -> None:
+    """Warn when the route's leases may outlast what the broker lets a consumer hold."""
+    limit, wanted = capabilities.max_lease_duration, route.lease.max_lease_duration
+    if wanted >= limit:
+        logger.warning(
+            "subscription %r: LeasePolicy.max_lease_duration=%gs is not under the broker's "
+            "limit of %gs for an unacked delivery (RabbitMQ: consumer_timeout), past which it "
+            "takes the delivery back and closes the consumer's channel; set "
+            "LeasePolicy(max_lease_duration=...) below it, or raise the broker's limit (and "
+            "tell the adapter)", route.subscription, wanted, limit)
