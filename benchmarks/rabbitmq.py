@@ -22,8 +22,9 @@ Variants, each in the benchmark's one event loop, interleaved over the repetitio
   callback that counts and acks every 100th message with ``multiple=True`` (one ack per batch).
 * ``(b)`` FastStream's RabbitMQ subscriber on the same queue (declared passively), one message
   per handler call, ``RabbitBroker(logger=None)``, prefetch 100.
-* ``(c)`` ``Subscriber(RabbitMQAdapter(...))`` with default policies (the adapter's prefetch
-  set to the Subscriber's flow-control window, 1,000).
+* ``(c)`` ``Subscriber(RabbitMQAdapter(...))`` with default policies but leases of at most 20
+  minutes (under the broker's ``consumer_timeout``); the adapter's prefetch is the Subscriber's
+  flow-control window, 1,000.
 * ``(d)`` the same with ``dedup=RedisDedupStore(redis_url, prefix=...)``, a prefix unique to
   the run; its keys are deleted afterwards.
 """
@@ -52,7 +53,7 @@ from faststream.rabbit import Channel, RabbitBroker, RabbitQueue
 from benchmarks._common import GcTimer, positive_int, verdict, write_section
 from benchmarks._common import Throughput as _CommonThroughput
 from benchmarks.redis_streams import Tally, count_in, delete_keys
-from reliable_sub import Subscriber
+from reliable_sub import LeasePolicy, Subscriber
 from reliable_sub.adapters.rabbitmq import RabbitMQAdapter
 from reliable_sub.dedup import RedisDedupStore
 from reliable_sub.outcome import Outcome
@@ -70,6 +71,7 @@ ACK_DEADLINE = 30.0
 POLL_INTERVAL = 0.001
 RUN_DEADLINE = 120.0
 SHUTDOWN_TIMEOUT = 0.5
+MAX_LEASE = 1200.0
 # Goals from the issue (#29).
 NO_DEDUP_VS_RAW, NO_DEDUP_VS_FASTSTREAM, DEDUP_VS_RAW = 0.6, 2.0, 0.4
 
@@ -177,7 +179,9 @@ class SubscriberConsumer(Consumer):
         self.adapter = RabbitMQAdapter(bench.amqp, prefix=f"bench-{RUN_ID}")
         self.store = (RedisDedupStore(bench.redis_url, prefix=names.dedup_prefix)
                       if dedup else None)
-        self.subscriber = Subscriber(self.adapter, dedup=self.store)
+        # leases under the broker's consumer_timeout (30 min), as the adapter's guide says
+        self.subscriber = Subscriber(self.adapter, dedup=self.store,
+                                     lease=LeasePolicy(max_lease_duration=MAX_LEASE))
         count_in(self.subscriber, names.queue, tally, batch=False)
         self.task: asyncio.Task[None] | None = None
 
