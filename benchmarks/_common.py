@@ -26,7 +26,7 @@ import pstats
 import re
 import statistics
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar
@@ -89,6 +89,37 @@ class Rates:
     @property
     def median(self) -> float:
         return statistics.median(self.rates)
+
+
+ThroughputT = TypeVar("ThroughputT", bound=Throughput[Any])
+
+
+async def interleaved(run_once: Callable[[str, int], Awaitable[Any]], variants: Sequence[str],
+                      make: Callable[[str], ThroughputT], messages: int, repetitions: int,
+                      warmup: int) -> dict[str, ThroughputT]:
+    """Warm every variant up, then time them round-robin so drift hits all of them alike;
+    each run's rate to stderr."""
+    import sys
+
+    for variant in variants:
+        await run_once(variant, warmup)
+    results = {variant: make(variant) for variant in variants}
+    for repetition in range(1, repetitions + 1):
+        for variant in variants:
+            run = await run_once(variant, messages)
+            results[variant].runs.append(run)
+            print(f"  run {repetition}/{repetitions}  {variant:<62} "
+                  f"{messages / run.seconds:>9,.0f} msg/s", file=sys.stderr)
+    return results
+
+
+def paired_goal(name: str, ours: Throughput[Any], theirs: Throughput[Any],
+                target: float) -> str:
+    """``verdict`` on the medians, and how the interleaved repetitions did one by one."""
+    paired = [a / b for a, b in zip(ours.rates, theirs.rates, strict=True)]
+    met = sum(ratio >= target for ratio in paired)
+    return (f"{verdict(name, ours.median / theirs.median, target)} (repetition by repetition "
+            f"{min(paired):.2f}–{max(paired):.2f}×, met in {met} of {len(paired)})")
 
 
 def verdict(name: str, value: float, goal: float, *, unit: str = "×",

@@ -78,7 +78,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 
-from benchmarks._common import GcTimer, positive_int, verdict, write_section
+from benchmarks._common import GcTimer, interleaved, paired_goal, positive_int, write_section
 from benchmarks._common import Throughput as _CommonThroughput
 from benchmarks.redis_streams import RoundTrips, Tally, count_in, delete_keys
 from reliable_sub import Subscriber
@@ -473,17 +473,8 @@ class Throughput(_CommonThroughput[Run]):
 
 async def measure(bench: Bench, messages: int, repetitions: int,
                   warmup: int) -> dict[str, Throughput]:
-    """Warm every variant up, then time them round-robin so drift hits all of them alike."""
-    for variant in VARIANTS:
-        await bench.run_once(variant, warmup)
-    results = {variant: Throughput(variant, messages) for variant in VARIANTS}
-    for repetition in range(1, repetitions + 1):
-        for variant in VARIANTS:
-            run = await bench.run_once(variant, messages)
-            results[variant].runs.append(run)
-            print(f"  run {repetition}/{repetitions}  {variant:<62} "
-                  f"{messages / run.seconds:>9,.0f} msg/s", file=sys.stderr)
-    return results
+    return await interleaved(bench.run_once, VARIANTS, lambda v: Throughput(v, messages),
+                             messages, repetitions, warmup)
 
 
 async def profile_subscriber(bench: Bench, messages: int) -> None:
@@ -514,14 +505,6 @@ def table(results: dict[str, Throughput]) -> list[str]:
             f"{r.out_per_message:.3f} | {r.median / raw:.2f}× |"
         )
     return lines
-
-
-def goal(name: str, ours: Throughput, theirs: Throughput, target: float) -> str:
-    """``verdict`` on the medians, and how the interleaved repetitions did one by one."""
-    paired = [a / b for a, b in zip(ours.rates, theirs.rates, strict=True)]
-    met = sum(ratio >= target for ratio in paired)
-    return (f"{verdict(name, ours.median / theirs.median, target)} (repetition by repetition "
-            f"{min(paired):.2f}–{max(paired):.2f}×, met in {met} of {len(paired)})")
 
 
 def redis_round_trips(counter: RoundTrips, messages: int) -> str:
@@ -555,11 +538,11 @@ def report(results: dict[str, Throughput], counter: RoundTrips, command: str, me
         "",
         "Goals from the issue:",
         "",
-        goal("(c) / (a)", sub, raw, NO_DEDUP_MIN_RATIO),
-        goal("(c) / (b1) FastStream, one message per call", sub, results[FS_ONE], 1.0),
-        goal("(c) / (b2) FastStream, batch=True", sub, results[FS_BATCH], 1.0),
-        goal("(d) / (a)", full, raw, DEDUP_MIN_RATIO),
-        goal("(e) / (a)", results[SUB_BATCH], raw, BATCH_MIN_RATIO),
+        paired_goal("(c) / (a)", sub, raw, NO_DEDUP_MIN_RATIO),
+        paired_goal("(c) / (b1) FastStream, one message per call", sub, results[FS_ONE], 1.0),
+        paired_goal("(c) / (b2) FastStream, batch=True", sub, results[FS_BATCH], 1.0),
+        paired_goal("(d) / (a)", full, raw, DEDUP_MIN_RATIO),
+        paired_goal("(e) / (a)", results[SUB_BATCH], raw, BATCH_MIN_RATIO),
         "",
         f"By difference of medians, the Subscriber without dedup costs "
         f"{sub.micros_per_message - raw.micros_per_message:.1f} µs/msg more than the raw loop, "

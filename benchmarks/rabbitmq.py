@@ -50,9 +50,8 @@ import aio_pika
 import redis.asyncio as aioredis
 from faststream.rabbit import Channel, RabbitBroker, RabbitQueue
 
-from benchmarks._common import GcTimer, positive_int, verdict, write_section
-from benchmarks._common import Throughput as _CommonThroughput
-from benchmarks.redis_streams import Tally, count_in, delete_keys
+from benchmarks._common import GcTimer, interleaved, paired_goal, positive_int, write_section
+from benchmarks.redis_streams import Run, Tally, Throughput, count_in, delete_keys
 from reliable_sub import LeasePolicy, Subscriber
 from reliable_sub.adapters.rabbitmq import RabbitMQAdapter
 from reliable_sub.dedup import RedisDedupStore
@@ -211,13 +210,6 @@ class SubscriberConsumer(Consumer):
             await delete_keys(self.bench.redis, f"{self.names.dedup_prefix}:*")
 
 
-@dataclass(frozen=True)
-class Run:
-    seconds: float
-    cpu_seconds: float
-    gc_seconds: float
-
-
 @dataclass
 class Bench:
     amqp: str
@@ -291,31 +283,10 @@ class Bench:
         return Run(drained - started, cpu_seconds, gc_timer.seconds)
 
 
-class Throughput(_CommonThroughput[Run]):
-    @property
-    def cpu_micros_per_message(self) -> float:
-        return self.median_micros(run.cpu_seconds for run in self.runs)
-
-
 async def measure(bench: Bench, messages: int, repetitions: int,
                   warmup: int) -> dict[str, Throughput]:
-    for variant in VARIANTS:
-        await bench.run_once(variant, warmup)
-    results = {variant: Throughput(variant, messages) for variant in VARIANTS}
-    for repetition in range(1, repetitions + 1):
-        for variant in VARIANTS:
-            run = await bench.run_once(variant, messages)
-            results[variant].runs.append(run)
-            print(f"  run {repetition}/{repetitions}  {variant:<62} "
-                  f"{messages / run.seconds:>9,.0f} msg/s", file=sys.stderr)
-    return results
-
-
-def goal(name: str, ours: Throughput, theirs: Throughput, target: float) -> str:
-    paired = [a / b for a, b in zip(ours.rates, theirs.rates, strict=True)]
-    met = sum(ratio >= target for ratio in paired)
-    return (f"{verdict(name, ours.median / theirs.median, target)} (repetition by repetition "
-            f"{min(paired):.2f}–{max(paired):.2f}×, met in {met} of {len(paired)})")
+    return await interleaved(bench.run_once, VARIANTS, lambda v: Throughput(v, messages),
+                             messages, repetitions, warmup)
 
 
 def report(results: dict[str, Throughput], command: str, messages: int, repetitions: int,
@@ -346,9 +317,10 @@ def report(results: dict[str, Throughput], command: str, messages: int, repetiti
         "",
         "Goals from the issue (#29):",
         "",
-        goal("(c) / (a)", results[SUB], raw, NO_DEDUP_VS_RAW),
-        goal("(c) / (b) FastStream", results[SUB], results[FASTSTREAM], NO_DEDUP_VS_FASTSTREAM),
-        goal("(d) / (a)", results[SUB_DEDUP], raw, DEDUP_VS_RAW),
+        paired_goal("(c) / (a)", results[SUB], raw, NO_DEDUP_VS_RAW),
+        paired_goal("(c) / (b) FastStream", results[SUB], results[FASTSTREAM],
+                    NO_DEDUP_VS_FASTSTREAM),
+        paired_goal("(d) / (a)", results[SUB_DEDUP], raw, DEDUP_VS_RAW),
         "",
         "The clock starts when the consumer starts (connected before) and stops when the "
         "handler has seen every message and the consumer sent its acks: (a) its last "
