@@ -66,6 +66,10 @@ class Consumer:
         self.buffer: deque[AbstractIncomingMessage] = deque()
         self.arrived = asyncio.Event()
         self.held: dict[int, Held] = {}
+        # tags no longer held or buffered whose ack or reject is not written yet: a basic.ack
+        # with multiple must stay below them, or it would settle them first (an ack to come
+        # would then close the channel; a reject to come would find its message acked)
+        self.unsent: set[int] = set()
         # message id -> loop time this consumer gave it back (see take)
         self.given_back: dict[str, float] = {}
         self.consumer_tag: str | None = None
@@ -157,16 +161,21 @@ class Consumer:
             self.held.pop(tag, None)
         others = [m.delivery_tag or 0 for m in self.buffer]
         others.extend(self.held)
+        others.extend(self.unsent)
         below = min(others, default=None)
         run = [t for t in mine if below is None or t < below]
         rest = mine[len(run):]
-        channel = await self._amqp()
-        if len(run) > 1:
-            await channel.basic_ack(run[-1], multiple=True)
-        elif run:
-            await channel.basic_ack(run[0])
-        for tag in rest:
-            await channel.basic_ack(tag)
+        self.unsent.update(mine)
+        try:
+            channel = await self._amqp()
+            if len(run) > 1:
+                await channel.basic_ack(run[-1], multiple=True)
+            elif run:
+                await channel.basic_ack(run[0])
+            for tag in rest:
+                await channel.basic_ack(tag)
+        finally:
+            self.unsent.difference_update(mine)
 
     async def requeue(self, tags: Iterable[int]) -> None:
         """Give held ``tags`` back at once (``basic.reject`` with requeue)."""
@@ -186,6 +195,7 @@ class Consumer:
         due = [tag for tag, held in self.held.items() if held.ends <= now]
         for tag in due:
             del self.held[tag]
+        self.unsent.update(due)  # until _reject, spawned below, has written them
         if due:
             logger.debug("%d deliveries of %r outlived their lease: requeued", len(due),
                          self.queue.name)
@@ -219,10 +229,15 @@ class Consumer:
 
     async def _reject(self, tags: list[int]) -> None:
         if not tags or not self.alive:
+            self.unsent.difference_update(tags)
             return  # the broker requeued them with the channel
-        channel = await self._amqp()
-        for tag in tags:
-            await channel.basic_reject(tag, requeue=True)
+        self.unsent.update(tags)
+        try:
+            channel = await self._amqp()
+            for tag in tags:
+                await channel.basic_reject(tag, requeue=True)
+        finally:
+            self.unsent.difference_update(tags)
 
     def _arm(self, ends: float) -> None:
         """Expire due leases at ``ends`` (or earlier, if armed earlier)."""
@@ -252,6 +267,7 @@ class Consumer:
         self._expiry = self._idle_check = None
         self.held.clear()
         self.buffer.clear()
+        self.unsent.clear()
         self.arrived.set()  # a receive waiting on it looks again, and finds the channel gone
 
 
@@ -280,11 +296,22 @@ class Link:
                 if self.connection is None or self.connection.is_closed:
                     self._drop_consumers()
                     self.publisher = None
-                    self.connection = await aio_pika.connect(  # type: ignore[assignment]
+                    connection = await aio_pika.connect(
                         self.url, timeout=timeout, client_properties={
                             "connection_name": self.name})
+                    # aio-pika's is_closed tells only a close asked for on this side: a
+                    # connection the broker closed, or that dropped, would be kept for ever
+                    connection.close_callbacks.add(lambda *_: self._lost(connection))
+                    self.connection = connection  # type: ignore[assignment]
         assert self.connection is not None
         return self.connection
+
+    def _lost(self, connection: aio_pika.abc.AbstractConnection) -> None:
+        """``connection`` closed, whoever closed it: the next call connects anew (what its
+        channels held, the broker requeued)."""
+        if self.connection is connection:
+            self._drop_consumers()
+            self.connection, self.publisher = None, None
 
     async def publishing(self, timeout: float) -> AbstractChannel:
         if self.publisher is None or self.publisher.is_closed:
