@@ -44,6 +44,9 @@ logger = logging.getLogger("reliable_sub.adapters.rabbitmq")
 _generations = itertools.count(1)
 # Given-back message ids remembered per consumer before the memory is cleared.
 _MAX_GIVEN_BACK = 10_000
+# Acks wait up to this long for others to share their frames, or until this many wait.
+_ACK_DELAY = 0.005
+_ACK_BATCH = 100
 
 
 @dataclass
@@ -70,6 +73,9 @@ class Consumer:
         # with multiple must stay below them, or it would settle them first (an ack to come
         # would then close the channel; a reject to come would find its message acked)
         self.unsent: set[int] = set()
+        # acked by the caller, written with the next flush (see ack)
+        self.to_ack: set[int] = set()
+        self._ack_timer: asyncio.TimerHandle | None = None
         # message id -> loop time this consumer gave it back (see take)
         self.given_back: dict[str, float] = {}
         self.consumer_tag: str | None = None
@@ -152,13 +158,34 @@ class Consumer:
         return self.held.pop(tag).message
 
     async def ack(self, tags: Iterable[int]) -> None:
-        """Ack ``tags``: one ``basic.ack`` with ``multiple`` for the run of them below every
-        other outstanding tag of the channel, one each for the rest."""
-        mine = sorted(set(tags))
-        if not mine:
-            return
-        for tag in mine:
+        """Ack ``tags``: written with the acks of the next few milliseconds (or at once when
+        ``_ACK_BATCH`` are waiting), as few ``basic.ack`` frames as the tags allow. AMQP acks
+        have no reply either way: one lost with the connection means a redelivery, which the
+        dedup store turns into a duplicate."""
+        for tag in tags:
             self.held.pop(tag, None)
+            self.to_ack.add(tag)
+        if len(self.to_ack) >= _ACK_BATCH:
+            await self.flush_acks()
+        elif self._ack_timer is None and self.to_ack:
+            self._ack_timer = asyncio.get_running_loop().call_later(
+                _ACK_DELAY, self._flush_from_timer)
+
+    def _flush_from_timer(self) -> None:
+        self._ack_timer = None
+        if self.to_ack:
+            self._spawn(self.flush_acks())
+
+    async def flush_acks(self) -> None:
+        """Write the acks waiting: one ``basic.ack`` with ``multiple`` for the run of them
+        below every other outstanding tag of the channel, one each for the rest."""
+        if self._ack_timer is not None:
+            self._ack_timer.cancel()
+            self._ack_timer = None
+        mine = sorted(self.to_ack)
+        self.to_ack.clear()
+        if not mine or not self.alive:
+            return
         others = [m.delivery_tag or 0 for m in self.buffer]
         others.extend(self.held)
         others.extend(self.unsent)
@@ -261,10 +288,11 @@ class Consumer:
 
     def forget(self) -> None:
         """The channel is gone: drop what it held (the broker requeued it)."""
-        for timer in (self._expiry, self._idle_check):
+        for timer in (self._expiry, self._idle_check, self._ack_timer):
             if timer is not None:
                 timer.cancel()
-        self._expiry = self._idle_check = None
+        self._expiry = self._idle_check = self._ack_timer = None
+        self.to_ack.clear()
         self.held.clear()
         self.buffer.clear()
         self.unsent.clear()
@@ -329,6 +357,8 @@ class Link:
                 await found.resume()
             return found
         if found is not None:
+            with contextlib.suppress(Exception):
+                await found.flush_acks()
             found.forget()
             with contextlib.suppress(Exception):
                 await found.channel.close()  # what it held goes back to the queue
@@ -348,6 +378,9 @@ class Link:
         self.consumers.clear()
 
     async def close(self) -> None:
+        for consumer in list(self.consumers.values()):
+            with contextlib.suppress(Exception):  # a channel gone: the broker requeued them
+                await consumer.flush_acks()
         self._drop_consumers()
         connection, self.connection, self.publisher = self.connection, None, None
         if connection is not None and not connection.is_closed:

@@ -214,3 +214,42 @@ async def test_a_lease_that_may_outlast_the_consumer_timeout_is_warned_about(
         if warned:
             assert "max_lease_duration=3600s" in found[0] and "1800s" in found[0]
     await adapter.close()
+
+
+async def test_acks_close_together_share_one_frame_and_close_writes_them(names: Names) -> None:
+    """Acks of one moment go out as one ``basic.ack multiple`` (the settler acks each settled
+    batch: a few messages each); acks still waiting when the adapter closes are written first,
+    not lost to a requeue."""
+    url = rabbitmq_url()
+    adapter = RabbitMQAdapter(url, prefix=names.prefix)
+    topic, queue = names.topic("orders"), names.subscription("billing")
+    await adapter.ensure_subscription(topic, queue, ack_deadline=10)
+    for n in range(50):
+        await adapter.publish(topic, b"%d" % n)
+    taken: list[Any] = []
+    while len(taken) < 50:
+        taken += await adapter.receive(queue, 50, 5.0)
+    consumer = adapter._links.get().consumers[queue]
+    channel = await consumer.channel.get_underlay_channel()
+    frames: list[tuple[int, bool]] = []
+    original = channel.basic_ack
+
+    async def counted(tag: int, multiple: bool = False) -> Any:
+        frames.append((tag, multiple))
+        return await original(tag, multiple=multiple)
+
+    channel.basic_ack = counted  # type: ignore[method-assign]
+    for start in range(0, 40, 8):  # five settled batches of eight
+        assert await adapter.ack(taken[start:start + 8]) == []
+    await consumer.flush_acks()
+    assert frames == [(int(taken[39].ack_id.split(".")[1]), True)], "one frame for forty acks"
+    assert await adapter.ack(taken[40:]) == []
+    await adapter.close()  # the last ten's acks are waiting: written before the close
+    assert len(frames) == 2
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(queue, passive=True)
+        assert declared.declaration_result.message_count == 0, "every ack reached the broker"
+    finally:
+        await connection.close()
