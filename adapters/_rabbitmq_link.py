@@ -153,10 +153,6 @@ class Consumer:
         self.held[tag].ends = ends
         self._arm(ends)
 
-    def release(self, tag: int) -> AbstractIncomingMessage:
-        """Stop holding ``tag`` (acked elsewhere: a delayed copy replaces it)."""
-        return self.held.pop(tag).message
-
     async def ack(self, tags: Iterable[int]) -> None:
         """Ack ``tags``: written with the acks of the next few milliseconds (or at once when
         ``_ACK_BATCH`` are waiting), as few ``basic.ack`` frames as the tags allow. AMQP acks

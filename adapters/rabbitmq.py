@@ -292,7 +292,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
             return await self._publish(topic, outgoing(payload, checked, ordering_key))
 
     async def _publish(self, topic: str, message: aio_pika.Message) -> str:
-        _check_topic_name(topic)
+        _check_name("topic", topic)
         link = self._links.get()
         channel = await link.publishing(CONNECT_TIMEOUT)
         if topic not in link.topics:
@@ -477,10 +477,6 @@ async def _gather_arrivals(consumer: Consumer, wanted: int) -> None:
         await asyncio.sleep(0)
         if len(consumer.buffer) == before:
             return
-
-
-def _check_topic_name(topic: str) -> None:
-    _check_name("topic", topic)
 
 
 __all__ = ["CAPABILITIES", "DEFAULT_URL", "RabbitMQAdapter"]

@@ -12,7 +12,7 @@ import click
 from rich.console import Console
 from rich.live import Live
 
-from ..ports import Adapter, Inspectable, SubscriptionStats
+from ..ports import Adapter, Inspectable
 from .app import USAGE, Seconds, fail, json_option, print_json, print_table, table_of, with_adapter
 
 UNKNOWN = "unknown"
@@ -78,7 +78,10 @@ async def _show(adapter: Adapter, subscriptions: Sequence[str], dead_letters: st
     title = ", ".join(subscriptions)
 
     async def read() -> list[dict[str, Any]]:
-        return [await figures_of(adapter, s, dead_letters) for s in subscriptions]
+        waiting = None  # the dead-letter queue's backlog, read once per reading
+        if dead_letters is not None:
+            waiting = (await adapter.subscription_stats(dead_letters)).backlog
+        return [await figures_of(adapter, s, waiting) for s in subscriptions]
 
     if watch is None:
         show(title, await read(), as_json, dead_letters is not None)
@@ -102,17 +105,14 @@ async def _show(adapter: Adapter, subscriptions: Sequence[str], dead_letters: st
 
 
 async def figures_of(adapter: Inspectable, subscription: str,
-                     dead_letter_subscription: str | None) -> dict[str, Any]:
+                     dead_lettered_waiting: int | None) -> dict[str, Any]:
     figures = await adapter.subscription_stats(subscription)
-    dead: SubscriptionStats | None = None
-    if dead_letter_subscription is not None:
-        dead = await adapter.subscription_stats(dead_letter_subscription)
     return {
         "subscription": subscription,
         "backlog": figures.backlog, "in_flight": figures.in_flight,
         "oldest_unacked_age_seconds": figures.oldest_unacked_age,
         "ack_deadline_seconds": figures.ack_deadline,
-        "dead_lettered_waiting": None if dead is None else dead.backlog,
+        "dead_lettered_waiting": dead_lettered_waiting,
     }
 
 

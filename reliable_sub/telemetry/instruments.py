@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 from weakref import WeakKeyDictionary
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
 from ..outcome import Outcome
 from . import semconv as sc
+
+T = TypeVar("T")
 
 # Distinct error.type values per route before the rest are _OTHER.
 MAX_ERROR_TYPES = 20
@@ -187,19 +189,27 @@ class Instruments:
                         f"{sc.LATER_ATTEMPTS!r}).")
 
 
-_BY_METER: WeakKeyDictionary[Meter, Instruments] = WeakKeyDictionary()
-
-
-def instruments_for(meter: Meter) -> Instruments:
-    """The consumer instruments on ``meter``, shared by every Subscriber recording there.
+class PerMeter(Generic[T]):
+    """``made(meter)``: one ``factory(meter)`` per meter, shared by every caller recording
+    there (kept while the meter lives).
 
     The SDK keeps the first observable instrument of a name on a meter and drops the callbacks
     of any later one: a second set on the same meter would never be reported.
     """
-    found = _BY_METER.get(meter)
-    if found is None:
-        found = _BY_METER[meter] = Instruments(meter)
-    return found
+
+    def __init__(self, factory: Callable[[Meter], T]) -> None:
+        self._factory = factory
+        self._made: WeakKeyDictionary[Meter, T] = WeakKeyDictionary()
+
+    def __call__(self, meter: Meter) -> T:
+        found = self._made.get(meter)
+        if found is None:
+            found = self._made[meter] = self._factory(meter)
+        return found
+
+
+# The consumer instruments on a meter, shared by every Subscriber recording there.
+instruments_for: PerMeter[Instruments] = PerMeter(Instruments)
 
 
 @dataclass

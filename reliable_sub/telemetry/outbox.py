@@ -10,6 +10,7 @@ from opentelemetry.metrics import Meter, MeterProvider
 from opentelemetry.trace import Tracer, TracerProvider
 
 from . import semconv as sc
+from .instruments import PerMeter
 from .providers import meter_of, tracer_of
 
 if TYPE_CHECKING:
@@ -26,19 +27,13 @@ class OutboxTelemetry:
         self.attributes = {TABLE: table}
         self.tracer_provider = tracer_provider
         self.meter_provider = meter_provider
-        self._instruments: dict[int, _Instruments] = {}
 
     def tracer(self) -> Tracer | None:
         return tracer_of(self.tracer_provider)
 
     def instruments(self) -> _Instruments | None:
         meter = meter_of(self.meter_provider)
-        if meter is None:
-            return None
-        found = self._instruments.get(id(meter))
-        if found is None:
-            found = self._instruments[id(meter)] = _Instruments(meter)
-        return found
+        return None if meter is None else _instruments_for(meter)
 
     def published(self, rows: int) -> None:
         instruments = self.instruments()
@@ -68,5 +63,8 @@ class _Instruments:
             sc.OUTBOX_PARKED, unit="{row}",
             description="Outbox rows parked after max_attempts failed publishes.")
 
+
+# One set per meter, shared by every relay recording there.
+_instruments_for: PerMeter[_Instruments] = PerMeter(_Instruments)
 
 __all__ = ["OutboxTelemetry"]

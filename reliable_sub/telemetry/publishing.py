@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
-from weakref import WeakKeyDictionary
 
 from opentelemetry.metrics import Histogram, Meter, MeterProvider
 from opentelemetry.trace import Tracer, TracerProvider
@@ -33,7 +32,7 @@ from .._checks import check_with
 from ..ports import InstrumentsPublishes, Outgoing
 from . import semconv as sc
 from .guard import report
-from .instruments import ErrorTypes, Tallies, Tally
+from .instruments import ErrorTypes, PerMeter, Tallies, Tally
 from .producer import send_span
 from .providers import meter_of, tracer_of
 
@@ -86,15 +85,8 @@ class PublishInstruments:
         tally.value += messages
 
 
-_BY_METER: WeakKeyDictionary[Meter, PublishInstruments] = WeakKeyDictionary()
-
-
-def publish_instruments_for(meter: Meter) -> PublishInstruments:
-    """The publish instruments on ``meter`` (one set per meter)."""
-    found = _BY_METER.get(meter)
-    if found is None:
-        found = _BY_METER[meter] = PublishInstruments(meter)
-    return found
+# The publish instruments on a meter (one set per meter).
+publish_instruments_for: PerMeter[PublishInstruments] = PerMeter(PublishInstruments)
 
 
 class PublishTelemetry:
