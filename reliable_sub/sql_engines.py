@@ -1,9 +1,16 @@
 """The SQLAlchemy engines of one database, shared by the SQL dedup store and the outbox.
 
-From a URL (``postgresql://...``, ``sqlite:///path``, ``sqlite://``) it makes an asyncio engine
-per event loop (psycopg's async driver, aiosqlite: a call that waits on a lock never blocks the
-loop) and, on first use, a sync engine on the same database (for sync handlers and scripts).
-Given an ``AsyncEngine``, it uses that one. Import it only where the ``sql`` extra is needed.
+From a URL (``postgresql://...``, ``mariadb://...`` or ``mysql://...``, ``sqlite:///path``,
+``sqlite://``) it makes an asyncio engine per event loop (psycopg's async driver, asyncmy,
+aiosqlite: a call that waits on a lock never blocks the loop) and, on first use, a sync engine on
+the same database (for sync handlers and scripts). Given an ``AsyncEngine``, it uses that one.
+Import it only where the ``sql`` (or ``mysql``) extra is needed.
+
+On MariaDB the library's own sessions (claims, renewals, the relay's rounds) run under READ
+COMMITTED and wait at most ``MYSQL_LOCK_WAIT_SECONDS`` for a row lock: under InnoDB's default
+REPEATABLE READ a relay round's next-key locks stall writers and a purge stalls claims, and a
+plain read inside a transaction sees a snapshot older than the lock it waited for.
+Handlers' own transactions keep the server's level.
 """
 
 from __future__ import annotations
@@ -27,8 +34,16 @@ except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("The SQL store and outbox", "sql", "SQLAlchemy") from error
 
 # The async driver of each dialect, and the sync driver of its sync engine.
-ASYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "aiosqlite"}
-SYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "pysqlite"}
+ASYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "aiosqlite", "mysql": "asyncmy",
+                 "mariadb": "asyncmy"}
+SYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "pysqlite", "mysql": "pymysql",
+                "mariadb": "pymysql"}
+# SQLAlchemy names a MariaDB server "mysql" when the URL says mysql://
+MYSQL_DIALECTS = ("mysql", "mariadb")
+_DRIVER_EXTRAS = {"asyncmy": "mysql", "pymysql": "mysql"}
+# How long the library's own MariaDB sessions wait for a row lock before failing (error 1205,
+# retried by the caller): a stopped holder must not stall claims for InnoDB's default 50 s.
+MYSQL_LOCK_WAIT_SECONDS = 5
 # SQLite waits this long (ms) for a lock held by another connection before it fails.
 SQLITE_BUSY_TIMEOUT_MS = 5000
 
@@ -67,14 +82,20 @@ class SqlEngines:
         self.dialect: str = self.url.get_backend_name()
         if self.dialect not in ASYNC_DRIVERS:
             raise ConfigurationError(
-                f"{owner} supports postgresql and sqlite, got {self.dialect!r}"
+                f"{owner} supports postgresql, mariadb (mysql://) and sqlite URLs, got "
+                f"{self.dialect!r}"
             )
+        self.mysql = self.dialect in MYSQL_DIALECTS
+        if self.mysql and self._given is None and "charset" not in self.url.query:
+            self.url = self.url.update_query_dict({"charset": "utf8mb4"})
         self._sync = sync_engine
         self._engines: PerLoop[AsyncEngine] = PerLoop(self._make)
-        self._transaction_engines: PerLoop[AsyncEngine] = PerLoop(self._make)
-        # the engine's pool, its connections in autocommit while checked out (see standalone)
-        self._autocommit: PerLoop[AsyncEngine] = PerLoop(
-            lambda: self.engine.execution_options(isolation_level="AUTOCOMMIT"))
+        self._transaction_engines: PerLoop[AsyncEngine] = PerLoop(
+            lambda: self._make(own_session=False))
+        # (see standalone) PostgreSQL: the engine's pool, its connections in autocommit while
+        # checked out; MariaDB: an autocommit engine of its own (toggling autocommit on a
+        # pooled connection costs four statements per checkout there)
+        self._autocommit: PerLoop[AsyncEngine] = PerLoop(self._make_autocommit)
 
     @property
     def engine(self) -> AsyncEngine:
@@ -84,14 +105,14 @@ class SqlEngines:
     def standalone(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A connection for statements that each stand alone.
 
-        On PostgreSQL in autocommit: each statement its own transaction, one round trip, where
-        a transaction around it would add two (``BEGIN`` and ``COMMIT``; under READ COMMITTED
-        each statement of a transaction sees a fresh snapshot anyway). On SQLite a transaction
-        (its claim reads back what it wrote, in a second statement).
+        On PostgreSQL and MariaDB in autocommit: each statement its own transaction, one round
+        trip, where a transaction around it would add two (``BEGIN`` and ``COMMIT``; under READ
+        COMMITTED each statement of a transaction sees a fresh snapshot anyway). On SQLite a
+        transaction (its claim reads back what it wrote, in a second statement).
         """
-        if self.dialect == "postgresql":
-            return self._autocommit.get().connect()
-        return self.engine.begin()
+        if self.dialect == "sqlite":
+            return self.engine.begin()
+        return self._autocommit.get().connect()
 
     @property
     def transaction_engine(self) -> AsyncEngine:
@@ -109,17 +130,27 @@ class SqlEngines:
         """A sync engine on the same database."""
         if self._sync is None:
             url = self.url.set(drivername=f"{self.dialect}+{SYNC_DRIVERS[self.dialect]}")
-            self._sync = sa.create_engine(url, **self._pool_options())
+            self._sync = _driven(sa.create_engine, url, **self._pool_options())
             if self.dialect == "sqlite":
                 sa.event.listen(self._sync, "connect", self._sqlite_pragmas)
         return self._sync
 
-    def _make(self) -> AsyncEngine:
+    def _make(self, *, own_session: bool = True, **options: Any) -> AsyncEngine:
+        """An asyncio engine; ``own_session``: for the library's own statements (on MariaDB
+        READ COMMITTED and a short lock wait), else for handlers' transactions."""
         url = self.url.set(drivername=f"{self.dialect}+{ASYNC_DRIVERS[self.dialect]}")
-        engine = create_async_engine(url, **self._pool_options())
+        options = {**self._pool_options(), **options}
+        engine: AsyncEngine = _driven(create_async_engine, url, **options)
         if self.dialect == "sqlite":
             sa.event.listen(engine.sync_engine, "connect", self._sqlite_pragmas)
+        elif self.mysql and own_session:
+            sa.event.listen(engine.sync_engine, "connect", _own_session)
         return engine
+
+    def _make_autocommit(self) -> AsyncEngine:
+        if self.mysql and self._given is None:
+            return self._make(isolation_level="AUTOCOMMIT")
+        return self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     def _pool_options(self) -> dict[str, Any]:
         if self.dialect != "sqlite":
@@ -137,9 +168,10 @@ class SqlEngines:
 
     async def close(self) -> None:
         """Dispose of this loop's engine (its connections); a later call reconnects."""
-        self._autocommit.pop()  # the engine's, disposed of with it
-        for engines in (self._engines, self._transaction_engines):
-            engine = engines.pop()
+        autocommit = self._autocommit.pop()
+        if not (self.mysql and self._given is None):
+            autocommit = None  # the engine's own pool, disposed of with it
+        for engine in (self._engines.pop(), self._transaction_engines.pop(), autocommit):
             if engine is not None:
                 await engine.dispose()
 
@@ -189,6 +221,24 @@ class OnSqlEngines:
     def close_sync(self) -> None:
         """Dispose of the sync engine's connections; the next call reconnects."""
         self._engines.close_sync()
+
+
+def _driven(make: Any, url: URL, **options: Any) -> Any:
+    """``make(url, **options)``, its driver's missing extra named when it is not installed."""
+    try:
+        return make(url, **options)
+    except ModuleNotFoundError as error:
+        extra = _DRIVER_EXTRAS.get(url.get_driver_name(), "sql")
+        raise MissingExtraError(f"A {url.get_backend_name()} database", extra,
+                                error.name or url.get_driver_name()) from error
+
+
+def _own_session(connection: Any, _record: Any) -> None:
+    """A MariaDB session of the library's own: READ COMMITTED, a short lock wait."""
+    cursor = connection.cursor()
+    cursor.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+    cursor.execute(f"SET SESSION innodb_lock_wait_timeout = {MYSQL_LOCK_WAIT_SECONDS}")
+    cursor.close()
 
 
 def _database_url(url: URL) -> URL:

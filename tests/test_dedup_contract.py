@@ -13,7 +13,13 @@ from reliable_sub.testing import (
     redis_stores,
     sql_stores,
 )
-from reliable_sub.testing.services import in_ci, postgres_url, redis_available, redis_url
+from reliable_sub.testing.services import (
+    in_ci,
+    mariadb_url,
+    postgres_url,
+    redis_available,
+    redis_url,
+)
 from tests.redis_processes import RedisClusterProcesses
 
 
@@ -44,6 +50,11 @@ class TestRedisDedupStoreOnACluster(DedupStoreSuite):
 class TestSqlDedupStoreOnPostgres(DedupStoreSuite):
     def make_stores(self) -> StoreHarness:
         return sql_stores(postgres_url(), "postgresql")
+
+
+class TestSqlDedupStoreOnMariaDb(DedupStoreSuite):
+    def make_stores(self) -> StoreHarness:
+        return sql_stores(mariadb_url(), "mariadb")
 
 
 class TestSqlDedupStoreOnSqlite(DedupStoreSuite):

@@ -1,8 +1,8 @@
 """Two real processes claim the same keys at the same time: every key has exactly one winner.
 
-Each child builds its own store over the shared database (Redis, PostgreSQL, an SQLite file),
-connects, prints ``ready``, waits for the parent's start file (polled, with a deadline) and for
-the start time written in it, then claims 1,000 keys in its own shuffled order, one
+Each child builds its own store over the shared database (Redis, PostgreSQL, MariaDB, an SQLite
+file), connects, prints ``ready``, waits for the parent's start file (polled, with a deadline)
+and for the start time written in it, then claims 1,000 keys in its own shuffled order, one
 ``claim_many`` batch of 10 at a time, and prints the keys it won and when it began and ended.
 The parent checks the two sets are disjoint and cover all keys, and that the two claimed at the
 same time.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from reliable_sub.testing.services import postgres_url, redis_url
+from reliable_sub.testing.services import redis_url, sql_url
 from tests.redis_processes import Child
 
 KEYS = 1000
@@ -73,7 +73,7 @@ asyncio.run(main())
 '''
 
 
-@pytest.fixture(params=["redis", "postgresql", "sqlite-file"])
+@pytest.fixture(params=["redis", "postgresql", "mariadb", "sqlite-file"])
 def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str]]:
     """Settings naming one fresh store on a shared database; the schema made for SQL."""
     name = f"test_race_{uuid.uuid4().hex[:10]}"
@@ -89,7 +89,10 @@ def shared_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dic
         return
     from reliable_sub.dedup import SqlDedupStore
 
-    url = postgres_url() if request.param == "postgresql" else f"sqlite:///{tmp_path / 'd.db'}"
+    if request.param == "sqlite-file":
+        url = f"sqlite:///{tmp_path / 'd.db'}"
+    else:
+        url = sql_url(request.param)
     store = SqlDedupStore(url, table=name)
     store.create_schema_sync()
     yield {"kind": "sql", "url": url, "name": name}

@@ -12,7 +12,7 @@ from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.clock import ManualClock
 from reliable_sub.idempotency.sql_store import SqlDedupStore
 from reliable_sub.ports import Completion, DedupKey
-from reliable_sub.testing.services import postgres_url
+from reliable_sub.testing.services import sql_url
 from tests.memory_world import serve_until
 
 WITHIN = 10.0
@@ -41,10 +41,10 @@ async def test_expired_records_are_purged_while_the_subscriber_runs() -> None:
     await store.close()
 
 
-@pytest.mark.parametrize("database", ["postgresql", "sqlite"])
+@pytest.mark.parametrize("database", ["postgresql", "mariadb", "sqlite"])
 async def test_purge_deletes_exactly_the_expired_records_in_batches(database: str) -> None:
     clock = ManualClock()
-    url = postgres_url() if database == "postgresql" else "sqlite://"
+    url = sql_url(database)
     store = SqlDedupStore(url, table=f"purge_{uuid.uuid4().hex[:8]}", clock=clock)
     await store.create_schema()
     try:

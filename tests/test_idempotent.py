@@ -55,7 +55,7 @@ from reliable_sub.idempotency.decorator import close_sync_connections
 from reliable_sub.idempotency.renewer import Renewer
 from reliable_sub.ports import ClaimResult, SyncDedupStore
 from reliable_sub.testing import redis_stores
-from reliable_sub.testing.services import postgres_url, redis_url
+from reliable_sub.testing.services import redis_url, sql_url
 
 # Real seconds a test may wait for something that takes milliseconds.
 WITHIN = 10.0
@@ -184,7 +184,7 @@ def _sql(url: str) -> tuple[DedupStore, DedupStore, Callable[[], Any], Callable[
     return store, peer, store.create_schema, cleanup
 
 
-@pytest_asyncio.fixture(params=["memory", "redis", "postgresql", "sqlite"])
+@pytest_asyncio.fixture(params=["memory", "redis", "postgresql", "mariadb", "sqlite"])
 async def stores(request: pytest.FixtureRequest) -> AsyncIterator[Stores]:
     name = request.param
     prepare = None
@@ -194,7 +194,7 @@ async def stores(request: pytest.FixtureRequest) -> AsyncIterator[Stores]:
         harness = redis_stores(redis_url())
         store, peer, cleanup = harness.store, harness.peer, harness.cleanup
     else:
-        url = postgres_url() if name == "postgresql" else "sqlite://"
+        url = sql_url(name)
         store, peer, prepare, cleanup = _sql(url)
     if prepare is not None:
         await prepare()

@@ -26,7 +26,7 @@ from reliable_sub import Claimed, Completed, DedupKey, DedupStore
 from reliable_sub.dedup import Completion
 from reliable_sub.idempotency import IdempotentResult, idempotent
 from reliable_sub.testing import redis_stores
-from reliable_sub.testing.services import postgres_url, redis_url
+from reliable_sub.testing.services import redis_url, sql_url
 from tests.test_idempotent import _sql
 
 WITHIN = 10.0  # real seconds a retry may take (it waits for the work its first call left)
@@ -126,11 +126,13 @@ def _cut_sql(cut: Cut, store: DedupStore) -> None:
         if cut.request():
             cut.cancel()
 
-    engine = store.engine  # type: ignore[attr-defined]  # the test's event loop's
-    sa.event.listen(engine.sync_engine, "before_cursor_execute", executing)
+    engines = store._engines  # type: ignore[attr-defined]  # the test's event loop's
+    # the store's engine and its autocommit one (on MariaDB an engine of its own)
+    for engine in {engines.engine.sync_engine, engines._autocommit.get().sync_engine}:
+        sa.event.listen(engine, "before_cursor_execute", executing)
 
 
-@pytest_asyncio.fixture(params=["redis", "postgresql", "sqlite"])
+@pytest_asyncio.fixture(params=["redis", "postgresql", "mariadb", "sqlite"])
 async def in_flight(
     request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[InFlight]:
@@ -141,7 +143,8 @@ async def in_flight(
         harness = redis_stores(redis_url())
         store, peer, cleanup = harness.store, harness.peer, harness.cleanup
     else:
-        store, peer, prepare, cleanup = _sql(postgres_url() if name == "postgresql" else "sqlite://")
+        url = sql_url(name)
+        store, peer, prepare, cleanup = _sql(url)
         await prepare()
         _cut_sql(cut, store)
     _watch(store, cut)

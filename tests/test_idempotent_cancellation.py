@@ -33,7 +33,7 @@ from reliable_sub.idempotency.decorator import close_sync_connections
 from reliable_sub.idempotency.settling import Settling
 from reliable_sub.ports import ClaimResult, SyncDedupStore
 from reliable_sub.testing import redis_stores
-from reliable_sub.testing.services import postgres_url, redis_url
+from reliable_sub.testing.services import redis_url, sql_url
 from tests.test_idempotent import _memory, _sql
 
 # Real seconds a test may wait for something that takes milliseconds.
@@ -170,7 +170,7 @@ class World:
         return BACKGROUND.run(self.stored(key))
 
 
-@pytest_asyncio.fixture(params=["memory", "redis", "postgresql", "sqlite"])
+@pytest_asyncio.fixture(params=["memory", "redis", "postgresql", "mariadb", "sqlite"])
 async def world(request: pytest.FixtureRequest) -> AsyncIterator[World]:
     name = request.param
     prepare = None
@@ -180,7 +180,8 @@ async def world(request: pytest.FixtureRequest) -> AsyncIterator[World]:
         harness = redis_stores(redis_url())
         inner, peer, cleanup = harness.store, harness.peer, harness.cleanup
     else:
-        inner, peer, prepare, cleanup = _sql(postgres_url() if name == "postgresql" else "sqlite://")
+        url = sql_url(name)
+        inner, peer, prepare, cleanup = _sql(url)
     if prepare is not None:
         await prepare()
     gated = SyncGated(inner) if isinstance(inner, SyncDedupStore) else Gated(inner)

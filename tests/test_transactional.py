@@ -35,9 +35,9 @@ from reliable_sub import (
     current_claim,
 )
 from reliable_sub.adapters.memory import MemoryAdapter
-from reliable_sub.dedup import Completed, DedupKey
+from reliable_sub.dedup import Completed, DedupKey, InProgress
 from reliable_sub.idempotency.sql_store import SqlDedupStore
-from reliable_sub.testing.services import postgres_url
+from reliable_sub.testing.services import sql_url
 from reliable_sub.testing.timing import drive_until
 from tests.memory_world import serve_until
 
@@ -86,9 +86,9 @@ def _payments_table(metadata: Any, name: str) -> Any:
     )
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
+@pytest.fixture(params=["postgresql", "mariadb", "sqlite"])
 async def world(request: pytest.FixtureRequest) -> AsyncIterator[World]:
-    url = postgres_url() if request.param == "postgresql" else "sqlite://"
+    url = sql_url(request.param)
     suffix = uuid.uuid4().hex[:10]
     store = SqlDedupStore(url, table=f"test_tx_processed_{suffix}")
     payments = _payments_table(store.metadata, f"test_tx_payments_{suffix}")
@@ -342,14 +342,19 @@ def test_transactional_needs_a_store_that_commits_in_the_handlers_transaction() 
             sub.handler("billing", transactional=True)
 
 
-async def test_the_event_loop_keeps_ticking_while_a_claim_waits_on_a_locked_row() -> None:
-    """A claim blocked by a row lock (a peer's open transaction) must not stall the loop."""
-    url = postgres_url()
-    store = SqlDedupStore(url, table=f"test_tx_lock_{uuid.uuid4().hex[:10]}")
+@pytest.mark.parametrize("database", ["postgresql", "mariadb"])
+async def test_the_event_loop_keeps_ticking_while_a_claim_waits_on_a_locked_row(
+    database: str,
+) -> None:
+    """A claim blocked by a row lock (a peer's open transaction) must not stall the loop: the
+    loop goes on turning while the claim waits, and the claim finishes once the lock is let go.
+    (A claim that blocked the loop could not finish before the holder lets go, which it does
+    only after the loop has turned 30 times.)"""
+    store = SqlDedupStore(sql_url(database), table=f"test_tx_lock_{uuid.uuid4().hex[:10]}")
     await store.create_schema()
     key = DedupKey("ns", "locked")
     [first] = await store.claim_many([key], 60)
-    holder = sa.create_engine(store.url.set(drivername="postgresql+psycopg"))
+    holder = store.sync_engine
     t = store.table
     locked, release = threading.Event(), threading.Event()
 
@@ -359,46 +364,29 @@ async def test_the_event_loop_keeps_ticking_while_a_claim_waits_on_a_locked_row(
             locked.set()
             release.wait(WITHIN)
 
-    period, lateness = 0.010, [0.0]
-    stop = asyncio.Event()
-
-    async def heartbeat() -> None:
-        loop = asyncio.get_running_loop()
-        while not stop.is_set():
-            due = loop.time() + period
-            await asyncio.sleep(period)
-            lateness[0] = max(lateness[0], loop.time() - due)
-
     holder_thread = threading.Thread(target=hold_the_row_lock)
     holder_thread.start()
-    beats = asyncio.create_task(heartbeat())
     try:
         assert await asyncio.to_thread(locked.wait, WITHIN)
         claim = asyncio.create_task(store.claim_many([key], 60, ["me.waiting"]))
-        # the claim is blocked on the lock for as long as the holder keeps its transaction
-        waited = 0
-        while waited < 30:  # 30 heartbeats (~0.3 s) with the claim parked on the row lock
-            await asyncio.sleep(period)
+        for _ in range(30):  # 30 turns of the loop with the claim parked on the row lock
+            await asyncio.sleep(0.01)
             assert not claim.done(), "the claim should wait for the row lock"
-            waited += 1
         release.set()
         [verdict] = await asyncio.wait_for(claim, WITHIN)
     finally:
         release.set()
-        stop.set()
-        await beats
         holder_thread.join(WITHIN)
-        holder.dispose()
         async with store.engine.begin() as connection:
             await connection.run_sync(store.metadata.drop_all)
         await store.close()
-    assert first is not None and verdict is not None
-    assert lateness[0] < 0.050, f"a 10 ms heartbeat was {lateness[0] * 1000:.0f} ms late"
+        store.close_sync()
+    assert first is not None and isinstance(verdict, InProgress)
 
 
-@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+@pytest.mark.parametrize("database", ["sqlite", "postgresql", "mariadb"])
 def test_the_transactional_example_runs_and_charges_each_payment_once(database: str) -> None:
-    url = postgres_url() if database == "postgresql" else "sqlite://"
+    url = sql_url(database)
     done = subprocess.run(
         [sys.executable, "examples/transactional.py", url],
         capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent,

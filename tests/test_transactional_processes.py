@@ -1,10 +1,12 @@
-"""Transactional handlers under real process faults, on PostgreSQL: every effect exactly once.
+"""Transactional handlers under real process faults, on PostgreSQL and MariaDB: every effect
+exactly once.
 
-A child process consumes from Redis Streams (the shared Redis) with a SqlDedupStore on the shared
-PostgreSQL and a transactional handler that inserts one row into a ``payments`` table (no unique
-constraint: only the dedup record can keep the effect single). The test SIGKILLs or SIGSTOPs the
-child at a point it announces on stdout, a second consumer in the test's event loop takes the
-message over after the ack deadline, and the rows are counted at the end:
+A child process consumes from Redis Streams (the shared Redis) with a SqlDedupStore on the
+shared PostgreSQL or MariaDB and a transactional handler that inserts one row into a
+``payments`` table (no unique constraint: only the dedup record can keep the effect single).
+The test SIGKILLs or SIGSTOPs the child at a point it announces on stdout, a second consumer in
+the test's event loop takes the message over after the ack deadline, and the rows are counted
+at the end:
 
 1. killed after the commit, before the ack  -> the redelivery is a duplicate; one row;
 2. killed before the commit                 -> nothing of the first attempt remains; the
@@ -32,7 +34,7 @@ import sqlalchemy as sa
 from reliable_sub import LeasePolicy, Message, Outcome, RetryPolicy, Subscriber
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
 from reliable_sub.idempotency.sql_store import SqlDedupStore
-from reliable_sub.testing.services import postgres_url, redis_url
+from reliable_sub.testing.services import redis_url, sql_url
 from tests.redis_processes import Child, poll_until
 
 # The subscription's ack deadline; leases and dedup claims are sized to it, so a dead or
@@ -72,7 +74,7 @@ CHILD = textwrap.dedent(
     async def main():
         adapter_type = AckHangs if cfg["mode"] == "ack-hangs" else RedisStreamsAdapter
         adapter = adapter_type(cfg["redis"], consumer=cfg["consumer"], key_prefix=cfg["prefix"])
-        store = SqlDedupStore(cfg["postgres"], table=cfg["processed"], owner=cfg["consumer"])
+        store = SqlDedupStore(cfg["database"], table=cfg["processed"], owner=cfg["consumer"])
         payments = sa.Table(cfg["payments"], sa.MetaData(), autoload_with=store.sync_engine)
         sub = Subscriber(
             adapter, dedup=store,
@@ -108,8 +110,8 @@ class Scene:
     """One test's stream, tables and processes, and the parent's own connections."""
 
     tmp_path: Path
+    database: str  # a PostgreSQL or MariaDB URL
     redis: str = field(default_factory=redis_url)
-    postgres: str = field(default_factory=postgres_url)
     prefix: str = field(default_factory=lambda: f"test-tx-{uuid.uuid4().hex[:12]}")
     subscription: str = "billing"
     children: list[Child] = field(default_factory=list)
@@ -117,7 +119,7 @@ class Scene:
     def __post_init__(self) -> None:
         suffix = self.prefix.rsplit("-", 1)[1]
         self.stream = f"{self.prefix}:payments"
-        self.store = SqlDedupStore(self.postgres, table=f"test_txp_processed_{suffix}",
+        self.store = SqlDedupStore(self.database, table=f"test_txp_processed_{suffix}",
                                    owner="survivor")
         self.payments = sa.Table(
             f"test_txp_payments_{suffix}", self.store.metadata,
@@ -132,7 +134,7 @@ class Scene:
         script = self.tmp_path / "consumer.py"
         script.write_text(CHILD)
         settings = {
-            "redis": self.redis, "postgres": self.postgres, "mode": mode, "consumer": "first",
+            "redis": self.redis, "database": self.database, "mode": mode, "consumer": "first",
             "prefix": self.prefix, "subscription": self.subscription,
             "processed": self.store.table.name, "payments": self.payments.name,
             "go": str(self.tmp_path / "go"), "min_extension": LEASE.min_extension,
@@ -170,9 +172,9 @@ class Scene:
         await self.store.close()
 
 
-@pytest.fixture
-async def scene(tmp_path: Path) -> AsyncIterator[Scene]:
-    scene = Scene(tmp_path)
+@pytest.fixture(params=["postgresql", "mariadb"])
+async def scene(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Scene]:
+    scene = Scene(tmp_path, sql_url(request.param))
     await scene.store.create_schema()
     await scene.adapter.ensure_subscription(
         scene.stream, scene.subscription, ack_deadline=ACK_DEADLINE

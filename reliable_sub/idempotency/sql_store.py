@@ -1,32 +1,23 @@
 """SqlDedupStore: the dedup store in your own database, so a handler's effect and its dedup
 record can commit in one transaction (extra ``sql``).
 
-SQLAlchemy 2 Core, on PostgreSQL (psycopg 3) and SQLite. One table (``metadata`` holds it, for
-your Alembic migrations; :meth:`SqlDedupStore.create_schema` creates it)::
-
-    namespace  key  owner  state  failures  lease_expires_at  completed_at  expires_at  result
-    primary key (namespace, key); index on expires_at (for purge_expired)
-
-``state`` is ``claimed`` (``owner`` holds it until ``lease_expires_at``), ``failed`` (released
-after ``failures`` failed attempts, kept until ``expires_at``) or ``completed`` (``result`` is the
-handler's result as JSON text). A row whose ``expires_at`` has passed counts as absent. A
-namespace's dedup epoch (see :mod:`reliable_sub.idempotency.epochs`) is a row of state ``epoch``
-under the key ``h:epoch``, which no message key is stored as. Times are
+SQLAlchemy 2 Core, on PostgreSQL (psycopg 3), MariaDB 10.6+ (asyncmy and PyMySQL, extra
+``mysql``) and SQLite. One table (:mod:`reliable_sub.idempotency.sql_table`; ``metadata`` holds
+it, for your Alembic migrations; :meth:`SqlDedupStore.create_schema` creates it). Times are
 epoch seconds from the store's clock: keep consumers' clocks in sync (NTP), as their claims are
-compared across hosts. Namespaces and keys longer than ``READABLE_LIMIT`` characters are stored
-as ``h:`` + their SHA-256 hex, as in the Redis store.
+compared across hosts.
 
 Never blocking the event loop: the store's own calls run on SQLAlchemy's asyncio engine
-(psycopg's async driver, aiosqlite); a *sync* transactional handler, which runs on a worker
-thread, gets a connection of a sync engine on the same database. Each batch method is one
+(psycopg's async driver, asyncmy, aiosqlite); a *sync* transactional handler, which runs on a
+worker thread, gets a connection of a sync engine on the same database. Each batch method is one
 statement on PostgreSQL (the claim is an ``INSERT ... ON CONFLICT DO UPDATE`` inside a CTE that
-also reports the rows it left alone) and one transaction of at most two statements on SQLite.
+also reports the rows it left alone) and on MariaDB (``INSERT ... ON DUPLICATE KEY UPDATE ...
+RETURNING``; see :mod:`._sql_claims_mariadb`), and one transaction of at most two statements on
+SQLite.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
@@ -40,49 +31,35 @@ from .memory_store import SingleKeyMethods, TokenSource, check_owner
 
 try:
     import sqlalchemy as sa
-    from sqlalchemy.dialects import postgresql, sqlite
     from sqlalchemy.engine import URL, Connection, Engine
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("SqlDedupStore", "sql", "SQLAlchemy") from error
 
-from ..sql_engines import OnSqlEngines, SqlEngines
-
-DEFAULT_TABLE = "reliable_sub_processed"
-# Namespaces and keys up to this many characters are stored as they are; longer ones hashed.
-READABLE_LIMIT = 200
-_HASHED = "h:"
-CLAIMED, FAILED, COMPLETED = "claimed", "failed", "completed"
-# A namespace's epoch is a row of its own: key EPOCH_KEY (no message key is stored as it: keys
-# that start with "h:" are stored hashed), state EPOCH, the number in ``failures``, never expiring.
-EPOCH_KEY, EPOCH = "h:epoch", "epoch"
-NEVER = 1e18  # epoch seconds, some thirty billion years ahead
-
-
-def processed_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
-    """The dedup table, defined on ``metadata`` (put it in your migrations)."""
-    return sa.Table(
-        name,
-        metadata,
-        sa.Column("namespace", sa.String(2 * READABLE_LIMIT), primary_key=True),
-        sa.Column("key", sa.String(2 * READABLE_LIMIT), primary_key=True),
-        sa.Column("owner", sa.String(200), nullable=True),
-        sa.Column("state", sa.String(16), nullable=False),
-        sa.Column("failures", sa.Integer, nullable=False, server_default="0"),
-        sa.Column("lease_expires_at", sa.Float, nullable=True),
-        sa.Column("completed_at", sa.Float, nullable=True),
-        sa.Column("expires_at", sa.Float, nullable=False),
-        sa.Column("result", sa.Text, nullable=True),
-        sa.Index(f"ix_{name}_expires_at", "expires_at"),
-    )
+from ..sql_engines import MYSQL_DIALECTS, OnSqlEngines, SqlEngines
+from ._sql_claims import SqlClaims
+from ._sql_claims_mariadb import MariaDbClaims
+from .sql_table import (
+    CLAIMED,
+    COMPLETED,
+    DEFAULT_TABLE,
+    EPOCH_KEY,
+    FAILED,
+    READABLE_LIMIT,
+    processed_table,
+    stored,
+    stored_part,
+)
 
 
 class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
-    """A dedup store on PostgreSQL or SQLite, usable inside a handler's own transaction.
+    """A dedup store on PostgreSQL, MariaDB or SQLite, usable inside a handler's own
+    transaction.
 
     Args:
-        url_or_engine: a database URL (``postgresql://...``, ``sqlite:///path``, ``sqlite://``
-            for an in-process database) or an ``AsyncEngine`` you own.
+        url_or_engine: a database URL (``postgresql://...``, ``mariadb://...`` or
+            ``mysql://...`` for a MariaDB server, ``sqlite:///path``, ``sqlite://`` for an
+            in-process database) or an ``AsyncEngine`` you own.
         table: the table name (default ``reliable_sub_processed``).
         owner: readable prefix of this store's fencing tokens, such as the service's name
             (default: a short random one); see
@@ -117,12 +94,12 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         self._clock: Clock = clock or SystemClock()
         self.metadata = sa.MetaData()
         self.table = processed_table(self.metadata, table)
-        self._claim_sql: tuple[Any, Any] | None = None
-        self._complete_sql: Any = None
         self._update_sql: Any = None
         self._engines = SqlEngines(url_or_engine, owner="SqlDedupStore", sync_engine=sync_engine,
                                    engine_options=engine_options)
         self.dialect = self._engines.dialect
+        self._sql = (MariaDbClaims if self.dialect in MYSQL_DIALECTS else SqlClaims)(
+            self.table, self.dialect)
 
     def __repr__(self) -> str:
         return f"SqlDedupStore({self.dialect}, table={self.table.name!r}, owner={self.owner!r})"
@@ -134,23 +111,10 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         returns how many were deleted."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigurationError(f"purge_expired: batch_size must be >= 1, got {batch_size}")
-        t = self.table
         deleted = 0
         while True:
-            now = self._clock.wall()
-            # One statement per batch: the keys never travel to the client and back (a list of
-            # a thousand (namespace, key) pairs made each batch cost ~0.5 s on PostgreSQL).
-            doomed = (
-                sa.select(t.c.namespace, t.c.key).where(t.c.expires_at <= now).limit(batch_size)
-            )
             async with self._engines.standalone() as connection:
-                result = await connection.execute(
-                    sa.delete(t).where(
-                        sa.tuple_(t.c.namespace, t.c.key).in_(doomed.scalar_subquery()),
-                        t.c.expires_at <= now,
-                    )
-                )
-            count = result.rowcount
+                count = await self._sql.purge(connection, self._clock.wall(), batch_size)
             deleted += count
             if count < batch_size:
                 return deleted
@@ -162,21 +126,13 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         t = self.table
         async with self.engine.connect() as connection:
             found = await connection.scalar(sa.select(t.c.failures).where(
-                t.c.namespace == _part(namespace), t.c.key == EPOCH_KEY))
+                t.c.namespace == stored_part(namespace), t.c.key == EPOCH_KEY))
         return int(found) if found is not None else 0
 
     async def next_epoch(self, namespace: str) -> int:
         """Start the next epoch of ``namespace`` (one upsert; the row never expires)."""
-        t = self.table
-        insert = (postgresql.insert(t) if self.dialect == "postgresql" else sqlite.insert(t))
-        statement = insert.values(
-            namespace=_part(namespace), key=EPOCH_KEY, owner=None, state=EPOCH, failures=1,
-            expires_at=NEVER,
-        ).on_conflict_do_update(
-            index_elements=[t.c.namespace, t.c.key], set_={"failures": t.c.failures + 1},
-        ).returning(t.c.failures)
         async with self._engines.standalone() as connection:
-            return int((await connection.execute(statement)).scalar_one())
+            return await self._sql.next_epoch(connection, namespace)
 
     # -- the DedupStore protocol ----------------------------------------------------------------
 
@@ -190,127 +146,28 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
             return []
         lease = check_seconds("SqlDedupStore", "lease_ttl", lease_ttl)
         chosen = list(tokens) if tokens else [self._tokens.next() for _ in keys]
-        stored = [_stored(key) for key in keys]
+        row_keys = [stored(key) for key in keys]
         first: dict[tuple[str, str], int] = {}
-        for index, row_key in enumerate(stored):
+        for index, row_key in enumerate(row_keys):
             first.setdefault(row_key, index)
         rows = [(ns, k, chosen[index]) for (ns, k), index in first.items()]
         now = self._clock.wall()
         async with self._engines.standalone() as connection:
-            found = await self._claim_rows(connection, rows, now, now + lease)
+            found = await self._sql.claim(connection, rows, now, now + lease)
         results: list[ClaimResult] = []
         for index, key in enumerate(keys):
-            row = found.get(stored[index])
+            row = found.get(row_keys[index])
             token = chosen[index]
             if row is None:  # cannot happen: the upsert either wrote or saw every key
                 raise RuntimeError(f"claim of {key!r} left no row")
             state, owner, failures, expires_at, result = row
             if state == COMPLETED:
                 results.append(Completed(result, key))
-            elif owner == token and first[stored[index]] == index:
+            elif owner == token and first[row_keys[index]] == index:
                 results.append(Claimed(key, token, failures))
             else:
                 results.append(InProgress(max(0.0, expires_at - now), failures))
         return results
-
-    # Batch statements take their rows as one parameter per column (PostgreSQL arrays through
-    # unnest) or one JSON array (SQLite, through json_each): their text does not depend on the
-    # batch, so SQLAlchemy compiles each once and caches it. (A multi-row VALUES clause is not
-    # cacheable: compiling it took ~25 ms per 100-key claim, 90% of the call.)
-
-    def _batch(self, *columns: str) -> tuple[Any, list[Any]]:
-        """A FROM clause yielding the batch's rows, and its columns (all text)."""
-        if self.dialect == "postgresql":
-            arrays = [sa.bindparam(f"batch_{c}", type_=postgresql.ARRAY(sa.Text)) for c in columns]
-            source = sa.func.unnest(*arrays).table_valued(*columns).render_derived()
-            return source, [source.c[c] for c in columns]
-        source = sa.func.json_each(sa.bindparam("batch")).table_valued("value").alias("batch")
-        return source, [
-            sa.func.json_extract(source.c.value, f"$[{i}]").label(c)
-            for i, c in enumerate(columns)
-        ]
-
-    def _batch_parameters(
-        self, columns: Sequence[str], rows: Sequence[Sequence[str]]
-    ) -> dict[str, Any]:
-        if self.dialect == "postgresql":
-            return {f"batch_{c}": [row[i] for row in rows] for i, c in enumerate(columns)}
-        return {"batch": json.dumps([list(row) for row in rows])}
-
-    def _claim_statements(self) -> tuple[Any, Any]:
-        """The claim upsert (and, for SQLite, the read-back that follows it), built once."""
-        if self._claim_sql is not None:
-            return self._claim_sql
-        t = self.table
-        source, (ns, k, owner) = self._batch("namespace", "key", "owner")
-        now = sa.bindparam("now", type_=sa.Float)
-        lease_end = sa.bindparam("lease_end", type_=sa.Float)
-        insert = (postgresql if self.dialect == "postgresql" else sqlite).insert(t)
-        excluded = insert.excluded
-        upsert = insert.from_select(
-            ["namespace", "key", "owner", "state", "failures", "lease_expires_at", "expires_at"],
-            # WHERE true: SQLite would read ON CONFLICT as a join's ON without it
-            sa.select(ns, k, owner, sa.literal(CLAIMED), sa.literal(0), lease_end, lease_end)
-            .select_from(source).where(sa.true()),
-        ).on_conflict_do_update(
-            index_elements=[t.c.namespace, t.c.key],
-            set_={
-                "owner": excluded.owner,
-                "state": CLAIMED,
-                "failures": sa.case((t.c.expires_at <= now, 0), else_=t.c.failures),
-                "lease_expires_at": excluded.lease_expires_at,
-                "completed_at": None,
-                "expires_at": excluded.expires_at,
-                "result": None,
-            },
-            where=sa.or_(
-                t.c.expires_at <= now,
-                t.c.state == FAILED,
-                sa.and_(t.c.state == CLAIMED, t.c.owner == excluded.owner),
-            ),
-        )
-        columns = (t.c.namespace, t.c.key, t.c.state, t.c.owner, t.c.failures, t.c.expires_at,
-                   t.c.result)
-        in_batch = sa.tuple_(t.c.namespace, t.c.key).in_(sa.select(ns, k).select_from(source))
-        if self.dialect == "postgresql":
-            # One statement: the CTE's RETURNING gives the rows it wrote; the outer SELECT sees
-            # the table as it was before the statement, i.e. the rows it left alone.
-            written = upsert.returning(*columns).cte("written")
-            untouched = sa.select(*columns).where(
-                in_batch,
-                sa.tuple_(t.c.namespace, t.c.key).not_in(
-                    sa.select(written.c.namespace, written.c.key)
-                ),
-            )
-            self._claim_sql = (sa.union_all(sa.select(*written.c), untouched), None)
-        else:
-            self._claim_sql = (upsert, sa.select(*columns).where(in_batch))
-        return self._claim_sql
-
-    async def _claim_rows(
-        self, connection: AsyncConnection, rows: list[tuple[str, str, str]], now: float,
-        lease_end: float,
-    ) -> dict[tuple[str, str], tuple[str, str | None, int, float, str | None]]:
-        """Upsert the claims; return every row of the batch as it stands afterwards."""
-        t = self.table
-        statement, read_back = self._claim_statements()
-        parameters = self._batch_parameters(("namespace", "key", "owner"), rows)
-        parameters.update(now=now, lease_end=lease_end)
-        columns = (t.c.namespace, t.c.key, t.c.state, t.c.owner, t.c.failures, t.c.expires_at,
-                   t.c.result)
-        if read_back is not None:
-            await connection.execute(statement, parameters)
-            result = list((await connection.execute(read_back, parameters)).all())
-        else:
-            result = list((await connection.execute(statement, parameters)).all())
-            seen = {(r[0], r[1]) for r in result}
-            racing = [(ns, k) for ns, k, _ in rows if (ns, k) not in seen]
-            if racing:
-                # A row a concurrent transaction inserted and committed while this statement
-                # waited on it is newer than the statement's snapshot: read it afresh.
-                again = sa.select(*columns).where(sa.tuple_(t.c.namespace, t.c.key).in_(racing))
-                result += (await connection.execute(again)).all()
-        return {(r[0], r[1]): (r[2], r[3], r[4], r[5], r[6]) for r in result}
 
     async def renew(self, claims: Sequence[Claimed], lease_ttl: float) -> list[Claimed]:
         if not claims:
@@ -318,38 +175,12 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         lease = check_seconds("SqlDedupStore", "lease_ttl", lease_ttl)
         now = self._clock.wall()
         async with self._engines.standalone() as connection:
-            renewed = await self._update_held(
+            renewed = await self._sql.update_held(
                 connection, claims, now,
                 {"expires_at": now + lease, "lease_expires_at": now + lease},
                 failures=True,
             )
-        return [claim for claim in claims if _stored(claim.key) not in renewed]
-
-    async def _update_held(
-        self, connection: AsyncConnection, claims: Sequence[Claimed], now: float,
-        values: dict[str, Any], *, failures: bool = False,
-    ) -> set[tuple[str, str]]:
-        """Update the rows still held under their claims' tokens; returns those it updated."""
-        t = self.table
-        changes = dict(values)
-        if failures:  # tokens are unique, so each row's own count is chosen by its token
-            changes["failures"] = sa.case(
-                {claim.token: claim.failures for claim in claims}, value=t.c.owner,
-                else_=t.c.failures,
-            )
-        statement = (
-            sa.update(t)
-            .where(
-                sa.tuple_(t.c.namespace, t.c.key, t.c.owner).in_(
-                    [(*_stored(c.key), c.token) for c in claims]
-                ),
-                t.c.state == CLAIMED,
-                t.c.expires_at > now,
-            )
-            .values(**changes)
-            .returning(t.c.namespace, t.c.key)
-        )
-        return {(r[0], r[1]) for r in (await connection.execute(statement)).all()}
+        return [claim for claim in claims if stored(claim.key) not in renewed]
 
     async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
         if not completions:
@@ -357,55 +188,14 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         retention = check_seconds("SqlDedupStore", "ttl", ttl)
         checked = [checked_result_json(c.result_json) for c in completions]
         now = self._clock.wall()
-        t = self.table
         rows: dict[tuple[str, str], tuple[str, str, str, str]] = {}
         for completion, result_json in zip(completions, checked, strict=True):
-            ns, k = _stored(completion.claim.key)
+            ns, k = stored(completion.claim.key)
             rows[(ns, k)] = (ns, k, completion.claim.token, result_json)
-        parameters = self._batch_parameters(("namespace", "key", "owner", "result"),
-                                            list(rows.values()))
-        parameters.update(now=now, expires_at=now + retention)
         async with self._engines.standalone() as connection:
-            written = {(r[0], r[1]) for r in
-                       (await connection.execute(self._completion_upsert(), parameters)).all()}
-            left = [key for key in rows if key not in written]
-            refused: set[tuple[str, str]] = set()
-            if left:
-                state = sa.select(t.c.namespace, t.c.key, t.c.state).where(
-                    sa.tuple_(t.c.namespace, t.c.key).in_(left)
-                )
-                refused = {(r[0], r[1]) for r in (await connection.execute(state)).all()
-                           if r[2] != COMPLETED}
-        return [c.claim for c in completions if _stored(c.claim.key) in refused]
-
-    def _completion_upsert(self) -> Any:
-        """Record completions unless a peer holds the key under another token, or it was
-        completed already (a fact); RETURNING the rows written. Built once."""
-        if self._complete_sql is not None:
-            return self._complete_sql
-        t = self.table
-        source, (ns, k, owner, result) = self._batch("namespace", "key", "owner", "result")
-        now = sa.bindparam("now", type_=sa.Float)
-        expires_at = sa.bindparam("expires_at", type_=sa.Float)
-        insert = (postgresql if self.dialect == "postgresql" else sqlite).insert(t)
-        excluded = insert.excluded
-        self._complete_sql = insert.from_select(
-            ["namespace", "key", "owner", "state", "failures", "completed_at", "expires_at",
-             "result"],
-            sa.select(ns, k, owner, sa.literal(COMPLETED), sa.literal(0), now, expires_at, result)
-            .select_from(source).where(sa.true()),
-        ).on_conflict_do_update(
-            index_elements=[t.c.namespace, t.c.key],
-            set_={"owner": None, "state": COMPLETED, "failures": 0, "lease_expires_at": None,
-                  "completed_at": excluded.completed_at, "expires_at": excluded.expires_at,
-                  "result": excluded.result},
-            where=sa.or_(
-                t.c.expires_at <= now,
-                t.c.state == FAILED,
-                sa.and_(t.c.state == CLAIMED, t.c.owner == excluded.owner),
-            ),
-        ).returning(t.c.namespace, t.c.key)
-        return self._complete_sql
+            refused = await self._sql.complete(connection, list(rows.values()), now,
+                                               now + retention)
+        return [c.claim for c in completions if stored(c.claim.key) in refused]
 
     async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
         if not claims:
@@ -416,16 +206,16 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         t = self.table
         async with self._engines.standalone() as connection:
             if keep:
-                await self._update_held(
+                await self._sql.update_held(
                     connection, keep, now,
                     {"state": FAILED, "owner": None, "lease_expires_at": None,
                      "expires_at": now + retention},
-                    failures=True,
+                    failures=True, report=False,
                 )
             if forget:
                 await connection.execute(sa.delete(t).where(
                     sa.tuple_(t.c.namespace, t.c.key, t.c.owner).in_(
-                        [(*_stored(c.key), c.token) for c in forget]
+                        [(*stored(c.key), c.token) for c in forget]
                     ),
                     t.c.state == CLAIMED,
                 ))
@@ -471,7 +261,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
     def _completion_parameters(
         self, claim: Claimed, result_json: str, ttl: float
     ) -> dict[str, Any]:
-        ns, k = _stored(claim.key)
+        ns, k = stored(claim.key)
         now = self._clock.wall()
         return {"c_namespace": ns, "c_key": k, "c_owner": claim.token, "c_now": now,
                 "c_expires_at": now + check_seconds("SqlDedupStore", "ttl", ttl),
@@ -496,7 +286,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
 
     async def write_raw(self, key: DedupKey, result_json: str, ttl: float) -> None:
         """Store ``result_json`` unchecked as a completed record (for tests of bad records)."""
-        ns, k = _stored(key)
+        ns, k = stored(key)
         now = self._clock.wall()
         t = self.table
         async with self.engine.begin() as connection:
@@ -507,26 +297,4 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
             ))
 
 
-def _stored(key: DedupKey) -> tuple[str, str]:
-    """The (namespace, key) as stored: as they are, or hashed when long or hash-like."""
-    return _part(key.namespace), _part(key.key)
-
-
-def _part(text: str) -> str:
-    # Databases refuse NUL in text and lone surrogates in UTF-8: those are hashed too.
-    if len(text) <= READABLE_LIMIT and not text.startswith(_HASHED) and _storable(text):
-        return text
-    return _HASHED + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _storable(text: str) -> bool:
-    if "\x00" in text:
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-__all__ = ["DEFAULT_TABLE", "SqlDedupStore", "processed_table"]
+__all__ = ["DEFAULT_TABLE", "READABLE_LIMIT", "SqlDedupStore", "processed_table"]

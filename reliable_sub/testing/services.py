@@ -6,6 +6,7 @@ skip. For benchmarks and scripts: :class:`EmulatorProcess` starts and stops an e
 
 * Redis: ``RELIABLE_SUB_REDIS_URL`` (default ``redis://127.0.0.1:6379/0``).
 * PostgreSQL: ``RELIABLE_SUB_POSTGRES_URL`` (default ``postgresql://postgres@127.0.0.1:5432/test``).
+* MariaDB: ``RELIABLE_SUB_MARIADB_URL`` (default ``mariadb://root@127.0.0.1:3306/test``).
 * RabbitMQ: ``RELIABLE_SUB_AMQP_URL`` (default ``amqp://guest:guest@127.0.0.1:5672/``).
 * The emulator (Debian package ``google-cloud-cli-pubsub-emulator``, needs a JDK) is started on a
   free loopback port on first use; ``PUBSUB_EMULATOR_HOST`` is set for the Google clients.
@@ -133,6 +134,50 @@ def _postgres_problem(url: str) -> str | None:
     except psycopg.Error as error:
         return f"{type(error).__name__}: {error}".strip()
     return None
+
+
+# -- MariaDB --------------------------------------------------------------------------------------
+
+DEFAULT_MARIADB_URL = os.environ.get(
+    "RELIABLE_SUB_MARIADB_URL", "mariadb://root@127.0.0.1:3306/test"
+)
+
+
+def mariadb_url(url: str = DEFAULT_MARIADB_URL) -> str:
+    """``url`` once MariaDB answers there; else skip the test (fail it when ``CI=true``)."""
+    problem = _mariadb_problem(url)
+    if problem is not None:
+        missing_service(f"MariaDB at {url} is unreachable: {problem}")
+    return url
+
+
+@functools.cache
+def _mariadb_problem(url: str) -> str | None:
+    try:
+        import pymysql
+        from sqlalchemy.engine import make_url
+    except ImportError:
+        return 'PyMySQL is not installed (pip install "reliable-sub[mysql]")'
+    parts = make_url(url)
+    try:
+        pymysql.connect(host=parts.host, port=parts.port or 3306, user=parts.username,
+                        password=parts.password or "", database=parts.database,
+                        connect_timeout=2).close()
+    except pymysql.Error as error:
+        return f"{type(error).__name__}: {error}".strip()
+    return None
+
+
+def sql_url(database: str) -> str:
+    """The URL of a test database: ``"postgresql"`` and ``"mariadb"`` the shared servers
+    (skipping, or failing under ``CI=true``, when unreachable), ``"sqlite"`` a throwaway file."""
+    if database == "postgresql":
+        return postgres_url()
+    if database == "mariadb":
+        return mariadb_url()
+    if database == "sqlite":
+        return "sqlite://"
+    raise ValueError(f"sql_url: no test database {database!r} (postgresql, mariadb, sqlite)")
 
 
 # -- the Pub/Sub emulator ------------------------------------------------------------------------
