@@ -13,7 +13,7 @@ from tests.chaos import lane_of
 from tests.nats_processes import NatsServer
 from tests.redis_processes import RedisClusterProcesses
 
-# fixtures shared by the outbox tests: outbox (PostgreSQL and SQLite), pg_outbox; and the
+# fixtures shared by the outbox tests: outbox (every database), shared_outbox, pg_outbox; and the
 # stacks of a hung test's tasks, printed before its timeout
 pytest_plugins = ["tests.outbox_support", "tests.hang_report"]
 

@@ -1,5 +1,6 @@
-"""A fresh outbox table on PostgreSQL or SQLite for one test, dropped afterwards; the fixtures
-``outbox`` (both databases) and ``pg_outbox`` (PostgreSQL) over it, and ``add``."""
+"""A fresh outbox table on PostgreSQL, MariaDB or SQLite for one test, dropped afterwards; the
+fixtures ``outbox`` (every database), ``shared_outbox`` (the databases several relays share:
+PostgreSQL and MariaDB) and ``pg_outbox`` (PostgreSQL) over it, and ``add``."""
 
 from __future__ import annotations
 
@@ -10,14 +11,15 @@ from contextlib import asynccontextmanager
 import pytest
 
 from reliable_sub.outbox import Outbox
-from reliable_sub.testing.services import postgres_url
+from reliable_sub.testing.services import sql_url
 
 
 @asynccontextmanager
 async def fresh_outbox(database: str) -> AsyncIterator[Outbox]:
-    """An Outbox on ``database`` (``"postgresql"``: the shared server; ``"sqlite"``: a throwaway
-    file) with a table of its own, created; dropped and disconnected at the end."""
-    url = postgres_url() if database == "postgresql" else "sqlite://"
+    """An Outbox on ``database`` (``"postgresql"``, ``"mariadb"``: the shared servers;
+    ``"sqlite"``: a throwaway file) with a table of its own, created; dropped and disconnected
+    at the end."""
+    url = sql_url(database)
     box = Outbox(url, table=f"test_outbox_{uuid.uuid4().hex[:10]}")
     await box.create_schema()
     try:
@@ -29,8 +31,14 @@ async def fresh_outbox(database: str) -> AsyncIterator[Outbox]:
         box.close_sync()
 
 
-@pytest.fixture(params=["postgresql", "sqlite"])
+@pytest.fixture(params=["postgresql", "mariadb", "sqlite"])
 async def outbox(request: pytest.FixtureRequest) -> AsyncIterator[Outbox]:
+    async with fresh_outbox(request.param) as box:
+        yield box
+
+
+@pytest.fixture(params=["postgresql", "mariadb"])
+async def shared_outbox(request: pytest.FixtureRequest) -> AsyncIterator[Outbox]:
     async with fresh_outbox(request.param) as box:
         yield box
 

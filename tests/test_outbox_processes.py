@@ -1,4 +1,4 @@
-"""Outbox relays as real processes, on the shared PostgreSQL and Redis.
+"""Outbox relays as real processes, on the shared PostgreSQL or MariaDB, and Redis.
 
 1. A relay SIGKILLed between publishing a batch and committing it, twice, then a third that
    finishes and is stopped with SIGTERM: the killed batches are on the stream twice, and a
@@ -31,7 +31,7 @@ from reliable_sub import LeasePolicy, Message, Outcome, RetryPolicy, Subscriber
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
 from reliable_sub.idempotency.redis_store import RedisDedupStore
 from reliable_sub.outbox import Outbox, OutboxRelay
-from reliable_sub.testing.services import postgres_url, redis_url
+from reliable_sub.testing.services import redis_url, sql_url
 from tests.redis_processes import EXIT_TIMEOUT, Child, poll_until
 
 # Bound on waits for work that takes well under a second when all is well.
@@ -66,7 +66,7 @@ CHILD = textwrap.dedent(
 
 
     adapter = Announcing(cfg["redis"], consumer="relay", key_prefix=cfg["prefix"])
-    outbox = Outbox(cfg["postgres"], table=cfg["table"])
+    outbox = Outbox(cfg["database"], table=cfg["table"])
     OutboxRelay(outbox, adapter, batch_size=cfg["batch_size"], poll_interval=0.05).run()
     """
 )
@@ -78,6 +78,7 @@ class Scene:
     outbox: Outbox
     redis: aioredis.Redis
     run: str
+    database: str  # its URL
 
     @property
     def topic(self) -> str:
@@ -87,7 +88,7 @@ class Scene:
         script = self.tmp_path / "relay_child.py"
         if not script.exists():
             script.write_text(CHILD)
-        cfg = {"redis": redis_url(), "postgres": postgres_url(), "prefix": f"outbox-{self.run}",
+        cfg = {"redis": redis_url(), "database": self.database, "prefix": f"outbox-{self.run}",
                "table": self.outbox.table.name, "batch_size": batch_size,
                "pause_after": pause_after}
         return Child(script, json.dumps(cfg))
@@ -105,15 +106,16 @@ class Scene:
         return [fields for _, fields in await self.redis.xrange(self.topic)]
 
 
-@pytest.fixture
-async def scene(tmp_path: Path) -> AsyncIterator[Scene]:
+@pytest.fixture(params=["postgresql", "mariadb"])
+async def scene(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Scene]:
     run = uuid.uuid4().hex[:10]
-    outbox = Outbox(postgres_url(), table=f"outbox_proc_{run}")
+    database = sql_url(request.param)
+    outbox = Outbox(database, table=f"outbox_proc_{run}")
     await outbox.create_schema()
     # handlers share it: a blocking pool makes them wait for a connection instead of failing
     client = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(redis_url()))
     try:
-        yield Scene(tmp_path, outbox, client, run)
+        yield Scene(tmp_path, outbox, client, run, database)
     finally:
         keys = [key async for key in client.scan_iter(match=f"*outbox-{run}*")]
         if keys:

@@ -88,13 +88,13 @@ async def test_committed_rows_are_published_with_their_key_and_marked(outbox: Ou
     assert relay.published == 2
 
 
-async def test_a_late_commit_with_a_lower_id_is_still_published(pg_outbox: Outbox) -> None:
+async def test_a_late_commit_with_a_lower_id_is_still_published(shared_outbox: Outbox) -> None:
     recorder = Recorder()
-    relay = OutboxRelay(pg_outbox, recorder)
-    async with pg_outbox.engine.connect() as slow:
+    relay = OutboxRelay(shared_outbox, recorder)
+    async with shared_outbox.engine.connect() as slow:
         transaction = await slow.begin()
-        await pg_outbox.add(slow, "orders", b"late")  # takes the lower id, commits last
-        await add(pg_outbox, b"early")
+        await shared_outbox.add(slow, "orders", b"late")  # takes the lower id, commits last
+        await add(shared_outbox, b"early")
         await drain(relay)
         assert [data for _, data, _, _ in recorder.published] == [b"early"]
         await transaction.commit()
@@ -102,14 +102,14 @@ async def test_a_late_commit_with_a_lower_id_is_still_published(pg_outbox: Outbo
     assert [data for _, data, _, _ in recorder.published] == [b"early", b"late"]
 
 
-async def test_three_relays_keep_each_keys_order(pg_outbox: Outbox) -> None:
+async def test_three_relays_keep_each_keys_order(shared_outbox: Outbox) -> None:
     recorder = Recorder()
     keys = [f"key-{k}" for k in range(10)]
-    async with pg_outbox.engine.begin() as connection:
+    async with shared_outbox.engine.begin() as connection:
         for n in range(300):
-            await pg_outbox.add(connection, "orders", str(n).encode(),
+            await shared_outbox.add(connection, "orders", str(n).encode(),
                                 ordering_key=keys[n % len(keys)])
-    relays = [OutboxRelay(pg_outbox, recorder, batch_size=7) for _ in range(3)]
+    relays = [OutboxRelay(shared_outbox, recorder, batch_size=7) for _ in range(3)]
 
     async def until_empty(relay: OutboxRelay) -> None:
         # a round may find everything locked by the others (SKIP LOCKED): go on while rows wait
@@ -198,15 +198,15 @@ async def test_a_publish_error_that_cannot_be_printed_is_recorded_and_retried(
 
 
 async def test_a_late_commit_ahead_of_a_parked_row_does_not_unblock_its_key(
-    pg_outbox: Outbox,
+    shared_outbox: Outbox,
 ) -> None:
     recorder = Recorder(refuse={"k"})
-    relay = OutboxRelay(pg_outbox, recorder, max_attempts=1)
-    async with pg_outbox.engine.connect() as slow:
+    relay = OutboxRelay(shared_outbox, recorder, max_attempts=1)
+    async with shared_outbox.engine.connect() as slow:
         transaction = await slow.begin()
-        await pg_outbox.add(slow, "orders", b"late", ordering_key="k")  # the lowest id
-        await add(pg_outbox, b"parked", ordering_key="k")
-        await add(pg_outbox, b"behind", ordering_key="k")
+        await shared_outbox.add(slow, "orders", b"late", ordering_key="k")  # the lowest id
+        await add(shared_outbox, b"parked", ordering_key="k")
+        await add(shared_outbox, b"behind", ordering_key="k")
         await drain(relay)  # "parked" fails once and is parked; "behind" waits
         assert (await relay.backlog()).parked == 1
         recorder.refuse.clear()

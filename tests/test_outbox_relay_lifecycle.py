@@ -81,10 +81,10 @@ def test_start_and_stop_on_a_thread_then_start_again(outbox: Outbox) -> None:
     assert relay.published == 2
 
 
-async def test_a_graceful_stop_finishes_the_round_under_way(pg_outbox: Outbox) -> None:
+async def test_a_graceful_stop_finishes_the_round_under_way(shared_outbox: Outbox) -> None:
     gate = Gate()
-    relay = OutboxRelay(pg_outbox, gate, poll_interval=0.05)
-    key = await add(pg_outbox, b"in flight")
+    relay = OutboxRelay(shared_outbox, gate, poll_interval=0.05)
+    key = await add(shared_outbox, b"in flight")
     serving = asyncio.ensure_future(relay.serve())
     try:
         await asyncio.wait_for(gate.entered.wait(), WITHIN)
@@ -97,25 +97,25 @@ async def test_a_graceful_stop_finishes_the_round_under_way(pg_outbox: Outbox) -
         gate.release.set()
         await asyncio.wait_for(serving, WITHIN)
     assert gate.published == [b"in flight"]
-    assert await published_at(pg_outbox, key) is not None, "the round committed before the stop"
+    assert await published_at(shared_outbox, key) is not None, "the round committed before the stop"
     assert gate.closed == 1, "the relay closed its adapter at the end of the run"
 
 
-async def test_a_second_stop_forces_and_leaves_the_row_pending(pg_outbox: Outbox) -> None:
+async def test_a_second_stop_forces_and_leaves_the_row_pending(shared_outbox: Outbox) -> None:
     gate = Gate()  # never released: the publish hangs
-    relay = OutboxRelay(pg_outbox, gate, poll_interval=0.05)
-    key = await add(pg_outbox, b"hangs")
+    relay = OutboxRelay(shared_outbox, gate, poll_interval=0.05)
+    key = await add(shared_outbox, b"hangs")
     async with relay:
         await asyncio.wait_for(gate.entered.wait(), WITHIN)
         first = asyncio.ensure_future(relay.shutdown(timeout=3600))
         await poll_until(lambda: relay.stopping, "the stop request")
         await asyncio.wait_for(relay.shutdown(), WITHIN)  # the second stop forces
         await asyncio.wait_for(first, WITHIN)
-    assert await published_at(pg_outbox, key) is None, "the cancelled round rolled back"
+    assert await published_at(shared_outbox, key) is None, "the cancelled round rolled back"
 
     broker = MemoryAdapter()
     broker.ensure_subscription_sync("orders", "audit")
-    async with OutboxRelay(pg_outbox, broker, poll_interval=0.05) as second:
+    async with OutboxRelay(shared_outbox, broker, poll_interval=0.05) as second:
         await poll_until(lambda: second.published == 1, "the next relay to publish the row")
     [delivery] = await broker.receive("audit", 10, 0)
     assert delivery.message.data == b"hangs"

@@ -1,4 +1,5 @@
-"""The outbox relay under random interleavings (hypothesis), on the shared PostgreSQL.
+"""The outbox relay under random interleavings (hypothesis), on the shared PostgreSQL and
+MariaDB.
 
 Rules: transactions that commit or roll back rows on a few ordering keys; rounds of two relays,
 alone or at the same time; a relay that "crashes" after its publish reached the broker and
@@ -31,7 +32,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from reliable_sub import ManualClock
 from reliable_sub.outbox import Outbox, OutboxRelay
 from reliable_sub.ports import Outgoing
-from reliable_sub.testing.services import postgres_url
+from reliable_sub.testing.services import sql_url
 
 KEYS = [None, "a", "b", "c"]
 TOPIC = "orders"
@@ -75,10 +76,12 @@ class Broker:
 
 
 class RelayMachine(RuleBasedStateMachine):
+    database = "postgresql"
+
     def __init__(self) -> None:
         super().__init__()
         self.loop = asyncio.new_event_loop()
-        self.outbox = Outbox(postgres_url(), table=f"outbox_sm_{uuid.uuid4().hex[:10]}")
+        self.outbox = Outbox(sql_url(self.database), table=f"outbox_sm_{uuid.uuid4().hex[:10]}")
         self.run(self.outbox.create_schema())
         self.clock = ManualClock(wall_offset=time.time())
         self.broker = Broker()
@@ -216,4 +219,11 @@ class RelayMachine(RuleBasedStateMachine):
             pass
 
 
+class MariaDbRelayMachine(RelayMachine):
+    """Named locks (GET_LOCK) for keys, READ COMMITTED rounds."""
+
+    database = "mariadb"
+
+
 TestRelayMachine = RelayMachine.TestCase
+TestMariaDbRelayMachine = MariaDbRelayMachine.TestCase

@@ -195,7 +195,7 @@ def broker_options(function: Callable[..., Any]) -> Callable[..., Any]:
                                                  "auto_envvar_prefix": "RELIABLE_SUB"})
 @broker_options
 @click.option("--database-url", envvar="RELIABLE_SUB_DATABASE_URL",
-              help="The outbox's database (postgresql://... or sqlite:///...).")
+              help="The outbox's database (postgresql://..., mariadb://... or sqlite:///...).")
 @click.option("--outbox-table", envvar="RELIABLE_SUB_OUTBOX_TABLE",
               default="reliable_sub_outbox", show_default=True)
 @click.option("--dedup-url", envvar="RELIABLE_SUB_DEDUP_URL",

@@ -18,7 +18,8 @@ from .failures import UNREACHABLE, CommandError
 from .urls import check_url, scheme_of, shown
 
 T = TypeVar("T")
-SQL_EXAMPLE = "postgresql://user@host:5432/db or sqlite:///path/to/file.db"
+SQL_EXAMPLE = (
+    "postgresql://user@host:5432/db, mariadb://user@host:3306/db or sqlite:///path/to/file.db")
 DEFAULT_CONNECT_TIMEOUT = 10.0
 
 

@@ -30,10 +30,13 @@ async def backlog(outbox: Outbox, now: float) -> Backlog:
     """Pending rows, the age in seconds at ``now`` (epoch seconds) of the oldest (None when
     there is none), and parked rows."""
     t = outbox.table
+    pending = t.c.failed_at.is_(None)
+    # CASE rather than FILTER (WHERE ...), which MariaDB lacks: a CASE without ELSE is NULL,
+    # and aggregates skip NULLs
     statement = sa.select(
-        sa.func.count().filter(t.c.failed_at.is_(None)),
-        sa.func.min(t.c.created_at).filter(t.c.failed_at.is_(None)),
-        sa.func.count().filter(t.c.failed_at.is_not(None)),
+        sa.func.count(sa.case((pending, 1))),
+        sa.func.min(sa.case((pending, t.c.created_at))),
+        sa.func.count(sa.case((~pending, 1))),
     ).where(t.c.published_at.is_(None))
     async with outbox.engine.connect() as connection:
         pending, oldest, parked = (await connection.execute(statement)).one()

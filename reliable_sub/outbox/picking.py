@@ -21,6 +21,15 @@ relay reads the key's rows until this round commits. (A single statement that tr
 lock as it scanned could skip a key's early rows while another relay held it and take its later
 rows once that relay let go.)
 
+MariaDB (10.6+) takes the same three steps with what it has: each key's lock is a named lock,
+``GET_LOCK('rs:<table>:<sha1 of the key>', 0)`` (session-scoped, unlike PostgreSQL's
+transaction-scoped advisory locks: the relay releases them with ``RELEASE_ALL_LOCKS()`` once its
+round has committed or rolled back, and closes a connection it could not release them on), and
+each key's oldest rows come from a window function, as MariaDB has no LATERAL. The round runs
+under READ COMMITTED (the relay's sessions, see ``reliable_sub.sql_engines``): each statement
+reads what has committed before it, so the rows of a key read after its lock are fresh, where
+REPEATABLE READ would show the snapshot of the round's first read and publish them again.
+
 SQLite runs one relay at a time, so one statement does: pending, due rows without a key or
 whose key is not blocked, oldest first.
 """
@@ -35,6 +44,7 @@ from typing import Any
 from ..errors import MissingExtraError
 from ..message import IDEMPOTENCY_KEY_ATTRIBUTE
 from ..ports import Outgoing
+from ..sql_engines import MYSQL_DIALECTS
 
 try:
     import sqlalchemy as sa
@@ -71,19 +81,23 @@ class RowPicker:
         t = table
         self._columns = [t.c.id, t.c.key, t.c.topic, t.c.data, t.c.attributes,
                          t.c.ordering_key, t.c.attempts, t.c.trace_context]
-        if dialect == "postgresql":
+        self.shared = dialect == "postgresql" or dialect in MYSQL_DIALECTS
+        self.named_locks = dialect in MYSQL_DIALECTS
+        if self.shared:
             self._keys = self._keys_statement()
             self._unkeyed = self._unkeyed_statement()
-            self._keyed = self._keyed_statement()
+            self._keyed = (self._ranked_keyed_statement() if self.named_locks
+                           else self._keyed_statement())
         else:
             self._single = self._single_statement()
 
     async def pick(self, connection: Any, now: float, batch: int) -> list[Row]:
         """The round's rows, oldest first, at most ``batch``; on PostgreSQL ``connection``'s
         transaction holds their keys' advisory locks (and the unkeyed rows' row locks) until
-        it ends."""
+        it ends; on MariaDB the keys' named locks are the session's until
+        :data:`RELEASE_NAMED_LOCKS` runs on it."""
         parameters: dict[str, Any] = {"now": now, "batch": batch}
-        if self.dialect != "postgresql":
+        if not self.shared:
             return _rows(await connection.execute(self._single, parameters))
         held = [key for key, locked in await connection.execute(self._keys, parameters)
                 if locked]
@@ -125,16 +139,33 @@ class RowPicker:
                   .order_by(t.c.id).limit(sa.bindparam("batch")).subquery("oldest"))
         keys = sa.select(oldest.c.ordering_key).distinct().subquery("keys")
         # in the select list: evaluated once per key, never for rows a filter would drop
-        locked = sa.func.pg_try_advisory_xact_lock(lock_space(t.name),
-                                                   sa.func.hashtext(keys.c.ordering_key))
+        if self.named_locks:
+            # a name of at most 64 characters (MySQL's limit), unique per table and key
+            name = sa.func.concat(f"rs:{lock_space(t.name)}:", sa.func.sha1(keys.c.ordering_key))
+            locked = sa.func.get_lock(name, 0)
+        else:
+            locked = sa.func.pg_try_advisory_xact_lock(lock_space(t.name),
+                                                       sa.func.hashtext(keys.c.ordering_key))
         return sa.select(keys.c.ordering_key, locked.label("locked"))
 
     def _unkeyed_statement(self) -> Any:
         t = self.table
+        # MariaDB has no FOR UPDATE OF (and needs none: the statement reads one table)
         return (sa.select(*self._columns)
                 .where(_pending(t), t.c.ordering_key.is_(None), _due(t, sa.bindparam("now")))
                 .order_by(t.c.id).limit(sa.bindparam("batch"))
-                .with_for_update(skip_locked=True, of=t))
+                .with_for_update(skip_locked=True, of=None if self.named_locks else t))
+
+    def _ranked_keyed_statement(self) -> Any:
+        """:meth:`_keyed_statement` without LATERAL: each held key's rows numbered in order."""
+        t = self.table
+        number = sa.func.row_number().over(partition_by=t.c.ordering_key, order_by=t.c.id)
+        ranked = (sa.select(*self._columns, t.c.failed_at, t.c.not_before, number.label("n"))
+                  .where(t.c.ordering_key.in_(sa.bindparam("held", expanding=True)),
+                         t.c.published_at.is_(None))
+                  .subquery("ranked"))
+        return (sa.select(*[c for c in ranked.c if c.name != "n"])
+                .where(ranked.c.n <= sa.bindparam("per_key")))
 
     def _keyed_statement(self) -> Any:
         """Each held key's ``per_key`` oldest unpublished rows (parked and not-due ones too, so
@@ -187,4 +218,18 @@ def _rows(result: Any) -> list[Row]:
     ]
 
 
-__all__ = ["IDEMPOTENCY_KEY_ATTRIBUTE", "Row", "RowPicker", "lock_space"]
+async def release_named_locks(connection: Any) -> None:
+    """Let go of every named lock of ``connection``'s session (MariaDB), once its round's
+    transaction has ended. If that fails (the round was cancelled mid-statement, the server
+    went away), the connection is closed instead, which lets go of them too: a pooled
+    connection must never keep a key locked."""
+    try:
+        await connection.execute(sa.select(sa.func.release_all_locks()))
+        await connection.rollback()  # the transaction that statement began
+    except BaseException:
+        await connection.invalidate()
+        raise
+
+
+__all__ = ["IDEMPOTENCY_KEY_ATTRIBUTE", "Row", "RowPicker", "lock_space",
+           "release_named_locks"]
