@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -236,9 +237,27 @@ def _driven(make: Any, url: URL, **options: Any) -> Any:
 def _own_session(connection: Any, _record: Any) -> None:
     """A MariaDB session of the library's own: READ COMMITTED, a short lock wait."""
     cursor = connection.cursor()
+    cursor.execute("SELECT VERSION()")
+    check_mysql_server(str(cursor.fetchone()[0]))
     cursor.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
     cursor.execute(f"SET SESSION innodb_lock_wait_timeout = {MYSQL_LOCK_WAIT_SECONDS}")
     cursor.close()
+
+
+def check_mysql_server(version: str) -> None:
+    """Refuse a server the statements do not run on, naming it: MariaDB 10.6 or later is
+    needed (``JSON_TABLE``, ``INSERT … RETURNING``, ``SKIP LOCKED``). MySQL has no
+    ``INSERT … RETURNING``, and is not supported yet."""
+    if "mariadb" not in version.lower():
+        raise ConfigurationError(
+            f"the server at this mysql:// URL is MySQL {version}, which reliable-sub does not "
+            "support yet (it needs INSERT ... RETURNING); use MariaDB 10.6 or later, or "
+            "PostgreSQL")
+    numbers = re.match(r"(?:5\.5\.5-)?(\d+)\.(\d+)", version)
+    if numbers is None or (int(numbers[1]), int(numbers[2])) < (10, 6):
+        raise ConfigurationError(
+            f"MariaDB {version} is too old for reliable-sub: it needs 10.6 or later "
+            "(JSON_TABLE, SKIP LOCKED)")
 
 
 def _database_url(url: URL) -> URL:

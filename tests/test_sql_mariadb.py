@@ -9,6 +9,7 @@ REPEATABLE READ (the store's sessions run under READ COMMITTED, with a short loc
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import uuid
 from collections.abc import AsyncIterator
@@ -18,8 +19,9 @@ import sqlalchemy as sa
 
 from reliable_sub.clock import ManualClock
 from reliable_sub.dedup import Claimed, Completed, DedupKey, InProgress
+from reliable_sub.errors import ConfigurationError
 from reliable_sub.idempotency.sql_store import SqlDedupStore
-from reliable_sub.sql_engines import MYSQL_LOCK_WAIT_SECONDS
+from reliable_sub.sql_engines import MYSQL_LOCK_WAIT_SECONDS, check_mysql_server
 from reliable_sub.testing.services import mariadb_url
 
 WITHIN = 10.0
@@ -161,3 +163,34 @@ def _completion(claim: Claimed, result: str) -> object:
     from reliable_sub.ports import Completion
 
     return Completion(claim, result)
+
+
+@pytest.mark.parametrize(("version", "said"), [
+    ("8.0.36", "MySQL 8.0.36, which reliable-sub does not support yet"),
+    ("10.5.23-MariaDB-0+deb11u1", "MariaDB 10.5.23-MariaDB-0+deb11u1 is too old"),
+    ("5.5.5-10.4.1-MariaDB", "is too old"),
+])
+def test_a_server_the_statements_cannot_run_on_is_refused_by_name(version: str,
+                                                                   said: str) -> None:
+    with pytest.raises(ConfigurationError, match=re.escape(said)):
+        check_mysql_server(version)
+    check_mysql_server("10.11.19-MariaDB-0+deb12u1")
+    check_mysql_server("5.5.5-10.6.2-MariaDB")  # as old clients were told
+    check_mysql_server("11.4.2-MariaDB")
+
+
+async def test_a_mysql_server_is_refused_at_the_first_call_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The check runs on each new connection of the store's own sessions (here the real
+    server's version string is read as MySQL's, the only way to meet one on this machine)."""
+    import reliable_sub.sql_engines as engines
+
+    real = engines.check_mysql_server
+    monkeypatch.setattr(engines, "check_mysql_server", lambda _version: real("8.0.36"))
+    store = SqlDedupStore(mariadb_url().replace("mariadb://", "mysql://"), table="never_made")
+    try:
+        with pytest.raises(ConfigurationError, match=r"MySQL 8\.0\.36, which reliable-sub does"):
+            await store.claim_many([DedupKey("ns", "k")], 30)
+    finally:
+        await store.close()

@@ -46,11 +46,12 @@ class Outbox(OnSqlEngines):
     """The outbox table of one database, and :meth:`add` to write events into it.
 
     Args:
-        url_or_engine: a database URL (PostgreSQL or SQLite) or an ``AsyncEngine``; the relay
-            reads through it. ``add`` writes through whatever connection you pass.
+        url_or_engine: a database URL (PostgreSQL, MariaDB or SQLite) or an ``AsyncEngine``;
+            the relay reads through it. ``add`` writes through whatever connection you pass.
         table: the table name (default ``reliable_sub_outbox``).
         notify: on PostgreSQL, ``add`` also sends ``NOTIFY <table>`` (delivered at commit),
-            which wakes relays at once instead of at their next poll.
+            which wakes relays at once instead of at their next poll (MariaDB and SQLite have
+            no such thing: their relays poll).
         clock: the time source of ``created_at`` (``wall()``).
         sync_engine: the sync engine for :meth:`create_schema_sync` (default: one on the same
             database).
