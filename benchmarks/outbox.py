@@ -58,9 +58,12 @@ async def _raw_worker(args: argparse.Namespace) -> int:
     """SELECT the next BATCH rows by id, XADD them in one pipeline; until none are left."""
     import redis.asyncio as aioredis
     import sqlalchemy as sa
-    from sqlalchemy.ext.asyncio import create_async_engine
 
-    engine = create_async_engine(args.postgres.replace("postgresql://", "postgresql+psycopg://"))
+    from reliable_sub.sql_engines import SqlEngines
+
+    # the library's driver, without its pre-ping (a round trip per checkout)
+    engine = SqlEngines(args.postgres, owner="the raw loop",
+                        engine_options={"pool_pre_ping": False}).engine
     table = sa.Table(args.table, sa.MetaData(), *_columns())
     client = aioredis.Redis.from_url(args.redis)
     select = (sa.select(table.c.id, table.c.key, table.c.topic, table.c.data,
@@ -123,7 +126,8 @@ async def _serving_worker(args: argparse.Namespace) -> int:
     relay = OutboxRelay(Outbox(args.postgres, table=args.table), RedisStreamsAdapter(args.redis),
                         batch_size=BATCH, poll_interval=POLL_INTERVAL)
     async with relay:
-        await drive_until(SystemClock(), lambda: relay.listening, 10.0, what="LISTEN")
+        if relay.outbox.dialect == "postgresql":
+            await drive_until(SystemClock(), lambda: relay.listening, 10.0, what="LISTEN")
         print("READY", flush=True)
         await asyncio.to_thread(sys.stdin.read)  # until the parent closes it
     return relay.published
@@ -206,7 +210,8 @@ class Bench:
                 for n in range(self.args.rows)]
         async with self.outbox.engine.begin() as connection:
             await connection.execute(sa.insert(self.outbox.table), rows)
-            await connection.execute(sa.text(f"ANALYZE {self.table}"))
+            analyze = "ANALYZE" if self.outbox.dialect == "postgresql" else "ANALYZE TABLE"
+            await connection.execute(sa.text(f"{analyze} {self.table}"))
 
     async def drain(self, kind: str, workers: int, ordering_keys: int | None = None) -> float:
         """Rows per second for ``workers`` processes of ``kind`` to drain a full outbox."""
@@ -354,7 +359,9 @@ def report(args: argparse.Namespace, rows: list[Rates], latencies: dict[bool, li
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--redis", default=DEFAULT_REDIS)
-    parser.add_argument("--postgres", default=DEFAULT_POSTGRES)
+    parser.add_argument("--postgres", default=DEFAULT_POSTGRES,
+                        help="the outbox's database URL (benchmarks.sql_databases passes a "
+                             "MariaDB one)")
     parser.add_argument("--rows", type=positive_int, default=DEFAULT_ROWS)
     parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
     parser.add_argument("--latency-rows", type=positive_int, default=DEFAULT_LATENCY_ROWS)

@@ -150,7 +150,9 @@ class SqlEngines:
 
     def _make_autocommit(self) -> AsyncEngine:
         if self.mysql and self._given is None:
-            return self._make(isolation_level="AUTOCOMMIT")
+            # no ROLLBACK when a connection goes back to the pool: in autocommit none of its
+            # statements leaves a transaction open (asyncmy would send one: a round trip)
+            return self._make(isolation_level="AUTOCOMMIT", skip_autocommit_rollback=True)
         return self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     def _pool_options(self) -> dict[str, Any]:
