@@ -95,10 +95,16 @@ class RowPicker:
         """The round's rows, oldest first, at most ``batch``; on PostgreSQL ``connection``'s
         transaction holds their keys' advisory locks (and the unkeyed rows' row locks) until
         it ends; on MariaDB the keys' named locks are the session's until
-        :data:`RELEASE_NAMED_LOCKS` runs on it."""
+        :func:`release_named_locks` runs on it."""
+        return (await self.pick_and_lock(connection, now, batch))[0]
+
+    async def pick_and_lock(
+        self, connection: Any, now: float, batch: int
+    ) -> tuple[list[Row], list[str]]:
+        """:meth:`pick`, and the ordering keys whose locks it took."""
         parameters: dict[str, Any] = {"now": now, "batch": batch}
         if not self.shared:
-            return _rows(await connection.execute(self._single, parameters))
+            return _rows(await connection.execute(self._single, parameters)), []
         held = [key for key, locked in await connection.execute(self._keys, parameters)
                 if locked]
         rows = _rows(await connection.execute(self._unkeyed, parameters))
@@ -108,7 +114,7 @@ class RowPicker:
             keyed = list(await connection.execute(self._keyed, parameters))
             rows += _rows(_prefixes(keyed, now))
             rows.sort(key=lambda row: row.id)
-        return rows[:batch]
+        return rows[:batch], held
 
     # -- statements ---------------------------------------------------------------------------
 
@@ -221,12 +227,13 @@ def _rows(result: Any) -> list[Row]:
 async def release_named_locks(connection: Any) -> None:
     """Let go of every named lock of ``connection``'s session (MariaDB), once its round's
     transaction has ended. If that fails (the round was cancelled mid-statement, the server
-    went away), the connection is closed instead, which lets go of them too: a pooled
-    connection must never keep a key locked."""
+    went away), the connection is closed instead of going back to the pool, which lets go of
+    them too: a pooled connection must never keep a key locked."""
     try:
         await connection.execute(sa.select(sa.func.release_all_locks()))
-        await connection.rollback()  # the transaction that statement began
-    except BaseException:
+    except Exception:
+        await connection.invalidate()
+    except BaseException:  # cancelled: the same, and the cancellation goes on
         await connection.invalidate()
         raise
 

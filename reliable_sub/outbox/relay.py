@@ -258,11 +258,15 @@ class OutboxRelay(Service):
         async with self.outbox.engine.connect() as connection:
             try:
                 async with connection.begin():
-                    rows = await self._picker.pick(connection, now, self.batch_size)
+                    rows, held = await self._picker.pick_and_lock(connection, now,
+                                                                  self.batch_size)
                     if rows:
                         outcomes = await self._publish(rows)
                         await self._mark(connection, rows, outcomes)
-            finally:
+            except BaseException:
+                await release_named_locks(connection)  # whatever the round got to
+                raise
+            if held:
                 await release_named_locks(connection)
         return len(rows)
 
