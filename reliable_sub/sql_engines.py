@@ -20,9 +20,9 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import ConfigurationError, MissingExtraError
 from .loops import PerLoop
@@ -33,6 +33,8 @@ try:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("The SQL store and outbox", "sql", "SQLAlchemy") from error
+
+T = TypeVar("T")
 
 # The async driver of each dialect, and the sync driver of its sync engine.
 ASYNC_DRIVERS = {"postgresql": "psycopg", "sqlite": "aiosqlite", "mysql": "asyncmy",
@@ -115,6 +117,20 @@ class SqlEngines:
             return self.engine.begin()
         return self._autocommit.get().connect()
 
+    async def standalone_call(self, work: Callable[[AsyncConnection], Awaitable[T]]) -> T:
+        """``work(connection)`` on a :meth:`standalone` connection, and once more on a fresh
+        one if that connection turned out dead (the server restarted, or closed it): for work
+        that may run twice, as every dedup-store statement but ``next_epoch`` may. On MariaDB
+        this stands in for the pool's pre-ping, which costs a round trip on every call."""
+        try:
+            async with self.standalone() as connection:
+                return await work(connection)
+        except sa.exc.DBAPIError as error:
+            if not error.connection_invalidated:
+                raise
+        async with self.standalone() as connection:  # the pool was emptied of the dead ones
+            return await work(connection)
+
     @property
     def transaction_engine(self) -> AsyncEngine:
         """The asyncio engine of the running event loop for handlers' own transactions.
@@ -151,8 +167,10 @@ class SqlEngines:
     def _make_autocommit(self) -> AsyncEngine:
         if self.mysql and self._given is None:
             # no ROLLBACK when a connection goes back to the pool: in autocommit none of its
-            # statements leaves a transaction open (asyncmy would send one: a round trip)
-            return self._make(isolation_level="AUTOCOMMIT", skip_autocommit_rollback=True)
+            # statements leaves a transaction open (asyncmy would send one: a round trip); and
+            # no pre-ping: standalone_call runs again on a fresh connection instead
+            return self._make(isolation_level="AUTOCOMMIT", skip_autocommit_rollback=True,
+                              pool_pre_ping=False)
         return self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     def _pool_options(self) -> dict[str, Any]:

@@ -113,8 +113,8 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
             raise ConfigurationError(f"purge_expired: batch_size must be >= 1, got {batch_size}")
         deleted = 0
         while True:
-            async with self._engines.standalone() as connection:
-                count = await self._sql.purge(connection, self._clock.wall(), batch_size)
+            count = await self._engines.standalone_call(
+                lambda connection: self._sql.purge(connection, self._clock.wall(), batch_size))
             deleted += count
             if count < batch_size:
                 return deleted
@@ -131,7 +131,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
 
     async def next_epoch(self, namespace: str) -> int:
         """Start the next epoch of ``namespace`` (one upsert; the row never expires)."""
-        async with self._engines.standalone() as connection:
+        async with self._engines.standalone() as connection:  # not twice: it counts
             return await self._sql.next_epoch(connection, namespace)
 
     # -- the DedupStore protocol ----------------------------------------------------------------
@@ -152,8 +152,8 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
             first.setdefault(row_key, index)
         rows = [(ns, k, chosen[index]) for (ns, k), index in first.items()]
         now = self._clock.wall()
-        async with self._engines.standalone() as connection:
-            found = await self._sql.claim(connection, rows, now, now + lease)
+        found = await self._engines.standalone_call(
+            lambda connection: self._sql.claim(connection, rows, now, now + lease))
         results: list[ClaimResult] = []
         for index, key in enumerate(keys):
             row = found.get(row_keys[index])
@@ -174,12 +174,9 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
             return []
         lease = check_seconds("SqlDedupStore", "lease_ttl", lease_ttl)
         now = self._clock.wall()
-        async with self._engines.standalone() as connection:
-            renewed = await self._sql.update_held(
-                connection, claims, now,
-                {"expires_at": now + lease, "lease_expires_at": now + lease},
-                failures=True,
-            )
+        renewed = await self._engines.standalone_call(lambda connection: self._sql.update_held(
+            connection, claims, now, {"expires_at": now + lease, "lease_expires_at": now + lease},
+            failures=True))
         return [claim for claim in claims if stored(claim.key) not in renewed]
 
     async def complete_many(self, completions: Sequence[Completion], ttl: float) -> list[Claimed]:
@@ -192,9 +189,8 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         for completion, result_json in zip(completions, checked, strict=True):
             ns, k = stored(completion.claim.key)
             rows[(ns, k)] = (ns, k, completion.claim.token, result_json)
-        async with self._engines.standalone() as connection:
-            refused = await self._sql.complete(connection, list(rows.values()), now,
-                                               now + retention)
+        refused = await self._engines.standalone_call(lambda connection: self._sql.complete(
+            connection, list(rows.values()), now, now + retention))
         return [c.claim for c in completions if stored(c.claim.key) in refused]
 
     async def release_many(self, claims: Sequence[Claimed], retention: float) -> None:
@@ -204,7 +200,8 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         keep = [c for c in claims if c.failures > 0 and retention > 0]
         forget = [c for c in claims if not (c.failures > 0 and retention > 0)]
         t = self.table
-        async with self._engines.standalone() as connection:
+
+        async def release(connection: AsyncConnection) -> None:
             if keep:
                 await self._sql.update_held(
                     connection, keep, now,
@@ -219,6 +216,8 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
                     ),
                     t.c.state == CLAIMED,
                 ))
+
+        await self._engines.standalone_call(release)
 
     # -- inside a handler's transaction ------------------------------------------------------
 
