@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import logging
 import math
-import re
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -65,7 +64,12 @@ try:
 
     from reliable_sub.adapters._rabbitmq_link import Consumer, Link
     from reliable_sub.adapters._rabbitmq_messages import delayed_copy, incoming, outgoing
-    from reliable_sub.adapters._rabbitmq_topology import SETTINGS_WAIT, Settings, Topology
+    from reliable_sub.adapters._rabbitmq_topology import (
+        SETTINGS_WAIT,
+        Settings,
+        Topology,
+        check_name,
+    )
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("RabbitMQAdapter", "rabbitmq", "aio-pika") from error
 
@@ -79,7 +83,6 @@ DEFAULT_PREFETCH = 100
 # RabbitMQ's default consumer_timeout: a delivery unacked this long closes its channel.
 DEFAULT_CONSUMER_TIMEOUT = 1800.0
 CONNECT_TIMEOUT = 5.0
-_NAME = re.compile(r"^[^\x00-\x1f]{1,200}$")
 
 CAPABILITIES = Capabilities(
     min_ack_deadline=0.0,
@@ -95,14 +98,6 @@ CAPABILITIES = Capabilities(
     messaging_system="rabbitmq",
     max_lease_duration=DEFAULT_CONSUMER_TIMEOUT,
 )
-
-
-def _check_name(kind: str, name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name) or name.startswith("amq."):
-        raise ConfigurationError(
-            f"a RabbitMQ {kind} name must be 1-200 characters without control characters and "
-            f"not start with 'amq.' (reserved by the broker), got {name!r}")
-    return name
 
 
 class RabbitMQAdapter(InstrumentedPublishing):
@@ -138,7 +133,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
         self._capabilities = dataclasses.replace(
             CAPABILITIES, max_ack_deadline=float(consumer_timeout),
             max_lease_duration=float(consumer_timeout))
-        self._prefix = _check_name("prefix", prefix)
+        self._prefix = check_name("prefix", prefix)
         self._name = name
         self._links: PerLoop[Link] = PerLoop(lambda: Link(url, name))
         self._default_prefetch = prefetch
@@ -190,8 +185,8 @@ class RabbitMQAdapter(InstrumentedPublishing):
             raise ConfigurationError(
                 f"RabbitMQAdapter.ensure_subscription got unknown options {sorted(options)}; "
                 "allowed: ack_deadline, delivery_limit, queue_arguments, retain_acked_messages")
-        _check_name("topic", topic)
-        _check_name("subscription", subscription)
+        check_name("topic", topic)
+        check_name("subscription", subscription)
         if not (isinstance(ack_deadline, int | float) and ack_deadline > 0
                 and math.isfinite(ack_deadline)):
             raise ConfigurationError(
@@ -224,7 +219,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
     async def ensure_topic(self, topic: str) -> None:
         """Declare the durable fanout exchange ``topic`` (an exchange of another type by that
         name is refused)."""
-        _check_name("topic", topic)
+        check_name("topic", topic)
         async with self._topology.channel() as channel:
             try:
                 await channel.declare_exchange(topic, aio_pika.ExchangeType.FANOUT, durable=True)
@@ -240,7 +235,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
 
     async def topic_exists(self, topic: str) -> bool:
         """Whether the exchange ``topic`` exists."""
-        _check_name("topic", topic)
+        check_name("topic", topic)
         async with self._topology.channel() as channel:
             try:
                 await channel.get_exchange(topic, ensure=True)
@@ -274,13 +269,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
         and a consumer's prefetch makes most of a backlog unacked rather than ready: backlog,
         in flight and the oldest message's age are unknown (the management API knows them)."""
         settings = await self._subscription(subscription)
-        async with self._topology.channel() as channel:
-            try:
-                queue = await channel.declare_queue(subscription, passive=True)
-            except ChannelNotFoundEntity:
-                raise UnknownSubscriptionError(
-                    f"queue {subscription!r} is gone") from None
-        del queue  # it exists: its ready count alone would read as a backlog of zero
+        await self._topology.check_queue(subscription)  # its ready count alone: no backlog
         return SubscriptionStats(None, None, None, settings.ack_deadline)
 
     # -- publishing ------------------------------------------------------------------------
@@ -292,7 +281,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
             return await self._publish(topic, outgoing(payload, checked, ordering_key))
 
     async def _publish(self, topic: str, message: aio_pika.Message) -> str:
-        _check_name("topic", topic)
+        check_name("topic", topic)
         link = self._links.get()
         channel = await link.publishing(CONNECT_TIMEOUT)
         if topic not in link.topics:
@@ -370,7 +359,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
                 return []
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(consumer.arrived.wait(), remaining)
-            await _gather_arrivals(consumer, max_messages)
+            await consumer.gather(max_messages)
 
     def _delivery(self, consumer: Consumer, subscription: str,
                   raw: AbstractIncomingMessage) -> Delivery:
@@ -461,22 +450,6 @@ class RabbitMQAdapter(InstrumentedPublishing):
         """Close the blocking twins' connection (on the adapter's background loop)."""
         self._background.run(self.close())
 
-
-# Loop turns a receive waits, after a first arrival, while more keep arriving.
-_GATHER_TURNS = 4
-
-
-async def _gather_arrivals(consumer: Consumer, wanted: int) -> None:
-    """Let the deliveries the client has read but not yet handed over join the first: aiormq
-    passes each to the consumer in a task of its own, so a receive woken by the first would
-    otherwise return it alone, its batch following one call at a time."""
-    for _ in range(_GATHER_TURNS):
-        before = len(consumer.buffer)
-        if not before or before >= wanted:
-            return
-        await asyncio.sleep(0)
-        if len(consumer.buffer) == before:
-            return
 
 
 __all__ = ["CAPABILITIES", "DEFAULT_URL", "RabbitMQAdapter"]
