@@ -28,6 +28,10 @@ between the copy's confirm and the ack leaves both: the dedup store sees a dupli
 Acks of deliveries whose channel is gone or whose lease ran out are refused without being sent
 (``refuses_stale_acks``). The broker closes a channel whose delivery stays unacked past its
 ``consumer_timeout`` (30 minutes by default): keep ``LeasePolicy.max_lease_duration`` under it.
+
+Figures. AMQP tells a queue's ready messages only: a subscription's backlog and what is in
+flight are unknown unless ``management_url`` names the management plugin's HTTP API
+(``_rabbitmq_management``; the oldest message's age stays unknown).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ try:
     from aiormq.exceptions import ChannelNotFoundEntity
 
     from reliable_sub.adapters._rabbitmq_link import Consumer, Link
+    from reliable_sub.adapters._rabbitmq_management import DEFAULT_TIMEOUT, ManagementAPI, Unlisted
     from reliable_sub.adapters._rabbitmq_messages import delayed_copy, incoming, outgoing
     from reliable_sub.adapters._rabbitmq_topology import (
         SETTINGS_WAIT,
@@ -114,11 +119,18 @@ class RabbitMQAdapter(InstrumentedPublishing):
         consumer_timeout: the broker's ``consumer_timeout`` in seconds (RabbitMQ's default:
             30 minutes): a Subscriber warns at start when its ``max_lease_duration`` is not
             under it.
+        management_url: the management plugin's HTTP API, ``http://user:password@host:15672/``
+            (without credentials: the AMQP URL's), where ``subscription_stats`` and the
+            backlog gauges read a subscription's backlog and in-flight count. None: unknown.
+        management_timeout: seconds a reading of the management API may take; past it, or
+            with the API down, the figures are unknown and the consumer goes on.
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, prefix: str = DEFAULT_PREFIX,
                  prefetch: int = DEFAULT_PREFETCH, name: str = "reliable-sub",
-                 consumer_timeout: float = DEFAULT_CONSUMER_TIMEOUT) -> None:
+                 consumer_timeout: float = DEFAULT_CONSUMER_TIMEOUT,
+                 management_url: str | None = None,
+                 management_timeout: float = DEFAULT_TIMEOUT) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("amqp", "amqps"):
             raise ConfigurationError(
@@ -134,6 +146,8 @@ class RabbitMQAdapter(InstrumentedPublishing):
             CAPABILITIES, max_ack_deadline=float(consumer_timeout),
             max_lease_duration=float(consumer_timeout))
         self._prefix = check_name("prefix", prefix)
+        self._management = None if management_url is None else ManagementAPI(
+            management_url, url, self._prefix, management_timeout)
         self._name = name
         self._links: PerLoop[Link] = PerLoop(lambda: Link(url, name))
         self._default_prefetch = prefetch
@@ -265,12 +279,24 @@ class RabbitMQAdapter(InstrumentedPublishing):
         return found
 
     async def subscription_stats(self, subscription: str) -> SubscriptionStats:
-        """The ack deadline. AMQP tells a queue's *ready* messages only (a passive declare),
-        and a consumer's prefetch makes most of a backlog unacked rather than ready: backlog,
-        in flight and the oldest message's age are unknown (the management API knows them)."""
-        settings = await self._subscription(subscription)
+        """The ack deadline; the backlog and what is in flight from the management API
+        (``management_url``), else unknown: AMQP tells a queue's *ready* messages only, and a
+        consumer's prefetch makes most of a backlog unacked rather than ready. The oldest
+        message's age is unknown (the API does not tell it for quorum queues)."""
+        deadline = (await self._subscription(subscription)).ack_deadline
+        management, unlisted = self._management, False
+        if management is not None:
+            try:
+                figures = await management.figures(subscription)
+            except Unlisted:
+                unlisted = True
+            else:
+                if figures is not None:  # None: the API did not answer (logged)
+                    return SubscriptionStats(figures.backlog, figures.in_flight, None, deadline)
         await self._topology.check_queue(subscription)  # its ready count alone: no backlog
-        return SubscriptionStats(None, None, None, settings.ack_deadline)
+        if management is not None and unlisted:
+            management.warn_unlisted(subscription)
+        return SubscriptionStats(None, None, None, deadline)
 
     # -- publishing ------------------------------------------------------------------------
 
