@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import math
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -26,12 +27,22 @@ import aio_pika.exceptions
 from aio_pika.abc import AbstractChannel, AbstractConnection
 from aiormq.exceptions import ChannelNotFoundEntity
 
-from reliable_sub.errors import ConfigurationError
+from reliable_sub.errors import ConfigurationError, UnknownSubscriptionError
 
 # How long a reader waits for the settings message another reader holds for a moment.
 SETTINGS_WAIT = 2.0
 # Delay queues: lengths from 0.1 s, each the square root of two longer than the last.
 _FIRST_DELAY_MS = 100
+_NAME = re.compile(r"^[^\x00-\x1f]{1,200}$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """``name`` if it may name an exchange or queue, else a ConfigurationError."""
+    if not isinstance(name, str) or not _NAME.match(name) or name.startswith("amq."):
+        raise ConfigurationError(
+            f"a RabbitMQ {kind} name must be 1-200 characters without control characters and "
+            f"not start with 'amq.' (reserved by the broker), got {name!r}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -119,6 +130,14 @@ class Topology:
                 if loop.time() >= give_up:
                     return None
                 await asyncio.sleep(0.05)
+
+    async def check_queue(self, name: str) -> None:
+        """UnknownSubscriptionError unless the queue ``name`` exists (a passive declare)."""
+        async with self.channel() as channel:
+            try:
+                await channel.declare_queue(name, passive=True)
+            except ChannelNotFoundEntity:
+                raise UnknownSubscriptionError(f"queue {name!r} is gone") from None
 
     async def delay_queue(self, subscription: str, delay: float, known: set[str]) -> str:
         """The delay queue of ``subscription`` for ``delay`` (rounded up), declared unless in

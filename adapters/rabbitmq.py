@@ -28,6 +28,10 @@ between the copy's confirm and the ack leaves both: the dedup store sees a dupli
 Acks of deliveries whose channel is gone or whose lease ran out are refused without being sent
 (``refuses_stale_acks``). The broker closes a channel whose delivery stays unacked past its
 ``consumer_timeout`` (30 minutes by default): keep ``LeasePolicy.max_lease_duration`` under it.
+
+Figures. AMQP tells a queue's ready messages only: a subscription's backlog and what is in
+flight are unknown unless ``management_url`` names the management plugin's HTTP API
+(``_rabbitmq_management``; the oldest message's age stays unknown).
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ import dataclasses
 import functools
 import logging
 import math
-import re
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
@@ -64,8 +67,14 @@ try:
     from aiormq.exceptions import ChannelNotFoundEntity
 
     from reliable_sub.adapters._rabbitmq_link import Consumer, Link
+    from reliable_sub.adapters._rabbitmq_management import DEFAULT_TIMEOUT, ManagementAPI, Unlisted
     from reliable_sub.adapters._rabbitmq_messages import delayed_copy, incoming, outgoing
-    from reliable_sub.adapters._rabbitmq_topology import SETTINGS_WAIT, Settings, Topology
+    from reliable_sub.adapters._rabbitmq_topology import (
+        SETTINGS_WAIT,
+        Settings,
+        Topology,
+        check_name,
+    )
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("RabbitMQAdapter", "rabbitmq", "aio-pika") from error
 
@@ -79,7 +88,6 @@ DEFAULT_PREFETCH = 100
 # RabbitMQ's default consumer_timeout: a delivery unacked this long closes its channel.
 DEFAULT_CONSUMER_TIMEOUT = 1800.0
 CONNECT_TIMEOUT = 5.0
-_NAME = re.compile(r"^[^\x00-\x1f]{1,200}$")
 
 CAPABILITIES = Capabilities(
     min_ack_deadline=0.0,
@@ -97,14 +105,6 @@ CAPABILITIES = Capabilities(
 )
 
 
-def _check_name(kind: str, name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name) or name.startswith("amq."):
-        raise ConfigurationError(
-            f"a RabbitMQ {kind} name must be 1-200 characters without control characters and "
-            f"not start with 'amq.' (reserved by the broker), got {name!r}")
-    return name
-
-
 class RabbitMQAdapter(InstrumentedPublishing):
     """Consume from and publish to RabbitMQ (see the module's docstring for the layout).
 
@@ -119,11 +119,18 @@ class RabbitMQAdapter(InstrumentedPublishing):
         consumer_timeout: the broker's ``consumer_timeout`` in seconds (RabbitMQ's default:
             30 minutes): a Subscriber warns at start when its ``max_lease_duration`` is not
             under it.
+        management_url: the management plugin's HTTP API, ``http://user:password@host:15672/``
+            (without credentials: the AMQP URL's), where ``subscription_stats`` and the
+            backlog gauges read a subscription's backlog and in-flight count. None: unknown.
+        management_timeout: seconds a reading of the management API may take; past it, or
+            with the API down, the figures are unknown and the consumer goes on.
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, prefix: str = DEFAULT_PREFIX,
                  prefetch: int = DEFAULT_PREFETCH, name: str = "reliable-sub",
-                 consumer_timeout: float = DEFAULT_CONSUMER_TIMEOUT) -> None:
+                 consumer_timeout: float = DEFAULT_CONSUMER_TIMEOUT,
+                 management_url: str | None = None,
+                 management_timeout: float = DEFAULT_TIMEOUT) -> None:
         parts = urlsplit(url)
         if parts.scheme not in ("amqp", "amqps"):
             raise ConfigurationError(
@@ -138,7 +145,9 @@ class RabbitMQAdapter(InstrumentedPublishing):
         self._capabilities = dataclasses.replace(
             CAPABILITIES, max_ack_deadline=float(consumer_timeout),
             max_lease_duration=float(consumer_timeout))
-        self._prefix = _check_name("prefix", prefix)
+        self._prefix = check_name("prefix", prefix)
+        self._management = None if management_url is None else ManagementAPI(
+            management_url, url, self._prefix, management_timeout)
         self._name = name
         self._links: PerLoop[Link] = PerLoop(lambda: Link(url, name))
         self._default_prefetch = prefetch
@@ -190,8 +199,8 @@ class RabbitMQAdapter(InstrumentedPublishing):
             raise ConfigurationError(
                 f"RabbitMQAdapter.ensure_subscription got unknown options {sorted(options)}; "
                 "allowed: ack_deadline, delivery_limit, queue_arguments, retain_acked_messages")
-        _check_name("topic", topic)
-        _check_name("subscription", subscription)
+        check_name("topic", topic)
+        check_name("subscription", subscription)
         if not (isinstance(ack_deadline, int | float) and ack_deadline > 0
                 and math.isfinite(ack_deadline)):
             raise ConfigurationError(
@@ -224,7 +233,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
     async def ensure_topic(self, topic: str) -> None:
         """Declare the durable fanout exchange ``topic`` (an exchange of another type by that
         name is refused)."""
-        _check_name("topic", topic)
+        check_name("topic", topic)
         async with self._topology.channel() as channel:
             try:
                 await channel.declare_exchange(topic, aio_pika.ExchangeType.FANOUT, durable=True)
@@ -240,7 +249,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
 
     async def topic_exists(self, topic: str) -> bool:
         """Whether the exchange ``topic`` exists."""
-        _check_name("topic", topic)
+        check_name("topic", topic)
         async with self._topology.channel() as channel:
             try:
                 await channel.get_exchange(topic, ensure=True)
@@ -270,18 +279,24 @@ class RabbitMQAdapter(InstrumentedPublishing):
         return found
 
     async def subscription_stats(self, subscription: str) -> SubscriptionStats:
-        """The ack deadline. AMQP tells a queue's *ready* messages only (a passive declare),
-        and a consumer's prefetch makes most of a backlog unacked rather than ready: backlog,
-        in flight and the oldest message's age are unknown (the management API knows them)."""
-        settings = await self._subscription(subscription)
-        async with self._topology.channel() as channel:
+        """The ack deadline; the backlog and what is in flight from the management API
+        (``management_url``), else unknown: AMQP tells a queue's *ready* messages only, and a
+        consumer's prefetch makes most of a backlog unacked rather than ready. The oldest
+        message's age is unknown (the API does not tell it for quorum queues)."""
+        deadline = (await self._subscription(subscription)).ack_deadline
+        management, unlisted = self._management, False
+        if management is not None:
             try:
-                queue = await channel.declare_queue(subscription, passive=True)
-            except ChannelNotFoundEntity:
-                raise UnknownSubscriptionError(
-                    f"queue {subscription!r} is gone") from None
-        del queue  # it exists: its ready count alone would read as a backlog of zero
-        return SubscriptionStats(None, None, None, settings.ack_deadline)
+                figures = await management.figures(subscription)
+            except Unlisted:
+                unlisted = True
+            else:
+                if figures is not None:  # None: the API did not answer (logged)
+                    return SubscriptionStats(figures.backlog, figures.in_flight, None, deadline)
+        await self._topology.check_queue(subscription)  # its ready count alone: no backlog
+        if management is not None and unlisted:
+            management.warn_unlisted(subscription)
+        return SubscriptionStats(None, None, None, deadline)
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -292,7 +307,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
             return await self._publish(topic, outgoing(payload, checked, ordering_key))
 
     async def _publish(self, topic: str, message: aio_pika.Message) -> str:
-        _check_name("topic", topic)
+        check_name("topic", topic)
         link = self._links.get()
         channel = await link.publishing(CONNECT_TIMEOUT)
         if topic not in link.topics:
@@ -370,7 +385,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
                 return []
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(consumer.arrived.wait(), remaining)
-            await _gather_arrivals(consumer, max_messages)
+            await consumer.gather(max_messages)
 
     def _delivery(self, consumer: Consumer, subscription: str,
                   raw: AbstractIncomingMessage) -> Delivery:
@@ -461,22 +476,6 @@ class RabbitMQAdapter(InstrumentedPublishing):
         """Close the blocking twins' connection (on the adapter's background loop)."""
         self._background.run(self.close())
 
-
-# Loop turns a receive waits, after a first arrival, while more keep arriving.
-_GATHER_TURNS = 4
-
-
-async def _gather_arrivals(consumer: Consumer, wanted: int) -> None:
-    """Let the deliveries the client has read but not yet handed over join the first: aiormq
-    passes each to the consumer in a task of its own, so a receive woken by the first would
-    otherwise return it alone, its batch following one call at a time."""
-    for _ in range(_GATHER_TURNS):
-        before = len(consumer.buffer)
-        if not before or before >= wanted:
-            return
-        await asyncio.sleep(0)
-        if len(consumer.buffer) == before:
-            return
 
 
 __all__ = ["CAPABILITIES", "DEFAULT_URL", "RabbitMQAdapter"]

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, settings
 
 from tests.chaos import lane_of
 from tests.nats_processes import NatsServer
+from tests.rabbitmq_processes import RabbitNode
 from tests.redis_processes import RedisClusterProcesses
 
 # fixtures shared by the outbox tests: outbox (every database), shared_outbox, pg_outbox; and the
@@ -36,8 +37,9 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
     """Under xdist, each lane of chaos scenarios (tests/chaos/__init__.py) is one unit of work,
     run by one worker one after the other (each loads the machine with consumer processes),
     while the other workers run the rest. The suites run on the shared Redis Cluster are
-    another unit, so that one worker starts a cluster, not each. (xdist's own ``xdist_group``
-    marks do not reach the node ids under pytest 9.)"""
+    another unit, so that one worker starts a cluster, not each; so are the tests on the
+    RabbitMQ node with the management plugin. (xdist's own ``xdist_group`` marks do not reach
+    the node ids under pytest 9.)"""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
@@ -46,6 +48,8 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.startswith("tests/chaos/"):
                 return lane_of(nodeid)
+            if "test_rabbitmq_management.py" in nodeid or "WithManagement::" in nodeid:
+                return "rabbitmq-management"
             return "cluster" if "OnACluster::" in nodeid else nodeid
 
     return ChaosOnOneWorker(config, log)
@@ -63,7 +67,15 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
     yield from running(NatsServer(tmp_path_factory.mktemp("nats-server")))
 
 
-Server = TypeVar("Server", RedisClusterProcesses, NatsServer)
+@pytest.fixture(scope="session")
+def rabbitmq_management_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RabbitNode]:
+    """A private RabbitMQ node with the management plugin (the shared node runs without it)
+    for this session's worker."""
+    yield from running(RabbitNode(tmp_path_factory.mktemp("rabbitmq-management"),
+                                  management=True))
+
+
+Server = TypeVar("Server", RedisClusterProcesses, NatsServer, RabbitNode)
 
 
 def running(server: Server) -> Iterator[Server]:

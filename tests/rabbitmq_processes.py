@@ -29,6 +29,18 @@ NODE_START_TIMEOUT = 60.0
 BOOTED = " completed with "
 # rabbitmqctl takes about half a second a call.
 CTL_TIMEOUT = 60.0
+# With the management plugin: queues' figures every second, not RabbitMQ's default 5 s, which
+# would make a test of them wait seconds for each. Four settings: how often queues write them
+# (collect_statistics_interval; a quorum queue's tick, quorum_tick_interval, ms) and how often
+# the management agent collects them (its shortest sample interval, s; 1 is its least).
+STATISTICS_INTERVAL_MS = 250
+_FAST_FIGURES = f"""[
+ {{rabbit, [{{collect_statistics_interval, {STATISTICS_INTERVAL_MS}}},
+           {{quorum_tick_interval, {STATISTICS_INTERVAL_MS}}}]}},
+ {{rabbitmq_management_agent, [{{sample_retention_policies,
+     [{{global, [{{605, 1}}]}}, {{basic, [{{605, 1}}]}}, {{detailed, [{{10, 1}}]}}]}}]}}
+].
+"""
 
 
 def _rabbitmq_script(name: str) -> str:
@@ -48,29 +60,44 @@ class RabbitNode(ServerProcess):
     """A RabbitMQ node of its own: node name ``rs-<port>@localhost`` (beside the shared
     ``rabbit@localhost``, registered with the same epmd), AMQP and distribution on free
     loopback ports, and everything else in ``directory``: the Erlang cookie (``HOME``), the
-    configuration (none of /etc/rabbitmq is read: it names the shared node's port), no plugins,
-    data (kept across :meth:`kill` and :meth:`start`) and logs."""
+    configuration (none of /etc/rabbitmq is read: it names the shared node's port), no plugins
+    (with ``management``: the management plugin, its HTTP API on a free loopback port of its
+    own, and queues' figures every second: _FAST_FIGURES), data (kept across
+    :meth:`kill` and :meth:`start`) and logs."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, management: bool = False) -> None:
         self.server = _rabbitmq_script("rabbitmq-server")
         self.ctl_script = _rabbitmq_script("rabbitmqctl")
         self.directory = directory
         self.log_path = directory / "rabbitmq-server.out"
         self.process: subprocess.Popen[bytes] | None = None
         (directory / "rabbitmq-env.conf").write_text("")
-        (directory / "enabled_plugins").write_text("[].\n")
+        self.management = management
+        plugins = "[rabbitmq_management]" if management else "[]"
+        (directory / "enabled_plugins").write_text(f"{plugins}.\n")
+        (directory / "advanced.config").write_text(_FAST_FIGURES if management else "[].\n")
         self._choose_ports()
 
     def _choose_ports(self) -> None:
         self.port = free_port()
         self.dist_port = free_port()
         self.node = f"rs-{self.port}@localhost"
-        (self.directory / "rabbitmq.conf").write_text(
-            f"listeners.tcp.default = 127.0.0.1:{self.port}\n")
+        conf = f"listeners.tcp.default = 127.0.0.1:{self.port}\n"
+        if self.management:
+            self.management_port = free_port()
+            conf += (f"management.tcp.ip = 127.0.0.1\n"
+                     f"management.tcp.port = {self.management_port}\n")
+        (self.directory / "rabbitmq.conf").write_text(conf)
 
     @property
     def url(self) -> str:
         return f"amqp://guest:guest@127.0.0.1:{self.port}/"
+
+    @property
+    def management_url(self) -> str:
+        """The management plugin's HTTP API (a node started with ``management``)."""
+        assert self.management, "this node runs without the management plugin"
+        return f"http://guest:guest@127.0.0.1:{self.management_port}/"
 
     def _env(self) -> dict[str, str]:
         directory = self.directory
@@ -85,6 +112,7 @@ class RabbitNode(ServerProcess):
             RABBITMQ_DIST_PORT=str(self.dist_port),
             RABBITMQ_CONF_ENV_FILE=str(directory / "rabbitmq-env.conf"),
             RABBITMQ_CONFIG_FILE=str(directory / "rabbitmq.conf"),
+            RABBITMQ_ADVANCED_CONFIG_FILE=str(directory / "advanced.config"),
             RABBITMQ_ENABLED_PLUGINS_FILE=str(directory / "enabled_plugins"),
             RABBITMQ_MNESIA_BASE=str(directory / "mnesia"),
             RABBITMQ_LOG_BASE=str(directory / "log"),
@@ -125,11 +153,14 @@ class RabbitNode(ServerProcess):
         return ""
 
     def _listening(self) -> bool:
+        ports = (self.port, self.management_port) if self.management else (self.port,)
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
-                return True
+            for port in ports:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    pass
         except OSError:
             return False
+        return True
 
     def exited(self, name: str, port: int) -> AssertionError:
         """PortTaken when one of its ports was taken meanwhile (the AMQP listener's, or the

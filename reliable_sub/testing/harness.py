@@ -51,12 +51,19 @@ class Features:
             settling under failure, hung handlers...). They take many ack deadlines each; on a
             broker whose shortest deadline is long (Pub/Sub: 10 s) you may leave them to the
             in-memory broker, whose code path they share.
+        figures_lag: seconds a subscription's figures may trail what happened (0: a reading
+            tells the state now). RabbitMQ's management API publishes a queue's figures every
+            few seconds; the figures test waits up to this long for each expected one.
+        oldest_age: the figures tell the oldest unacked message's age (RabbitMQ's management
+            API does not for quorum queues: then the test checks it is left unknown).
     """
 
     ordering: bool = False
     refuses_stale_acks: bool = True
     cancel_safe_receive: bool = False
     subscriber_logic: bool = True
+    figures_lag: float = 0.0
+    oldest_age: bool = True
 
 
 @dataclass
@@ -314,21 +321,26 @@ def nats_harness(url: str, ack_deadline: float = 1.0) -> Harness:
                    new_adapter=new_adapter, prefix=prefix, cleanup=cleanup)
 
 
-def rabbitmq_harness(url: str, ack_deadline: float = 1.0) -> Harness:
+def rabbitmq_harness(url: str, ack_deadline: float = 1.0, management_url: str | None = None,
+                     figures_lag: float = 10.0) -> Harness:
     """A real RabbitMQ broker at ``url``. Real time, as on NATS; the run's exchanges and queues
-    (their names hold the run's prefix) are deleted afterwards."""
+    (their names hold the run's prefix) are deleted afterwards. With ``management_url`` its
+    adapters read figures from the management API, which trail by up to ``figures_lag``."""
     from reliable_sub.adapters.rabbitmq import RabbitMQAdapter
 
     prefix = f"conf-{uuid.uuid4().hex[:10]}"
 
     async def new_adapter() -> Adapter:
-        return RabbitMQAdapter(url, prefix=prefix)
+        return RabbitMQAdapter(url, prefix=prefix, management_url=management_url)
 
     async def cleanup() -> None:
         await delete_rabbitmq_names(url, prefix, harness)
 
+    features = Features() if management_url is None else Features(figures_lag=figures_lag,
+                                                                   oldest_age=False)
     harness = Harness(name="rabbitmq", clock=SystemClock(), ack_deadline=ack_deadline,
-                      tick=0.1, new_adapter=new_adapter, prefix=prefix, cleanup=cleanup)
+                      tick=0.1, new_adapter=new_adapter, prefix=prefix, cleanup=cleanup,
+                      features=features)
     return harness
 
 
