@@ -202,6 +202,30 @@ async def test_figures_of_a_queue_in_another_vhost_with_the_amqp_urls_credential
     call(api, "DELETE", f"api/vhosts/{quote(vhost, safe='')}")
 
 
+async def test_the_cli_shows_the_figures_with_amqp_management_url(
+        node: RabbitNode, names: Callable[[str], str]) -> None:
+    """``reliable-sub stats`` shows RabbitMQ's backlog (unknown without the option)."""
+    from tests.test_cli import as_json, reliable_sub
+
+    prefix = names("cli")
+    adapter = RabbitMQAdapter(node.url, prefix=prefix)
+    topic, queue = names("orders"), names("billing")
+    await adapter.ensure_subscription(topic, queue, ack_deadline=10)
+    for n in range(4):
+        await adapter.publish(topic, b"%d" % n)
+    await adapter.close()
+    args = ("--amqp-url", node.url, "--amqp-prefix", prefix)
+    assert as_json(reliable_sub(*args, "stats", queue, "--json"))["backlog"] is None
+    give_up = time.monotonic() + WITHIN
+    while True:  # the broker's figures trail by up to a second on this node
+        row = as_json(await asyncio.to_thread(
+            reliable_sub, *args, "--amqp-management-url", node.management_url, "stats", queue,
+            "--json"))
+        if row["backlog"] == 4 or time.monotonic() > give_up:
+            break
+    assert (row["backlog"], row["in_flight"]) == (4, 0)
+
+
 def call(api: str, method: str, path: str, body: Any = None) -> None:
     """One call to the management API as guest (setting up a test)."""
     request = urllib.request.Request(

@@ -42,19 +42,27 @@ class Broker:
             None for an adapter without one.
         probe: one call that must get an answer from the broker within --connect-timeout
             before the command starts (any answer will do: a refusal proves it is there).
+        settings: more options of this broker, as (option, help); their values reach
+            ``build`` as keyword arguments named after the option, when given.
     """
 
     option: str
     help: str
-    build: Callable[[str, str | None], Adapter]
+    build: Callable[..., Adapter]
     schemes: tuple[str, ...] = ()
     prefix: str | None = None
     probe: Callable[[str, Adapter], Awaitable[None]] = ask_for_a_topic
+    settings: tuple[tuple[str, str], ...] = ()
 
     @property
     def param(self) -> str:
         """The option's parameter name (``redis_url``)."""
-        return self.option.removeprefix("--").replace("-", "_")
+        return param_of(self.option)
+
+    @property
+    def setting_params(self) -> list[str]:
+        """The parameter names of :attr:`settings`."""
+        return [param_of(option) for option, _ in self.settings]
 
     @property
     def envvar(self) -> str:
@@ -68,6 +76,11 @@ class Broker:
     @property
     def prefix_param(self) -> str:
         return self.prefix_option.removeprefix("--").replace("-", "_")
+
+
+def param_of(option: str) -> str:
+    """An option's parameter name: ``--redis-url`` -> ``redis_url``."""
+    return option.removeprefix("--").replace("-", "_")
 
 
 def _redis(url: str, prefix: str | None) -> Adapter:
@@ -84,11 +97,12 @@ def _nats(url: str, prefix: str | None) -> Adapter:
     return NatsJetStreamAdapter(url, prefix=prefix, name=CLIENT_NAME)
 
 
-def _rabbitmq(url: str, prefix: str | None) -> Adapter:
+def _rabbitmq(url: str, prefix: str | None, amqp_management_url: str | None = None) -> Adapter:
     from ..adapters.rabbitmq import RabbitMQAdapter
 
     assert prefix is not None
-    return RabbitMQAdapter(url, prefix=prefix, name=CLIENT_NAME)
+    return RabbitMQAdapter(url, prefix=prefix, name=CLIENT_NAME,
+                           management_url=amqp_management_url)
 
 
 def _pubsub(project: str, _prefix: str | None) -> Adapter:
@@ -133,7 +147,10 @@ BROKERS: tuple[Broker, ...] = (
            "comma-separated for a cluster).", _nats, ("nats", "tls", "ws", "wss"),
            prefix="reliable-sub"),
     Broker("--amqp-url", "The RabbitMQ broker (amqp://user:password@host:port/vhost).",
-           _rabbitmq, ("amqp", "amqps"), prefix="reliable-sub"),
+           _rabbitmq, ("amqp", "amqps"), prefix="reliable-sub",
+           settings=(("--amqp-management-url", "The RabbitMQ management plugin's URL "
+                      "(http://user:password@host:15672/): stats then show backlog and "
+                      "in-flight figures."),)),
     Broker("--pubsub-project", "The Pub/Sub project (PUBSUB_EMULATOR_HOST selects the "
            "emulator).", _pubsub, probe=_reach_pubsub),
 )

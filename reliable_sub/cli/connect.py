@@ -33,6 +33,7 @@ class Connection:
 
     brokers: dict[str, str | None] = field(default_factory=dict)
     prefixes: dict[str, str] = field(default_factory=dict)
+    settings: dict[str, str] = field(default_factory=dict)  # the brokers' other options given
     database_url: str | None = None
     outbox_table: str = "reliable_sub_outbox"
     dedup_url: str | None = None
@@ -46,7 +47,9 @@ class Connection:
         brokers = {broker.param: options.pop(broker.param) or None for broker in BROKERS}
         prefixes = {broker.prefix_param: options.pop(broker.prefix_param)
                     for broker in BROKERS if broker.prefix is not None}
-        return cls(brokers=brokers, prefixes=prefixes, **options)
+        names = [name for broker in BROKERS for name in broker.setting_params]
+        settings = {name: value for name in names if (value := options.pop(name)) is not None}
+        return cls(brokers=brokers, prefixes=prefixes, settings=settings, **options)
 
     def broker(self) -> tuple[Broker, str]:
         """The one broker named, and its option's value."""
@@ -64,7 +67,9 @@ class Connection:
         if broker.schemes:
             check_url(broker.option, value, broker.schemes)
         prefix = self.prefixes.get(broker.prefix_param)
-        return _built(broker.option, value, lambda: broker.build(value, prefix))
+        settings = {name: self.settings[name] for name in broker.setting_params
+                    if name in self.settings}
+        return _built(broker.option, value, lambda: broker.build(value, prefix, **settings))
 
     async def reach_adapter(self, adapter: Adapter) -> None:
         """Wait for the broker's first answer (at most --connect-timeout seconds)."""
