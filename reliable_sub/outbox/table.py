@@ -71,8 +71,8 @@ def outbox_table(metadata: sa.MetaData, name: str = DEFAULT_TABLE) -> sa.Table:
              sqlite_where=keyed).ddl_if(dialect=partial)
     sa.Index(f"ix_{name}_unpublished_key", table.c.ordering_key, table.c.id,
              postgresql_where=unpublished, sqlite_where=unpublished).ddl_if(dialect=partial)
-    # MariaDB has no partial indexes: pending rows are found through ix_published_at (NULLs
-    # first, by id), and a key's unpublished rows through this one
+    # MariaDB has no partial indexes: a key's unpublished rows, oldest first, come through this
+    # one; where pending rows start, through ix_published_at (reliable_sub.outbox.picking)
     sa.Index(f"ix_{name}_key_unpublished", table.c.ordering_key, table.c.published_at,
              table.c.id).ddl_if(dialect=cast(Any, MYSQL_DIALECTS))
     # SQLite's single relay reads all pending rows in one statement, oldest first
