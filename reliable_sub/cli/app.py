@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import math
 import sys
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, NoReturn, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 import click
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
 
-from ..ports import Adapter
+from ._common import (
+    Seconds,
+    confirm,
+    execute,
+    json_option,
+    print_json,
+    print_table,
+    run_on_adapter,
+    with_adapter,
+)
 from .brokers import BROKERS
 from .connect import DEFAULT_CONNECT_TIMEOUT, Connection
 from .failures import (
@@ -35,7 +38,6 @@ __all__ = ["ABORTED", "FAILED", "OK", "UNKNOWN", "UNREACHABLE", "USAGE", "cli", 
            "execute", "fail", "json_option", "print_json", "print_table", "run_on_adapter",
            "stderr", "with_adapter"]
 
-T = TypeVar("T")
 JSON = "reliable_sub.json"  # context meta key: errors as JSON (--json was given)
 
 
@@ -84,98 +86,6 @@ def stop(error: Exception, as_json: bool) -> NoReturn:
     if found is None:
         raise error
     report(*found, as_json)
-
-
-def execute(awaitable: Awaitable[T]) -> T:
-    """Run ``awaitable`` to its end (its errors are reported by the command group)."""
-
-    async def run() -> T:
-        return await awaitable
-
-    return asyncio.run(run())
-
-
-def confirm(question: str) -> None:
-    """Ask ``question``; anything but yes (or no terminal to answer) ends the command with
-    ABORTED, having done nothing."""
-    try:
-        confirmed = click.confirm(question, err=True)
-    except click.Abort:
-        confirmed = False
-    if not confirmed:
-        fail(ABORTED, "nothing done (pass --yes to skip the question)")
-
-
-def run_on_adapter(connection: Connection, operation: Callable[[Adapter], Awaitable[T]]) -> T:
-    """Run ``operation(adapter)`` on the named broker once it answered, closing the adapter
-    after."""
-    adapter = connection.adapter()
-
-    async def run() -> T:
-        try:
-            await connection.reach_adapter(adapter)
-            return await operation(adapter)
-        finally:
-            await adapter.close()
-
-    return execute(run())
-
-
-def with_adapter(operation: Callable[..., Awaitable[T]]) -> Callable[..., T]:
-    """A command whose body is ``operation(adapter, **options)`` (see :func:`run_on_adapter`)."""
-
-    def command(connection: Connection, /, **options: Any) -> T:
-        return run_on_adapter(connection, lambda adapter: operation(adapter, **options))
-
-    # click names the command and writes its help from these
-    command.__name__, command.__doc__ = operation.__name__, operation.__doc__
-    return click.pass_obj(command)
-
-
-class Seconds(click.types.FloatParamType):
-    """A duration in seconds: a finite number, 0 or more (more than 0 with ``positive``).
-
-    Not click's FloatRange: it lets ``nan`` through (no comparison holds), and ``inf`` would
-    wait for ever.
-    """
-
-    name = "number of seconds"
-
-    def __init__(self, *, positive: bool = False) -> None:
-        self.positive = positive
-
-    def convert(self, value: Any, param: click.Parameter | None,
-                ctx: click.Context | None) -> Any:
-        seconds = super().convert(value, param, ctx)
-        least = seconds > 0 if self.positive else seconds >= 0
-        if not (math.isfinite(seconds) and least):
-            wanted = "more than 0" if self.positive else "0 or more"
-            self.fail(f"{value!r} is not a duration: give a finite number of seconds, {wanted}",
-                      param, ctx)
-        return seconds
-
-
-def json_option(function: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--json", "as_json", is_flag=True,
-                        help="Print JSON (for scripts) instead of a table.")(function)
-
-
-def print_json(value: Any, *, one_line: bool = False) -> None:
-    click.echo(json.dumps(value, indent=None if one_line else 2, default=str))
-
-
-def table_of(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> Table:
-    # Text, not str: names and errors from the broker are shown as they are, not as markup
-    table = Table(title=Text(title))
-    for column in columns:
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        table.add_row(*(Text("—" if cell is None else str(cell)) for cell in row))
-    return table
-
-
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    Console().print(table_of(title, columns, rows))
 
 
 def broker_options(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -48,7 +48,8 @@ class Connection:
         prefixes = {broker.prefix_param: options.pop(broker.prefix_param)
                     for broker in BROKERS if broker.prefix is not None}
         names = [name for broker in BROKERS for name in broker.setting_params]
-        settings = {name: value for name in names if (value := options.pop(name)) is not None}
+        settings = {name: value for name in names
+                    if (value := options.pop(name, None)) is not None}
         return cls(brokers=brokers, prefixes=prefixes, settings=settings, **options)
 
     def broker(self) -> tuple[Broker, str]:

@@ -13,7 +13,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn
 
 from ..dead_letters import DeadLetter, DeadLetterQueue
 from ..ports import Adapter
-from .app import (
+from ._common import (
     FAILED,
     Seconds,
     confirm,
@@ -21,10 +21,10 @@ from .app import (
     print_json,
     print_table,
     run_on_adapter,
-    stderr,
     with_adapter,
 )
 from .connect import Connection
+from .failures import stderr
 
 wait_option = click.option(
     "--wait", default=2.0, show_default=True, type=Seconds(), metavar="SECONDS",

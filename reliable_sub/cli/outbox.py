@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 import click
 
 from ..outbox import maintenance
-from .app import Seconds, confirm, execute, json_option, print_json, print_table
+from ._common import Seconds, confirm, execute, json_option, print_json, print_table
 from .connect import Connection
 
 T = TypeVar("T")

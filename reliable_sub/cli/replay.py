@@ -11,7 +11,7 @@ import click
 from ..ports import Adapter, Seekable
 from ..replay import ReplayMode
 from ..replay import seek as seek_subscription
-from .app import confirm, json_option, print_json, print_table, run_on_adapter, with_adapter
+from ._common import confirm, json_option, print_json, print_table, run_on_adapter, with_adapter
 from .connect import Connection
 from .failures import USAGE, fail
 

@@ -13,7 +13,16 @@ from rich.console import Console
 from rich.live import Live
 
 from ..ports import Adapter, Inspectable
-from .app import USAGE, Seconds, fail, json_option, print_json, print_table, table_of, with_adapter
+from ._common import (
+    USAGE,
+    Seconds,
+    fail,
+    json_option,
+    print_json,
+    print_table,
+    table_of,
+    with_adapter,
+)
 
 UNKNOWN = "unknown"
 DEFAULT_TOP_INTERVAL = 2.0
