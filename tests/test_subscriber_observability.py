@@ -187,6 +187,48 @@ async def test_a_handler_that_swallows_its_cancellation_cannot_hang_the_stop(
     assert sub.stats[Outcome.STOPPED] == 1
 
 
+async def test_a_loop_whose_cancellation_is_lost_cannot_hang_the_stop(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before Python 3.12, asyncio.wait_for loses a cancellation that arrives as the call it
+    awaits completes, and carries on (redis-py sends every command through it): a background
+    loop cancelled there runs on, and a stop waiting for it never ended. It is cancelled
+    again."""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from reliable_sub.runtime import supervisor
+
+    monkeypatch.setattr(supervisor, "CANCEL_AGAIN_AFTER", 0.05)
+    clock, broker, sub = setup(meter_provider=MeterProvider())
+    sub.handler("billing")(lambda message: None)
+    sampling = asyncio.Event()
+    cancellations = 0
+    real_stats = broker.subscription_stats
+
+    async def stats_losing_a_cancellation(subscription: str):  # type: ignore[no-untyped-def]
+        nonlocal cancellations
+        sampling.set()
+        while True:  # one sample that takes long, and loses the first cancellation
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancellations += 1
+                if cancellations > 1:
+                    raise
+        return await real_stats(subscription)
+
+    monkeypatch.setattr(broker, "subscription_stats", stats_losing_a_cancellation)
+    caplog.set_level(logging.WARNING, logger="reliable_sub")
+    task = await serving(sub, clock)
+    await drive_until(clock, sampling.is_set, 5, what="the backlog sampler's first sample")
+    stopping = asyncio.ensure_future(sub.shutdown(timeout=1))
+    done, _ = await asyncio.wait({task}, timeout=10)
+    assert done, "the stop waits for ever for the backlog sampler"
+    await stopping
+    assert cancellations == 2
+    assert "backlog sampler still runs" in caplog.text and "cancelling it again" in caplog.text
+
+
 async def test_max_lease_duration_bounds_an_async_handler_too() -> None:
     clock, broker, sub = setup(lease=LeasePolicy(max_lease_duration=30),
                                dedup=MemoryDedupStore())

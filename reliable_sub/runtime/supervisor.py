@@ -23,6 +23,10 @@ RESTART_WAIT_MIN = 0.1
 RESTART_WAIT_MAX = 10.0
 # A restarted loop counts as healthy again once it has run this long without failing.
 HEALTHY_AFTER = 1.0
+# A stopped loop still running this long after its cancellation lost it on the way, and is
+# cancelled again (see Supervisor.stop). No loop awaits anything once cancelled, so this only
+# delays a stop that would otherwise never end.
+CANCEL_AGAIN_AFTER = 0.5
 
 
 class _Supervised:
@@ -102,7 +106,15 @@ class Supervisor:
             await asyncio.wait(tasks, timeout=timeout)
 
     async def stop(self, *names: str) -> None:
-        """Cancel the named loops (all when none are named) and wait for them."""
+        """Cancel the named loops (all when none are named) and wait for them.
+
+        A cancellation can be lost on the way: before Python 3.12, ``asyncio.wait_for``
+        returns the result of a call that completed as its caller was cancelled, and carries
+        on (redis-py sends every command through it, as other clients do). A loop cancelled
+        there runs on, and waiting for it would never end; so one that still runs
+        ``CANCEL_AGAIN_AFTER`` seconds after its cancellation is cancelled again, until it
+        stops.
+        """
         chosen = [self._children[n] for n in names] if names else list(self._children.values())
         if not names:
             self._stopping = True
@@ -112,8 +124,28 @@ class Supervisor:
         for child in chosen:
             if child.task is not None:
                 with contextlib.suppress(asyncio.CancelledError):
-                    await child.task
+                    await self._until_stopped(child.name, child.task)
             self._children.pop(child.name, None)
+
+    async def _until_stopped(self, name: str, task: asyncio.Task[None]) -> None:
+        """Wait for the cancelled ``task`` to end, cancelling it again while it runs on."""
+        again = 0
+        while True:
+            try:
+                done, _ = await asyncio.wait({task}, timeout=CANCEL_AGAIN_AFTER)
+            except asyncio.CancelledError:
+                task.cancel()  # the stop itself is cancelled: as awaiting the task would
+                raise
+            if done:
+                break
+            again += 1
+            if again == 1:
+                self._logger.warning(
+                    "%s still runs %gs after it was cancelled (its cancellation was lost on "
+                    "the way, e.g. by asyncio.wait_for before Python 3.12); cancelling it "
+                    "again", name, CANCEL_AGAIN_AFTER, extra={"loop": name})
+            task.cancel()
+        await task  # how it ended: cancelled (raises CancelledError), or returned
 
     async def _keep(self, child: _Supervised) -> None:
         while True:
