@@ -25,12 +25,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._results import checked_result_json, decode_result, encode_result
-from .idempotency.memory_store import (
-    MemoryDedupStore,
-    SingleKeyMethods,
-    TokenSource,
-    check_owner,
-)
+from .idempotency._store_base import SingleKeyMethods, TokenSource, check_owner
+from .idempotency.memory_store import MemoryDedupStore
 from .ports import (
     Claimed,
     ClaimResult,

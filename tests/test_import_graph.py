@@ -1,4 +1,4 @@
-"""No import cycle inside the package (#25).
+"""No import cycle inside the package (#25, #31).
 
 Every module of ``reliable_sub`` is parsed with :mod:`ast` (never imported), and an edge drawn
 from it to each ``reliable_sub`` module it imports -- at the top, inside functions, and under
@@ -17,22 +17,6 @@ from pathlib import Path
 
 PACKAGE = "reliable_sub"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
-
-# Cycles that predate this check, left to issue #31 (each: the set of its modules). Fix one and
-# delete its entry (test_the_known_cycles_still_exist says when); any other cycle fails.
-KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset({
-    # memory_store re-exports RedisDedupStore lazily (a TYPE_CHECKING import for its
-    # __getattr__); redis_store imports the shared single-key methods from memory_store
-    frozenset({"reliable_sub.idempotency.memory_store", "reliable_sub.idempotency.redis_store"}),
-    # the relay reports to telemetry.outbox, whose types name the relay's Backlog
-    # (TYPE_CHECKING), reached through the outbox package's re-exports
-    frozenset({"reliable_sub.outbox", "reliable_sub.outbox.relay",
-               "reliable_sub.telemetry.outbox"}),
-    # the dedup suite collects the ownership tests; they type their harness by the suite's
-    # StoreHarness (TYPE_CHECKING)
-    frozenset({"reliable_sub.testing.dedup_owners", "reliable_sub.testing.dedup_suite"}),
-})
-
 
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
@@ -144,16 +128,9 @@ def _path_through(graph: dict[str, set[str]], component: list[str]) -> list[str]
 
 def test_the_package_has_no_import_cycle() -> None:
     graph = import_graph()
-    new = [c for c in cycles(graph) if frozenset(c) not in KNOWN_CYCLES]
-    assert not new, "import cycles:\n" + "\n".join(
-        " -> ".join(_path_through(graph, c)) + f"   (modules: {', '.join(c)})" for c in new)
-
-
-def test_the_known_cycles_still_exist() -> None:
-    """An entry of KNOWN_CYCLES that no longer matches is stale: delete it (or update it)."""
-    found = {frozenset(c) for c in cycles(import_graph())}
-    stale = [sorted(c) for c in KNOWN_CYCLES if c not in found]
-    assert not stale, f"these known cycles are gone or changed; update KNOWN_CYCLES: {stale}"
+    found = cycles(graph)
+    assert not found, "import cycles:\n" + "\n".join(
+        " -> ".join(_path_through(graph, c)) + f"   (modules: {', '.join(c)})" for c in found)
 
 
 def test_the_check_sees_a_cycle_under_type_checking_and_relative_imports() -> None:

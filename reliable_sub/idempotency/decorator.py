@@ -110,9 +110,9 @@ from ..ports import (
     InProgress,
     SyncDedupStore,
 )
+from ._store_base import TokenSource, check_owner
 from .background_loop import BACKGROUND
 from .fingerprint import fingerprint
-from .memory_store import TokenSource, check_owner
 from .renewer import RENEWALS_PER_LEASE, RENEWER
 from .settling import Settling
 

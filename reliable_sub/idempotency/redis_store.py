@@ -48,7 +48,7 @@ from ..errors import ConfigurationError, MissingExtraError
 from ..loops import PerLoop
 from ..policy import check_seconds
 from ..ports import Claimed, ClaimResult, Completed, Completion, DedupKey, InProgress
-from .memory_store import SingleKeyMethods, TokenSource, check_owner
+from ._store_base import SingleKeyMethods, TokenSource, check_owner
 
 try:
     import redis.asyncio as aioredis

@@ -27,7 +27,7 @@ from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, MissingExtraError
 from ..policy import check_seconds
 from ..ports import Claimed, ClaimResult, Completed, Completion, DedupKey, InProgress
-from .memory_store import SingleKeyMethods, TokenSource, check_owner
+from ._store_base import SingleKeyMethods, TokenSource, check_owner
 
 try:
     import sqlalchemy as sa

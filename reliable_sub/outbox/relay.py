@@ -467,7 +467,8 @@ class OutboxRelay(Service):
         """Sample the backlog for the outbox gauges every ``metrics_interval`` seconds."""
         while True:
             try:
-                self._telemetry.backlog(await self.backlog())
+                found = await self.backlog()
+                self._telemetry.backlog(found.pending, found.oldest_age, found.parked)
             except Exception:
                 logger.warning("sampling the outbox backlog failed; trying again in %gs",
                                self.metrics_interval, exc_info=True)

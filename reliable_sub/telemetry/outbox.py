@@ -4,17 +4,12 @@ parked rows) as gauges, sampled by a running relay."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from opentelemetry.metrics import Meter, MeterProvider
 from opentelemetry.trace import Tracer, TracerProvider
 
 from . import semconv as sc
 from .instruments import PerMeter
 from .providers import meter_of, tracer_of
-
-if TYPE_CHECKING:
-    from ..outbox.relay import Backlog
 
 TABLE = "reliable_sub.outbox.table"
 
@@ -40,13 +35,14 @@ class OutboxTelemetry:
         if instruments is not None and rows:
             instruments.published.add(rows, self.attributes)
 
-    def backlog(self, backlog: Backlog) -> None:
+    def backlog(self, pending: int, oldest_age: float | None, parked: int) -> None:
+        """The outbox's backlog (pending rows, the oldest one's age in seconds, parked rows)."""
         instruments = self.instruments()
         if instruments is None:
             return
-        instruments.backlog.set(backlog.pending, self.attributes)
-        instruments.oldest_age.set(backlog.oldest_age or 0.0, self.attributes)
-        instruments.parked.set(backlog.parked, self.attributes)
+        instruments.backlog.set(pending, self.attributes)
+        instruments.oldest_age.set(oldest_age or 0.0, self.attributes)
+        instruments.parked.set(parked, self.attributes)
 
 
 class _Instruments:

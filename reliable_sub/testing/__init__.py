@@ -29,9 +29,9 @@ except ImportError as error:  # pragma: no cover - exercised without the extra
     raise MissingExtraError("reliable_sub.testing", "testing", error.name or "pytest") from error
 
 from reliable_sub.testing.adapter_suite import AdapterSuite
+from reliable_sub.testing.dedup_harness import StoreHarness
 from reliable_sub.testing.dedup_suite import (
     DedupStoreSuite,
-    StoreHarness,
     fakeredis_stores,
     memory_stores,
     redis_stores,

@@ -5,16 +5,13 @@ runs them with the rest; they need the harness's ``another`` (skipped without it
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import pytest
 
 from reliable_sub import Claimed, Completed, Completion, ConfigurationError, DedupKey, InProgress
-from reliable_sub.idempotency.memory_store import OWNER_LIMIT
+from reliable_sub.idempotency._store_base import OWNER_LIMIT
 from reliable_sub.ports import DedupStore
-
-if TYPE_CHECKING:
-    from reliable_sub.testing.dedup_suite import StoreHarness
+from reliable_sub.testing.dedup_harness import StoreHarness
 
 K = DedupKey("owners", "order-1")
 # A token is the owner, a random instance part of 11 characters and a counter: short, as it is

@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
@@ -35,23 +34,9 @@ from reliable_sub.dedup import encode_result
 from reliable_sub.idempotency.epochs import epoch_namespace
 from reliable_sub.ports import ClaimResult, DedupEpochs
 from reliable_sub.testing import dedup_owners
+from reliable_sub.testing.dedup_harness import StoreHarness
 
 POLL = 0.01
-
-
-@dataclass
-class StoreHarness:
-    name: str
-    store: DedupStore
-    peer: DedupStore
-    short_ttl: float
-    wait_until_gone: Callable[[DedupKey], Awaitable[None]]
-    write_raw: Callable[[DedupKey, str], Awaitable[None]]
-    cleanup: Callable[[], Awaitable[None]]
-    prepare: Callable[[], Awaitable[None]] | None = None  # e.g. create the schema
-    # Another instance over the same records with the given owner (closed by cleanup); the
-    # owner tests are skipped without it.
-    another: Callable[[str], DedupStore] | None = None
 
 
 def memory_stores() -> StoreHarness:
