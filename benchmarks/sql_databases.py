@@ -43,6 +43,7 @@ DEFAULT_MESSAGES = 1_000
 DEFAULT_ROWS = 10_000
 DEFAULT_REPETITIONS = 3
 BATCH = 100
+WITHIN_1_5 = 0.67  # "within 1.5x of PostgreSQL's figure", as a throughput ratio
 SECTION_NAME = "sql-databases"
 COMMAND = "python -m benchmarks.sql_databases --write"
 DATABASES = ("PostgreSQL", "MariaDB")
@@ -241,21 +242,21 @@ def report(args: argparse.Namespace, claims: list[Rates], idem: list[tuple[Rates
         "Goals (#30: within 1.5× of PostgreSQL's figure, and ≥ 0.5× a raw driver loop sending "
         "the same statements):",
         "",
-        verdict("claims, MariaDB vs PostgreSQL", maria_claim.median / pg_claim.median, 1 / 1.5),
+        verdict("claims, MariaDB vs PostgreSQL", maria_claim.median / pg_claim.median, WITHIN_1_5),
         verdict("claims, MariaDB store vs its raw asyncmy floor",
                 maria_claim.median / floor_claim.median, 0.5),
         verdict("@idempotent first calls, MariaDB vs PostgreSQL",
-                maria_first.median / pg_first.median, 1 / 1.5),
+                maria_first.median / pg_first.median, WITHIN_1_5),
         verdict("@idempotent replays, MariaDB vs PostgreSQL",
-                maria_replay.median / pg_replay.median, 1 / 1.5),
+                maria_replay.median / pg_replay.median, WITHIN_1_5),
         verdict("@idempotent first calls, MariaDB vs its floor",
                 maria_first.median / floor_first.median, 0.5),
         verdict("@idempotent replays, MariaDB vs its floor",
                 maria_replay.median / floor_replay.median, 0.5),
         verdict("transactional handler, MariaDB vs PostgreSQL",
-                maria_tx.median / pg_tx.median, 1 / 1.5),
+                maria_tx.median / pg_tx.median, WITHIN_1_5),
         verdict("one relay, MariaDB vs PostgreSQL", maria_relay.median / pg_relay.median,
-                1 / 1.5),
+                WITHIN_1_5),
         verdict("one relay vs the raw loop, MariaDB", maria_relay.median / maria_raw.median,
                 0.5),
         f"* for reference: one relay vs the raw loop on PostgreSQL "
@@ -263,11 +264,20 @@ def report(args: argparse.Namespace, claims: list[Rates], idem: list[tuple[Rates
         f"{pg_tx.median / pg_plain.median:.2f}× (PostgreSQL), "
         f"{maria_tx.median / maria_plain.median:.2f}× (MariaDB)",
         "",
-        "Reading the figures: a goal of ≥ 0.67× is \"within 1.5×\" of PostgreSQL's throughput. "
-        "MariaDB's claim and completion are each one statement, as PostgreSQL's are; its relay "
-        "round takes each ordering key's named lock (GET_LOCK) and lets go of them after the "
-        "commit (one more statement a round). The relay on MariaDB polls: a committed row "
-        "waits up to `poll_interval` for the next round.",
+        "Reading the figures:",
+        "",
+        "* A goal of ≥ 0.67× is \"within 1.5×\" of PostgreSQL's throughput. MariaDB's claim "
+        "and completion are each one statement, as PostgreSQL's are, and one round trip (no "
+        "pool pre-ping: a dead connection is retried once). A replay's gap to the floor is "
+        "SQLAlchemy's asyncio layers and `@idempotent`'s own work around the one statement.",
+        "* A relay round is a locking SELECT, the publish, an UPDATE (published_at is in two "
+        "of the table's indexes) and a COMMIT that waits for the log flush; the raw loop only "
+        "reads. PostgreSQL's relay commits without waiting for the flush (`synchronous_commit "
+        "= off` for that transaction); MariaDB has no per-session equivalent "
+        "(`innodb_flush_log_at_trx_commit` is global). A round that takes ordering keys also "
+        "takes and releases their named locks (GET_LOCK, RELEASE_ALL_LOCKS).",
+        "* The relay on MariaDB polls: a committed row waits up to `poll_interval` for the "
+        "next round.",
     ]
     return "\n".join(lines)
 
