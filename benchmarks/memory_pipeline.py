@@ -251,6 +251,7 @@ STAGE_RULES = (
     rule(LEASE, "reliable_sub/runtime/claim_renewal.py"),
     rule(LEASE, "reliable_sub/runtime/histogram.py"),
     rule(DEDUP, "reliable_sub/idempotency/memory_store.py"),
+    rule(DEDUP, "reliable_sub/idempotency/_store_base.py"),
     rule(DEDUP, "reliable_sub/runtime/claims.py"),
     rule(DEDUP, "reliable_sub/message.py", "idempotency_key"),
     rule(TASK, "reliable_sub/runtime/receiver.py", "_admit"),

@@ -734,7 +734,7 @@ STAGE_RULES = (
         "_namespace_tag",
         "_remaining",
     ),
-    rule(DEDUP_CLAIM, "reliable_sub/idempotency/memory_store.py", "next", "__init__", "claim"),
+    rule(DEDUP_CLAIM, "reliable_sub/idempotency/_store_base.py", "next", "__init__", "claim"),
     rule(DEDUP_CLAIM, "reliable_sub/message.py", "idempotency_key"),
     rule(TASK, "reliable_sub/runtime/receiver.py", "_admit"),
     rule(TASK, "reliable_sub/runtime/dispatcher.py", "dispatch", "_start", "_run", "_attempt",

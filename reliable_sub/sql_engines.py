@@ -60,13 +60,19 @@ class SqlEngines:
         sync_engine: the sync engine to use (default: one on the same database, on first use).
         engine_options: keyword arguments for every engine made here (SQLAlchemy's
             ``create_engine``: ``pool_size``, ``max_overflow``, ``pool_recycle``, ...).
+        retried: the owner runs every statement of its own engines through
+            :meth:`standalone_call` (which runs one again on a fresh connection when it met a
+            dead one), so those engines need no pre-ping, a round trip per checkout. Handlers'
+            transactions, which cannot be run again, keep it.
     """
 
     def __init__(
         self, url_or_engine: str | URL | AsyncEngine, *, owner: str,
         sync_engine: Engine | None = None, engine_options: Mapping[str, Any] | None = None,
+        retried: bool = False,
     ) -> None:
         self._options = _checked_options(owner, engine_options, url_or_engine)
+        self._retried = retried
         self._given: AsyncEngine | None = None
         self._throwaway = False
         if isinstance(url_or_engine, AsyncEngine):
@@ -156,7 +162,7 @@ class SqlEngines:
         """An asyncio engine; ``own_session``: for the library's own statements (on MariaDB
         READ COMMITTED and a short lock wait), else for handlers' transactions."""
         url = self.url.set(drivername=f"{self.dialect}+{ASYNC_DRIVERS[self.dialect]}")
-        options = {**self._pool_options(), **options}
+        options = {**self._pool_options(ping=not (self._retried and own_session)), **options}
         engine: AsyncEngine = _driven(create_async_engine, url, **options)
         if self.dialect == "sqlite":
             sa.event.listen(engine.sync_engine, "connect", self._sqlite_pragmas)
@@ -173,10 +179,10 @@ class SqlEngines:
                               pool_pre_ping=False)
         return self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
-    def _pool_options(self) -> dict[str, Any]:
+    def _pool_options(self, ping: bool = True) -> dict[str, Any]:
         if self.dialect != "sqlite":
-            # a restarted database costs no failed call
-            return {"pool_pre_ping": True, **self._options}
+            # a restarted database costs no failed call (either way: see ``retried``)
+            return {"pool_pre_ping": ping, **self._options}
         return dict(self._options)  # SQLAlchemy's default pool: connections to the file reused
 
     def _sqlite_pragmas(self, connection: Any, _record: Any) -> None:

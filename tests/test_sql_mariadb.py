@@ -194,20 +194,3 @@ async def test_a_mysql_server_is_refused_at_the_first_call_naming_it(
             await store.claim_many([DedupKey("ns", "k")], 30)
     finally:
         await store.close()
-
-
-async def test_a_connection_the_server_closed_costs_no_failed_call(
-    store: SqlDedupStore,
-) -> None:
-    """The store's autocommit pool does not ping each connection it hands out (a round trip
-    per call): a statement that meets a dead one runs again on a fresh connection."""
-    await store.claim_many([DedupKey("ns", "warm")], 30)
-    ask = sa.text("SELECT CONNECTION_ID()")
-    async with store._engines.standalone() as connection:  # the pool's one connection
-        pooled = (await connection.execute(ask)).scalar()
-    async with store.engine.connect() as other:
-        await other.execute(sa.text(f"KILL CONNECTION {int(pooled)}"))
-    [claim] = await store.claim_many([DedupKey("ns", "after the kill")], 30)
-    assert isinstance(claim, Claimed)
-    async with store._engines.standalone() as connection:
-        assert (await connection.execute(ask)).scalar() != pooled

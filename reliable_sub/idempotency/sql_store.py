@@ -96,7 +96,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         self.table = processed_table(self.metadata, table)
         self._update_sql: Any = None
         self._engines = SqlEngines(url_or_engine, owner="SqlDedupStore", sync_engine=sync_engine,
-                                   engine_options=engine_options)
+                                   engine_options=engine_options, retried=True)
         self.dialect = self._engines.dialect
         self._sql = (MariaDbClaims if self.dialect in MYSQL_DIALECTS else SqlClaims)(
             self.table, self.dialect)
@@ -124,9 +124,10 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
     async def epoch(self, namespace: str) -> int:
         """The current epoch of ``namespace`` (0 if it never had one)."""
         t = self.table
-        async with self.engine.connect() as connection:
-            found = await connection.scalar(sa.select(t.c.failures).where(
-                t.c.namespace == stored_part(namespace), t.c.key == EPOCH_KEY))
+        statement = sa.select(t.c.failures).where(
+            t.c.namespace == stored_part(namespace), t.c.key == EPOCH_KEY)
+        found = await self._engines.standalone_call(
+            lambda connection: connection.scalar(statement))
         return int(found) if found is not None else 0
 
     async def next_epoch(self, namespace: str) -> int:
