@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import os
 import platform
 import sys
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from benchmarks import dedup, outbox
@@ -53,15 +54,36 @@ def _log(row: Rates, unit: str) -> None:
     print(f"  {row.variant}: {row.rates[-1]:,.0f} {unit}/s", file=sys.stderr)
 
 
-async def bench_claims(args: argparse.Namespace) -> list[Rates]:
-    from reliable_sub.dedup import DedupKey, SqlDedupStore
+@contextlib.asynccontextmanager
+async def stores_and_floor(args: argparse.Namespace,
+                           name: str) -> AsyncIterator[tuple[list[Any], RawMariaDb]]:
+    """A SqlDedupStore on each database (a fresh table each) and MariaDB's floor; the tables
+    dropped and everything closed at the end."""
+    from reliable_sub.dedup import SqlDedupStore
 
-    stores = [SqlDedupStore(url, table=f"bench_sqldb_claims_{uuid.uuid4().hex[:8]}")
+    stores = [SqlDedupStore(url, table=f"bench_sqldb_{name}_{uuid.uuid4().hex[:8]}")
               for url in (args.postgres, args.mariadb)]
     for store in stores:
         await store.create_schema()
     floor = RawMariaDb(args.mariadb, stores[1])
     await floor.connect()
+    try:
+        yield stores, floor
+    finally:
+        await floor.close()
+        for store in stores:
+            async with store.engine.begin() as connection:
+                await connection.run_sync(store.metadata.drop_all)
+            await store.close()
+
+
+async def bench_claims(args: argparse.Namespace) -> list[Rates]:
+    async with stores_and_floor(args, "claims") as (stores, floor):
+        return await _claims(args, stores, floor)
+
+
+async def _claims(args: argparse.Namespace, stores: list[Any], floor: RawMariaDb) -> list[Rates]:
+    from reliable_sub.dedup import DedupKey
 
     def batches(run: str) -> list[list[DedupKey]]:
         return [[DedupKey("bench", f"{run}-{b}-{n}") for n in range(BATCH)]
@@ -82,31 +104,22 @@ async def bench_claims(args: argparse.Namespace) -> list[Rates]:
         (Rates("MariaDB: SqlDedupStore.claim_many, 100 keys a statement"), ours(stores[1])),
         (Rates("MariaDB floor: raw asyncmy, the store's claim statement"), raw),
     ]
-    try:
-        for _ in range(args.repetitions):
-            for row, work in variants:
-                run = uuid.uuid4().hex[:12]
-                row.rates.append(await dedup.timed(args.batches * BATCH,
-                                                   lambda w=work, r=run: w(r)))  # type: ignore[misc]
-                _log(row, "keys")
-    finally:
-        await floor.close()
-        for store in stores:
-            async with store.engine.begin() as connection:
-                await connection.run_sync(store.metadata.drop_all)
-            await store.close()
+    for _ in range(args.repetitions):
+        for row, work in variants:
+            run = uuid.uuid4().hex[:12]
+            row.rates.append(await dedup.timed(args.batches * BATCH,
+                                               lambda w=work, r=run: w(r)))  # type: ignore[misc]
+            _log(row, "keys")
     return [row for row, _ in variants]
 
 
 async def bench_idempotent(args: argparse.Namespace) -> list[tuple[Rates, Rates]]:
-    from reliable_sub.dedup import SqlDedupStore
+    async with stores_and_floor(args, "idem") as (stores, floor):
+        return await _idempotent(args, stores, floor)
 
-    stores = [SqlDedupStore(url, table=f"bench_sqldb_idem_{uuid.uuid4().hex[:8]}")
-              for url in (args.postgres, args.mariadb)]
-    for store in stores:
-        await store.create_schema()
-    floor = RawMariaDb(args.mariadb, stores[1])
-    await floor.connect()
+
+async def _idempotent(args: argparse.Namespace, stores: list[Any],
+                      floor: RawMariaDb) -> list[tuple[Rates, Rates]]:
     variants: list[tuple[str, Callable[[str], Callable[..., Any]]]] = [
         ("PostgreSQL: @idempotent async", lambda run: dedup.ours_function(stores[0],
                                                                           is_async=True)),
@@ -115,27 +128,20 @@ async def bench_idempotent(args: argparse.Namespace) -> list[tuple[Rates, Rates]
         ("MariaDB floor: raw asyncmy, the store's two statements", floor.make),
     ]
     rows = [(Rates(f"{name}, first calls"), Rates(f"{name}, replays")) for name, _ in variants]
-    try:
-        for _ in range(args.repetitions):
-            for (first, replay), (_, make) in zip(rows, variants, strict=True):
-                run = uuid.uuid4().hex[:12]
-                function = make(run)
-                orders = [{"id": f"{run}-{n}", "amount": 10} for n in range(args.calls)]
+    for _ in range(args.repetitions):
+        for (first, replay), (_, make) in zip(rows, variants, strict=True):
+            run = uuid.uuid4().hex[:12]
+            function = make(run)
+            orders = [{"id": f"{run}-{n}", "amount": 10} for n in range(args.calls)]
 
-                async def calls(f: Callable[..., Any] = function,
-                                o: list[dict[str, Any]] = orders) -> None:
-                    await dedup.run_calls(f, o, is_async=True, keyword=False)
+            async def calls(f: Callable[..., Any] = function,
+                            o: list[dict[str, Any]] = orders) -> None:
+                await dedup.run_calls(f, o, is_async=True, keyword=False)
 
-                first.rates.append(await dedup.timed(args.calls, calls))
-                replay.rates.append(await dedup.timed(args.calls, calls))
-                _log(first, "calls")
-                _log(replay, "calls")
-    finally:
-        await floor.close()
-        for store in stores:
-            async with store.engine.begin() as connection:
-                await connection.run_sync(store.metadata.drop_all)
-            await store.close()
+            first.rates.append(await dedup.timed(args.calls, calls))
+            replay.rates.append(await dedup.timed(args.calls, calls))
+            _log(first, "calls")
+            _log(replay, "calls")
     return rows
 
 
