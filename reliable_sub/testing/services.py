@@ -117,9 +117,12 @@ DEFAULT_POSTGRES_URL = os.environ.get(
 
 def postgres_url(url: str = DEFAULT_POSTGRES_URL) -> str:
     """``url`` once PostgreSQL answers there; else skip the test (fail it when ``CI=true``)."""
-    problem = _postgres_problem(url)
+    return _answering("PostgreSQL", url, _postgres_problem(url))
+
+
+def _answering(service: str, url: str, problem: str | None) -> str:
     if problem is not None:
-        missing_service(f"PostgreSQL at {url} is unreachable: {problem}")
+        missing_service(f"{service} at {url} is unreachable: {problem}")
     return url
 
 
@@ -145,10 +148,7 @@ DEFAULT_MARIADB_URL = os.environ.get(
 
 def mariadb_url(url: str = DEFAULT_MARIADB_URL) -> str:
     """``url`` once MariaDB answers there; else skip the test (fail it when ``CI=true``)."""
-    problem = _mariadb_problem(url)
-    if problem is not None:
-        missing_service(f"MariaDB at {url} is unreachable: {problem}")
-    return url
+    return _answering("MariaDB", url, _mariadb_problem(url))
 
 
 @functools.cache
