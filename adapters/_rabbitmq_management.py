@@ -125,9 +125,9 @@ class ManagementAPI:
     def _list(self, queue: str) -> list[dict[str, Any]]:
         """The rows of ``queue`` and its delay queues (blocking: run in a thread)."""
         delays = re.escape(f"{self._prefix}.delay.{queue}.")
+        pattern = f"^(?:{re.escape(queue)}|{delays}[0-9]+)$"
         query = urlencode({"page": 1, "page_size": _PAGE_SIZE, "use_regex": "true",
-                           "name": f"^(?:{re.escape(queue)}|{delays}[0-9]+)$",
-                           "columns": _COLUMNS})
+                           "name": pattern, "columns": _COLUMNS})
         request = urllib.request.Request(f"{self._listing}?{query}", headers={
             "Authorization": self._authorization, "Accept": "application/json"})
         with self._opener.open(request, timeout=self.timeout) as response:
@@ -138,7 +138,10 @@ class ManagementAPI:
         items = page.get("items") if isinstance(page, dict) else None
         if not isinstance(items, list) or page.get("filtered_count") != len(items):
             raise ValueError(f"not a listing of one page: {str(page)[:200]}")
-        return [row for row in items if isinstance(row, dict)]
+        # the API matches names ignoring case (RabbitMQ 3.10): 'Orders' is another queue
+        exact = re.compile(pattern)
+        return [row for row in items if isinstance(row, dict)
+                and isinstance(row.get("name"), str) and exact.fullmatch(row["name"])]
 
     def _failed(self, error: BaseException) -> None:
         why = _why(error)

@@ -73,6 +73,7 @@ class SqlEngines:
     ) -> None:
         self._options = _checked_options(owner, engine_options, url_or_engine)
         self._retried = retried
+        self._given_own: AsyncEngine | None = None  # a given engine, for our own statements
         self._given: AsyncEngine | None = None
         self._throwaway = False
         if isinstance(url_or_engine, AsyncEngine):
@@ -95,6 +96,11 @@ class SqlEngines:
                 f"{self.dialect!r}"
             )
         self.mysql = self.dialect in MYSQL_DIALECTS
+        if self._given is not None:
+            # a given engine keeps its level for handlers' transactions; our statements run
+            # READ COMMITTED on MariaDB (see the module's docstring), through a view of it
+            self._given_own = (self._given.execution_options(isolation_level="READ COMMITTED")
+                               if self.mysql else self._given)
         if self.mysql and self._given is None and "charset" not in self.url.query:
             self.url = self.url.update_query_dict({"charset": "utf8mb4"})
         self._sync = sync_engine
@@ -108,8 +114,10 @@ class SqlEngines:
 
     @property
     def engine(self) -> AsyncEngine:
-        """The asyncio engine of the running event loop."""
-        return self._given if self._given is not None else self._engines.get()
+        """The asyncio engine of the running event loop (for the library's own statements)."""
+        if self._given_own is None:
+            return self._engines.get()
+        return self._given_own
 
     def standalone(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A connection for statements that each stand alone.
@@ -173,10 +181,8 @@ class SqlEngines:
     def _make_autocommit(self) -> AsyncEngine:
         if self.mysql and self._given is None:
             # no ROLLBACK when a connection goes back to the pool: in autocommit none of its
-            # statements leaves a transaction open (asyncmy would send one: a round trip); and
-            # no pre-ping: standalone_call runs again on a fresh connection instead
-            return self._make(isolation_level="AUTOCOMMIT", skip_autocommit_rollback=True,
-                              pool_pre_ping=False)
+            # statements leaves a transaction open (asyncmy would send one: a round trip)
+            return self._make(isolation_level="AUTOCOMMIT", skip_autocommit_rollback=True)
         return self.engine.execution_options(isolation_level="AUTOCOMMIT")
 
     def _pool_options(self, ping: bool = True) -> dict[str, Any]:

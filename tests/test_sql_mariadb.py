@@ -124,6 +124,28 @@ async def test_the_stores_sessions_read_committed_and_wait_briefly_for_locks(
         assert (await connection.execute(query)).one()[0] == "REPEATABLE-READ"
 
 
+async def test_a_given_engine_keeps_its_level_for_handlers_and_ours_read_committed() -> None:
+    """An AsyncEngine you pass is yours: handlers' transactions keep its level; the library's
+    own statements (relay rounds among them) run READ COMMITTED, as on engines it makes."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from reliable_sub.outbox import Outbox
+
+    given = create_async_engine(mariadb_url().replace("mariadb://", "mariadb+asyncmy://"))
+    level = sa.text("SELECT @@tx_isolation")
+    try:
+        for made in (SqlDedupStore(given, table="never_made"), Outbox(given, table="none")):
+            async with made.engine.connect() as connection:
+                assert (await connection.execute(level)).scalar() == "READ-COMMITTED"
+        store = SqlDedupStore(given, table="never_made")
+        async with store.begin() as connection:
+            assert (await connection.execute(level)).scalar() == "REPEATABLE-READ"
+        async with given.connect() as connection:
+            assert (await connection.execute(level)).scalar() == "REPEATABLE-READ"
+    finally:
+        await given.dispose()
+
+
 async def test_a_claim_waits_for_a_late_commit_and_sees_its_completion(
     store: SqlDedupStore,
 ) -> None:

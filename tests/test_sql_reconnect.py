@@ -45,3 +45,24 @@ async def test_a_connection_the_server_closed_costs_no_failed_call(database: str
         async with store.engine.begin() as connection:
             await connection.run_sync(store.metadata.drop_all)
         await store.close()
+
+
+@pytest.mark.parametrize("database", ["postgresql", "mariadb"])
+async def test_a_new_epoch_is_counted_once_after_the_server_closed_its_connection(
+        database: str) -> None:
+    """next_epoch counts, so it is never run twice: it runs on the pool that pings first."""
+    store = SqlDedupStore(sql_url(database), table=f"reconnect_{uuid.uuid4().hex[:8]}")
+    await store.create_schema()
+    engine = store._engines.transaction_engine
+    try:
+        assert await store.next_epoch("ns") == 1
+        async with engine.connect() as connection:  # the pool's one connection
+            pooled = int((await connection.execute(sa.text(WHO[database]))).scalar_one())
+        async with store._engines.standalone() as other:
+            await other.execute(sa.text(END[database].format(pooled)))
+        assert await store.next_epoch("ns") == 2
+        assert await store.epoch("ns") == 2
+    finally:
+        async with store.engine.begin() as connection:
+            await connection.run_sync(store.metadata.drop_all)
+        await store.close()

@@ -108,7 +108,8 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
 
     async def purge_expired(self, batch_size: int = 1000) -> int:
         """Delete rows whose retention (or lease) has passed, ``batch_size`` at a time;
-        returns how many were deleted."""
+        returns how many were deleted (a batch deleted just before a lost connection may be
+        left out of the count: the batch is sent again on a fresh connection)."""
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigurationError(f"purge_expired: batch_size must be >= 1, got {batch_size}")
         deleted = 0
@@ -132,7 +133,8 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
 
     async def next_epoch(self, namespace: str) -> int:
         """Start the next epoch of ``namespace`` (one upsert; the row never expires)."""
-        async with self._engines.standalone() as connection:  # not twice: it counts
+        # not run twice (it counts), so on the pool that pings its connections first
+        async with self._engines.transaction_engine.begin() as connection:
             return await self._sql.next_epoch(connection, namespace)
 
     # -- the DedupStore protocol ----------------------------------------------------------------
