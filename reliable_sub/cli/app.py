@@ -91,8 +91,9 @@ def stop(error: Exception, as_json: bool) -> NoReturn:
 def broker_options(function: Callable[..., Any]) -> Callable[..., Any]:
     """An option per broker of BROKERS (and its --<name>-prefix, if it has one)."""
     for broker in reversed(BROKERS):
-        for (option, help_text), name in reversed(list(zip(broker.settings,
-                                                           broker.setting_params, strict=True))):
+        for (option, help_text, _), name in reversed(list(zip(broker.settings,
+                                                              broker.setting_params,
+                                                              strict=True))):
             function = click.option(option, name, envvar=f"RELIABLE_SUB_{name.upper()}",
                                     help=help_text)(function)
         if broker.prefix is not None:

@@ -42,8 +42,9 @@ class Broker:
             None for an adapter without one.
         probe: one call that must get an answer from the broker within --connect-timeout
             before the command starts (any answer will do: a refusal proves it is there).
-        settings: more options of this broker, as (option, help); their values reach
-            ``build`` as keyword arguments named after the option, when given.
+        settings: more options of this broker, as (option, help, URL schemes or None); their
+            values (checked as URLs of those schemes first) reach ``build`` as keyword
+            arguments named after the option, when given.
     """
 
     option: str
@@ -52,7 +53,7 @@ class Broker:
     schemes: tuple[str, ...] = ()
     prefix: str | None = None
     probe: Callable[[str, Adapter], Awaitable[None]] = ask_for_a_topic
-    settings: tuple[tuple[str, str], ...] = ()
+    settings: tuple[tuple[str, str, tuple[str, ...] | None], ...] = ()
 
     @property
     def param(self) -> str:
@@ -62,7 +63,7 @@ class Broker:
     @property
     def setting_params(self) -> list[str]:
         """The parameter names of :attr:`settings`."""
-        return [param_of(option) for option, _ in self.settings]
+        return [param_of(option) for option, _, _ in self.settings]
 
     @property
     def envvar(self) -> str:
@@ -150,7 +151,7 @@ BROKERS: tuple[Broker, ...] = (
            _rabbitmq, ("amqp", "amqps"), prefix="reliable-sub",
            settings=(("--amqp-management-url", "The RabbitMQ management plugin's URL "
                       "(http://user:password@host:15672/): stats then show backlog and "
-                      "in-flight figures."),)),
+                      "in-flight figures.", ("http", "https")),)),
     Broker("--pubsub-project", "The Pub/Sub project (PUBSUB_EMULATOR_HOST selects the "
            "emulator).", _pubsub, probe=_reach_pubsub),
 )

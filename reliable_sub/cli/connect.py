@@ -68,8 +68,16 @@ class Connection:
         if broker.schemes:
             check_url(broker.option, value, broker.schemes)
         prefix = self.prefixes.get(broker.prefix_param)
-        settings = {name: self.settings[name] for name in broker.setting_params
-                    if name in self.settings}
+        for other in BROKERS:
+            for (option, _, _), name in zip(other.settings, other.setting_params, strict=True):
+                if other is not broker and name in self.settings:
+                    raise click.UsageError(f"{option} is an option of {other.option}; the "
+                                           f"broker named is {broker.option}")
+        settings = {}
+        for (option, _, schemes), name in zip(broker.settings, broker.setting_params,
+                                              strict=True):
+            if name in self.settings:
+                settings[name] = check_url(option, self.settings[name], schemes)
         return _built(broker.option, value, lambda: broker.build(value, prefix, **settings))
 
     async def reach_adapter(self, adapter: Adapter) -> None:
