@@ -96,6 +96,8 @@ class SqlEngines:
                 f"{self.dialect!r}"
             )
         self.mysql = self.dialect in MYSQL_DIALECTS
+        # MariaDB from a URL: an autocommit engine (and pool) of its own, see _make_autocommit
+        self._own_autocommit = self.mysql and self._given is None
         if self._given is not None:
             # a given engine keeps its level for handlers' transactions; our statements run
             # READ COMMITTED on MariaDB (see the module's docstring), through a view of it
@@ -179,7 +181,7 @@ class SqlEngines:
         return engine
 
     def _make_autocommit(self) -> AsyncEngine:
-        if self.mysql and self._given is None:
+        if self._own_autocommit:
             # no ROLLBACK when a connection goes back to the pool: in autocommit none of its
             # statements leaves a transaction open (asyncmy would send one: a round trip)
             return self._make(isolation_level="AUTOCOMMIT", skip_autocommit_rollback=True)
@@ -202,7 +204,7 @@ class SqlEngines:
     async def close(self) -> None:
         """Dispose of this loop's engine (its connections); a later call reconnects."""
         autocommit = self._autocommit.pop()
-        if not (self.mysql and self._given is None):
+        if not self._own_autocommit:
             autocommit = None  # the engine's own pool, disposed of with it
         for engine in (self._engines.pop(), self._transaction_engines.pop(), autocommit):
             if engine is not None:

@@ -61,7 +61,7 @@ class SqlClaims:
                 again = sa.select(*self._columns()).where(
                     sa.tuple_(t.c.namespace, t.c.key).in_(racing))
                 result += (await connection.execute(again)).all()
-        return {(r[0], r[1]): (r[2], r[3], r[4], r[5], r[6]) for r in result}
+        return by_key(result)
 
     def _columns(self) -> list[Any]:
         return [self.table.c[name] for name in _COLUMNS]
@@ -213,17 +213,20 @@ class SqlClaims:
                 else_=t.c.failures,
             )))
         changes += [(t.c[name], value) for name, value in values.items()]
-        return (
-            sa.update(t)
-            .where(
-                sa.tuple_(t.c.namespace, t.c.key, t.c.owner).in_(
-                    [(*stored(c.key), c.token) for c in claims]
-                ),
-                t.c.state == CLAIMED,
-                t.c.expires_at > now,
-            )
-            .ordered_values(*changes)
-        )
+        return sa.update(t).where(*self._held(claims, now)).ordered_values(*changes)
+
+    def _held(self, claims: Sequence[Claimed], now: float | None = None) -> list[Any]:
+        """The rows ``claims`` still hold under their tokens (and whose lease has not lapsed
+        at ``now``, if given)."""
+        t = self.table
+        held = [sa.tuple_(t.c.namespace, t.c.key, t.c.owner).in_(
+                    [(*stored(c.key), c.token) for c in claims]),
+                t.c.state == CLAIMED]
+        return held if now is None else [*held, t.c.expires_at > now]
+
+    async def forget(self, connection: AsyncConnection, claims: Sequence[Claimed]) -> None:
+        """Delete the rows ``claims`` still hold (lapsed or not)."""
+        await connection.execute(sa.delete(self.table).where(*self._held(claims)))
 
     async def purge(self, connection: AsyncConnection, now: float, batch_size: int) -> int:
         """Delete at most ``batch_size`` expired rows; how many it deleted."""
@@ -249,4 +252,9 @@ class SqlClaims:
         return int((await connection.execute(statement)).scalar_one())
 
 
-__all__ = ["ClaimRow", "CompletionRow", "Row", "SqlClaims"]
+def by_key(rows: Any) -> dict[tuple[str, str], Row]:
+    """Rows of (namespace, key, state, owner, failures, expires_at, result), by their key."""
+    return {(r[0], r[1]): (r[2], r[3], r[4], r[5], r[6]) for r in rows}
+
+
+__all__ = ["ClaimRow", "CompletionRow", "Row", "SqlClaims", "by_key"]

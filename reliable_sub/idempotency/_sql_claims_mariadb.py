@@ -26,7 +26,7 @@ from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..ports import Claimed
-from ._sql_claims import ClaimRow, CompletionRow, Row, SqlClaims
+from ._sql_claims import ClaimRow, CompletionRow, Row, SqlClaims, by_key
 from .sql_table import (
     CLAIMED,
     COMPLETED,
@@ -35,7 +35,6 @@ from .sql_table import (
     FAILED,
     NEVER,
     OWNER_LENGTH,
-    stored,
     stored_part,
 )
 
@@ -97,7 +96,7 @@ class MariaDbClaims(SqlClaims):
     ) -> dict[tuple[str, str], Row]:
         result = await connection.execute(
             self._claim_text, {"batch": _sorted_json(rows), "now": now, "lease_end": lease_end})
-        return {(r[0], r[1]): (r[2], r[3], r[4], r[5], r[6]) for r in result.all()}
+        return by_key(result.all())
 
     async def complete(
         self, connection: AsyncConnection, rows: list[CompletionRow], now: float,
@@ -118,11 +117,7 @@ class MariaDbClaims(SqlClaims):
         t = self.table
         # A row held under one of these tokens now was held when the update ran (no other
         # call writes our tokens, and the lease just extended cannot have lapsed since).
-        held = sa.select(t.c.namespace, t.c.key).where(
-            sa.tuple_(t.c.namespace, t.c.key, t.c.owner).in_(
-                [(*stored(c.key), c.token) for c in claims]),
-            t.c.state == CLAIMED, t.c.expires_at > now,
-        )
+        held = sa.select(t.c.namespace, t.c.key).where(*self._held(claims, now))
         return {(r[0], r[1]) for r in (await connection.execute(held)).all()}
 
     async def purge(self, connection: AsyncConnection, now: float, batch_size: int) -> int:

@@ -202,7 +202,6 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         now = self._clock.wall()
         keep = [c for c in claims if c.failures > 0 and retention > 0]
         forget = [c for c in claims if not (c.failures > 0 and retention > 0)]
-        t = self.table
 
         async def release(connection: AsyncConnection) -> None:
             if keep:
@@ -213,12 +212,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
                     failures=True, report=False,
                 )
             if forget:
-                await connection.execute(sa.delete(t).where(
-                    sa.tuple_(t.c.namespace, t.c.key, t.c.owner).in_(
-                        [(*stored(c.key), c.token) for c in forget]
-                    ),
-                    t.c.state == CLAIMED,
-                ))
+                await self._sql.forget(connection, forget)
 
         await self._engines.standalone_call(release)
 

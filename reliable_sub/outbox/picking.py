@@ -87,14 +87,14 @@ class RowPicker:
                          t.c.ordering_key, t.c.attempts, t.c.trace_context]
         self.shared = dialect == "postgresql" or dialect in MYSQL_DIALECTS
         self.named_locks = dialect in MYSQL_DIALECTS
-        if self.shared:
-            t = table
-            # the oldest pending row's id (MariaDB): the first entry of ix_published_at (NULLs
-            # by id) not parked; walked in that index's order, as MIN(id) walks the primary key
+        if self.named_locks:
+            # the oldest pending row's id: the first entry of ix_published_at (NULLs by id)
+            # not parked; walked in that index's order, as MIN(id) walks the primary key
             index = f"FORCE INDEX (ix_{t.name}_published_at)"
             self._first_pending = (
                 sa.select(t.c.id).where(_pending(t)).order_by(t.c.id)
                 .limit(1).with_hint(t, index, "mysql").with_hint(t, index, "mariadb"))
+        if self.shared:
             self._keys = self._keys_statement()
             self._unkeyed = self._unkeyed_statement()
             self._keyed = (self._ranked_keyed_statement() if self.named_locks
