@@ -448,8 +448,8 @@ class NatsJetStreamAdapter(InstrumentedPublishing):
                 ``max_deliver`` above that is a backstop: past it the server stops delivering
                 the message (it stays in the stream) and publishes an advisory on
                 ``$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>``.
-            retain_acked_messages: accepted for portability; a stream keeps acked messages
-                until its limits remove them.
+            **options: ``retain_acked_messages`` is accepted for portability; a stream keeps
+                acked messages until its limits remove them.
         """
         options.pop("retain_acked_messages", None)
         if options:

@@ -192,7 +192,8 @@ class RabbitMQAdapter(InstrumentedPublishing):
                 above that is a backstop: past it the broker drops the message (or moves it to
                 the queue's own dead-letter exchange, if ``queue_arguments`` names one).
             queue_arguments: more arguments for the queue (``x-max-length``...).
-            retain_acked_messages: accepted for portability; a queue deletes what is acked.
+            **options: ``retain_acked_messages`` is accepted for portability; a queue
+                deletes what is acked.
         """
         options.pop("retain_acked_messages", None)
         if options:

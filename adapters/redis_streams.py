@@ -283,8 +283,8 @@ class RedisStreamsAdapter(InstrumentedPublishing):
                 consumer, handles nothing), so creating one on a stream that holds entries
                 logs a WARNING with their count and the fix (``start="0"``, or a seek of
                 the existing group to 1970).
-            retain_acked_messages: accepted for portability; a stream always keeps acked
-                entries until ``max_len`` trims them, so a seek can replay them.
+            **options: ``retain_acked_messages`` is accepted for portability; a stream always
+                keeps acked entries until ``max_len`` trims them, so a seek can replay them.
         """
         settings = self._settings(topic, ack_deadline, start, options)
         client = self.client

@@ -114,12 +114,13 @@ class Subscriber(Service):
             handler blocking the loop; None turns the watchdog off.
         dedup_purge_interval: seconds between ``dedup.purge_expired()`` calls, for a store
             that has one (``SqlDedupStore``); None never purges (run it yourself, e.g. cron).
-        tracer_provider, meter_provider: where the span of each delivery attempt and the
-            consumer metrics go (default: OpenTelemetry's global providers, read when a run
-            starts; without an SDK nothing is recorded, at no cost). Given here, they also
-            record the publishes made through ``adapter`` (``adapter.instrument_publishes``):
-            dead letters, and your own ``publish``/``publish_sync`` on it. See
+        tracer_provider: where the span of each delivery attempt goes (default:
+            OpenTelemetry's global providers, read when a run starts; without an SDK nothing is
+            recorded, at no cost). Given here, both providers also record the publishes made
+            through ``adapter`` (``adapter.instrument_publishes``): dead letters, and your own
+            ``publish``/``publish_sync`` on it. See
             :mod:`reliable_sub.telemetry`.
+        meter_provider: where the consumer metrics go, as ``tracer_provider``.
         telemetry: what the spans carry (:class:`~reliable_sub.policy.TelemetryPolicy`: link
             to or child of the producer's span; the idempotency key hashed, raw or not at all).
         unhealthy_after: seconds a call the Subscriber depends on (receiving, claiming or

@@ -48,6 +48,8 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             if nodeid.startswith("tests/chaos/"):
                 return lane_of(nodeid)
+            if ".md::" in nodeid:  # a Markdown file's snippets share one namespace, in order
+                return nodeid.split("::", 1)[0]
             if "test_rabbitmq_management.py" in nodeid or "WithManagement::" in nodeid:
                 return "rabbitmq-management"
             return "cluster" if "OnACluster::" in nodeid else nodeid

@@ -1,7 +1,7 @@
 """The ``reliable-sub`` command (extra ``cli``): dead-letter queues, seek and snapshots, the
 outbox, a subscription's figures, and running a Subscriber defined in your code.
 
-``reliable-sub --help`` lists the commands; the README's operator's guide shows them at work.
+``reliable-sub --help`` lists the commands; docs/operations/cli.md shows them at work.
 """
 
 from __future__ import annotations

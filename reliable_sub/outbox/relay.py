@@ -110,8 +110,9 @@ class OutboxRelay(Service):
             also the first wait after a failed round (the database or broker away), doubling
             up to ``max_backoff``.
         max_attempts: failed publishes after which a row is parked (``failed_at`` set).
-        min_backoff, max_backoff: seconds a row waits after a failed publish, doubling from
-            ``min_backoff`` up to ``max_backoff``, jittered.
+        min_backoff: seconds a row waits after its first failed publish, doubling after each
+            further one up to ``max_backoff``, jittered.
+        max_backoff: the longest wait between a row's publishes.
         publish_timeout: seconds a round's publish may take before its rows count as failed.
         retention: seconds published rows are kept before a running relay deletes them; None
             keeps them (delete them yourself with :meth:`purge_published`).
@@ -119,9 +120,10 @@ class OutboxRelay(Service):
         stop_timeout: real seconds a stop that names no timeout waits for the round under way.
         clock: the time source (``wall()`` for the rows, ``sleep`` for waits).
         rng: random source for backoff jitter.
-        tracer_provider, meter_provider: where the send span of each row (the child of the
-            context :meth:`Outbox.add` captured) and the outbox metrics go (default:
-            OpenTelemetry's global providers; nothing is recorded without an SDK).
+        tracer_provider: where the send span of each row goes (the child of the context
+            :meth:`Outbox.add` captured; default: OpenTelemetry's global provider; nothing is
+            recorded without an SDK).
+        meter_provider: where the outbox metrics go, as ``tracer_provider``.
         metrics_interval: seconds between samples of the backlog for the outbox gauges, while
             a meter records.
 
