@@ -90,7 +90,7 @@ try:
         raise_unless_group_exists,
         skipped_warning,
     )
-    from reliable_sub.idempotency.redis_store import COMPLETE_LUA, RedisDedupStore
+    from reliable_sub.dedup._redis import COMPLETE_LUA, RedisDedupStore
     from reliable_sub.redis_clients import (
         AsyncClient,
         RedisClients,

@@ -514,7 +514,7 @@ class DedupEpochs(Protocol):
     """An optional capability of a :class:`DedupStore`: an epoch number per namespace.
 
     The Subscriber claims a subscription's keys in the namespace of its current epoch
-    (:func:`reliable_sub.idempotency.epochs.epoch_namespace`), so records written in an earlier
+    (:func:`reliable_sub.dedup._epochs.epoch_namespace`), so records written in an earlier
     epoch no longer match: a replay in mode ``"reprocess"`` starts a new epoch before it seeks.
     Epochs are kept until deleted by hand; a namespace that never had one is in epoch 0.
     """

@@ -28,7 +28,7 @@ if importlib.util.find_spec("redis") is None and os.environ.get("CI", "").lower(
     pytest.skip('RedisDedupStore needs pip install "reliable-sub[redis]"',
                 allow_module_level=True)
 
-from reliable_sub.idempotency.redis_store import READABLE_LIMIT, RedisDedupStore
+from reliable_sub.dedup._redis import READABLE_LIMIT, RedisDedupStore
 from reliable_sub.redis_clients import URL_SCHEMES
 
 if TYPE_CHECKING:

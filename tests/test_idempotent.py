@@ -169,7 +169,7 @@ def _memory() -> tuple[DedupStore, DedupStore, Callable[[], Any]]:
 
 
 def _sql(url: str) -> tuple[DedupStore, DedupStore, Callable[[], Any], Callable[[], Any]]:
-    from reliable_sub.idempotency.sql_store import SqlDedupStore
+    from reliable_sub.dedup import SqlDedupStore
 
     table = f"test_idempotent_{uuid.uuid4().hex[:10]}"
     store = SqlDedupStore(url, table=table, owner="me")  # the system clock: real leases

@@ -18,9 +18,8 @@ import pytest
 import sqlalchemy as sa
 
 from reliable_sub.clock import ManualClock
-from reliable_sub.dedup import Claimed, Completed, DedupKey, InProgress
+from reliable_sub.dedup import Claimed, Completed, DedupKey, InProgress, SqlDedupStore
 from reliable_sub.errors import ConfigurationError
-from reliable_sub.idempotency.sql_store import SqlDedupStore
 from reliable_sub.sql_engines import MYSQL_LOCK_WAIT_SECONDS, check_mysql_server
 from reliable_sub.testing.services import mariadb_url
 

@@ -92,6 +92,7 @@ from .._callables import is_async_callable
 from .._results import encode_result
 from .._text import describe_error, safe_repr
 from ..clock import Clock, SystemClock, sleep_or_event
+from ..dedup._store_base import TokenSource, check_owner
 from ..errors import (
     ConfigurationError,
     IdempotencyInProgressError,
@@ -110,7 +111,6 @@ from ..ports import (
     InProgress,
     SyncDedupStore,
 )
-from ._store_base import TokenSource, check_owner
 from .background_loop import BACKGROUND
 from .fingerprint import fingerprint
 from .renewer import RENEWALS_PER_LEASE, RENEWER

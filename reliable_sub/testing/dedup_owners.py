@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from reliable_sub import Claimed, Completed, Completion, ConfigurationError, DedupKey, InProgress
-from reliable_sub.idempotency._store_base import OWNER_LIMIT
+from reliable_sub.dedup._store_base import OWNER_LIMIT
 from reliable_sub.ports import DedupStore
 from reliable_sub.testing.dedup_harness import StoreHarness
 

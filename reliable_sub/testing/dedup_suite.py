@@ -31,7 +31,7 @@ from reliable_sub import (
     StoredResultError,
 )
 from reliable_sub.dedup import encode_result
-from reliable_sub.idempotency.epochs import epoch_namespace
+from reliable_sub.dedup._epochs import epoch_namespace
 from reliable_sub.ports import ClaimResult, DedupEpochs
 from reliable_sub.testing import dedup_owners
 from reliable_sub.testing.dedup_harness import StoreHarness
@@ -67,7 +67,7 @@ def memory_stores() -> StoreHarness:
 def redis_stores(url: str | None = None, client_factory: Callable[[], object] | None = None,
                   name: str = "redis") -> StoreHarness:
 
-    from reliable_sub.idempotency.redis_store import RedisDedupStore
+    from reliable_sub.dedup import RedisDedupStore
 
     prefix = f"test-contract-{uuid.uuid4().hex[:10]}"
     made: list[RedisDedupStore] = []
@@ -102,7 +102,7 @@ def redis_stores(url: str | None = None, client_factory: Callable[[], object] | 
 
 def sql_stores(url: str, name: str = "sql") -> StoreHarness:
     """Two SqlDedupStores over one fresh table on ``url``, on a shared ManualClock."""
-    from reliable_sub.idempotency.sql_store import SqlDedupStore
+    from reliable_sub.dedup import SqlDedupStore
 
     clock = ManualClock(start=1000.0)
     table = f"test_processed_{uuid.uuid4().hex[:10]}"

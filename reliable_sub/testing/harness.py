@@ -245,7 +245,7 @@ def redis_harness(url: str | None = None, name: str = "redis",
             await clients.close()
 
     def new_store(owner: str) -> DedupStore:
-        from reliable_sub.idempotency.redis_store import RedisDedupStore
+        from reliable_sub.dedup import RedisDedupStore
 
         return RedisDedupStore(url, prefix=f"conf-{run}:dedup", owner=owner)
 
@@ -272,7 +272,7 @@ def fakeredis_harness() -> Harness:
         )
 
     def new_store(owner: str) -> DedupStore:
-        from reliable_sub.idempotency.redis_store import RedisDedupStore
+        from reliable_sub.dedup import RedisDedupStore
 
         return RedisDedupStore(fakeredis.FakeAsyncRedis(server=server), owner=owner,
                                sync_client=fakeredis.FakeRedis(server=server))

@@ -121,7 +121,7 @@ class RedisDedupStore(SingleKeyMethods):
         prefix: the first part of every Redis key this store writes; no braces.
         owner: readable prefix of this store's fencing tokens, such as the service's name
             (default: a short random one); see
-            :func:`~reliable_sub.idempotency.memory_store.check_owner`.
+            :func:`~reliable_sub.dedup.check_owner`.
         sync_client: the ``redis.Redis`` client of the blocking twins (``claim_many_sync`` ...)
             on the same server (default: one built from the URL, or from the given client's
             host, port, database and credentials -- pass one for TLS or a fake server).
