@@ -57,7 +57,7 @@ from reliable_sub.errors import (
     UnknownSubscriptionError,
     UnknownTopicError,
 )
-from reliable_sub.idempotency.background_loop import BackgroundLoop
+from reliable_sub.idempotency._background_loop import BackgroundLoop
 from reliable_sub.loops import PerLoop
 from reliable_sub.message import IDEMPOTENCY_KEY_ATTRIBUTE, Delivery, Message
 from reliable_sub.ports import (

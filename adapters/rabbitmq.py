@@ -54,7 +54,7 @@ from reliable_sub.errors import (
     UnknownSubscriptionError,
     UnknownTopicError,
 )
-from reliable_sub.idempotency.background_loop import BackgroundLoop
+from reliable_sub.idempotency._background_loop import BackgroundLoop
 from reliable_sub.loops import PerLoop
 from reliable_sub.message import Delivery, Message
 from reliable_sub.ports import Capabilities, Outgoing, Payload, SubscriptionStats, checked_message

@@ -68,7 +68,8 @@ from ..redis_clients import (
     sync_script,
 )
 
-logger = logging.getLogger(__name__)
+# The name this module's records always had (it was public): logging set-ups name it.
+logger = logging.getLogger("reliable_sub.idempotency.redis_store")
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "reliable-sub:dedup"
