@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
+from reliable_sub._runtime.histogram import SlidingHistogram
 from reliable_sub.clock import ManualClock
-from reliable_sub.runtime.histogram import SlidingHistogram
 
 
 def test_percentile_is_nearest_rank() -> None:

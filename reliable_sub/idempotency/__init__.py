@@ -11,7 +11,7 @@
 
 The dedup stores they keep their records in are :mod:`reliable_sub.dedup`; the contract is in
 :mod:`reliable_sub.ports`. The claim lifecycle of a running Subscriber is
-:mod:`reliable_sub.runtime.claims`.
+:mod:`reliable_sub._runtime.claims`.
 """
 
 from .decorator import IdempotentResult, idempotent

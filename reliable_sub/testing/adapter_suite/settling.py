@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from reliable_sub import Claimed, DedupKey, Message, Outcome, RetryPolicy
+from reliable_sub._runtime.settler import RETRY_WAIT_MAX, RETRY_WAIT_MIN
 from reliable_sub.message import Delivery
 from reliable_sub.ports import AcksWithCompletions, Adapter
-from reliable_sub.runtime.settler import RETRY_WAIT_MAX, RETRY_WAIT_MIN
 from reliable_sub.testing.harness import Harness, Recorder, drain
 
 

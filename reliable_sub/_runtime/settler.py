@@ -35,7 +35,8 @@ from .claims import Claims
 from .health import Health
 from .inflight import InFlight, Stage
 
-logger = logging.getLogger(__name__)
+# The name this module's records always had (it was public): logging set-ups name it.
+logger = logging.getLogger("reliable_sub.runtime.settler")
 
 T = TypeVar("T")
 
