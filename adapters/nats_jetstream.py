@@ -46,6 +46,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from reliable_sub._loops import PerLoop
 from reliable_sub.adapters._nats_liveness import Retirer, reader_stopped
 from reliable_sub.adapters._nats_urls import servers_of
 from reliable_sub.dead_letters import REPLAYED_FROM_ATTRIBUTE
@@ -58,7 +59,6 @@ from reliable_sub.errors import (
     UnknownTopicError,
 )
 from reliable_sub.idempotency._background_loop import BackgroundLoop
-from reliable_sub.loops import PerLoop
 from reliable_sub.message import IDEMPOTENCY_KEY_ATTRIBUTE, Delivery, Message
 from reliable_sub.ports import (
     Capabilities,

@@ -84,6 +84,13 @@ try:
     from redis.crc import key_slot
     from redis.exceptions import ResponseError
 
+    from reliable_sub._redis_clients import (
+        AsyncClient,
+        RedisClients,
+        SyncClient,
+        lua_source,
+        script,
+    )
     from reliable_sub.adapters._redis_groups import (
         create_group,
         create_group_sync,
@@ -91,13 +98,6 @@ try:
         skipped_warning,
     )
     from reliable_sub.dedup._redis import COMPLETE_LUA, RedisDedupStore
-    from reliable_sub.redis_clients import (
-        AsyncClient,
-        RedisClients,
-        SyncClient,
-        lua_source,
-        script,
-    )
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("RedisStreamsAdapter", "redis", "redis") from error
 

@@ -757,7 +757,7 @@ STAGE_RULES = (
         "completion_records",
         "same_server",
     ),
-    rule(SETTLE, "reliable_sub/redis_clients.py", "same_server"),
+    rule(SETTLE, "reliable_sub/_redis_clients.py", "same_server"),
     rule(
         SETTLE,
         ADAPTER_FILE,

@@ -32,6 +32,7 @@ from ._checks import (
     checked_middleware,
     handler_policies,
 )
+from ._lifecycle import Service
 from ._runtime.lanes import Config, Route
 from ._runtime.lease import LeaseManager
 from ._runtime.pipeline import Runtime
@@ -40,7 +41,6 @@ from .clock import Clock, SystemClock
 from .dedup import DedupStore
 from .errors import ConfigurationError
 from .idempotency.transactional import TransactionalStore
-from .lifecycle import Service
 from .message import Message
 from .middleware import Middleware
 from .outcome import DeliveryEvent, Outcome, SubscriberStats
@@ -325,7 +325,7 @@ class Subscriber(Service):
             raise RuntimeError(f"subscription {subscription!r} is not running")
         return runtime.lanes[subscription].lease
 
-    # -- lifecycle (start/stop, run, serve/shutdown, with: see reliable_sub.lifecycle) ----------
+    # -- lifecycle (start/stop, run, serve/shutdown, with: see reliable_sub._lifecycle) ---------
 
     _usual_name = "sub"
     _work_under_way = "running handlers"

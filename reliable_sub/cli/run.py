@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ..lifecycle import Service
+from .._lifecycle import Service
 from .failures import USAGE, classify, fail
 
 LEVELS = ["critical", "error", "warning", "info", "debug"]

@@ -43,9 +43,9 @@ import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeVar
 
+from .._loops import PerLoop
 from .._results import checked_result_json
 from ..errors import ConfigurationError, MissingExtraError
-from ..loops import PerLoop
 from ..policy import check_seconds
 from ..ports import Claimed, ClaimResult, Completed, Completion, DedupKey, InProgress
 from ._store_base import SingleKeyMethods, TokenSource, check_owner
@@ -58,7 +58,7 @@ except ImportError as error:  # the redis extra is not installed
     raise MissingExtraError("RedisDedupStore", "redis", "redis") from error
 
 
-from ..redis_clients import (
+from .._redis_clients import (
     AsyncClient,
     RedisClients,
     SyncClient,

@@ -36,7 +36,7 @@ try:
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("SqlDedupStore", "sql", "SQLAlchemy") from error
 
-from ..sql_engines import MYSQL_DIALECTS, OnSqlEngines, SqlEngines
+from .._sql_engines import MYSQL_DIALECTS, OnSqlEngines, SqlEngines
 from ._sql_claims import SqlClaims
 from ._sql_claims_mariadb import MariaDbClaims
 from ._sql_table import (
@@ -220,7 +220,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
 
     def begin(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """An ``AsyncConnection`` in a transaction (commits on exit), from a pool of its own
-        (see :attr:`~reliable_sub.sql_engines.SqlEngines.transaction_engine`): the store's
+        (see :attr:`~reliable_sub._sql_engines.SqlEngines.transaction_engine`): the store's
         calls never wait for a connection behind running handlers."""
         return self._engines.transaction_engine.begin()
 

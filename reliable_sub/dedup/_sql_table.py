@@ -26,7 +26,7 @@ try:
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("SqlDedupStore", "sql", "SQLAlchemy") from error
 
-from ..sql_types import TABLE_OPTIONS, exact_text, long_text, seconds
+from .._sql_types import TABLE_OPTIONS, exact_text, long_text, seconds
 
 DEFAULT_TABLE = "reliable_sub_processed"
 # Namespaces and keys up to this many characters are stored as they are; longer ones hashed.

@@ -221,9 +221,9 @@ def redis_harness(url: str | None = None, name: str = "redis",
                   ack_deadline: float = 1.0) -> Harness:
     """Real Redis: by default on 127.0.0.1:6379, or at ``url`` (a ``redis+cluster://`` URL for
     a Redis Cluster). Real time: a 1 s ack deadline keeps the suite short."""
+    from reliable_sub._redis_clients import RedisClients
     from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
     from reliable_sub.clock import SystemClock
-    from reliable_sub.redis_clients import RedisClients
     from reliable_sub.testing.services import redis_url
 
     url = url or redis_url()
