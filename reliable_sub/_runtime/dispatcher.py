@@ -67,10 +67,12 @@ class Dispatcher:
         config, state: the run's configuration and switches.
         flow, workers: the byte budget and the sync handlers' threads.
         claims, stats, health: for re-taking a claim that lapsed while its delivery waited.
-        failure: the dead-letter-or-backoff decision, awaited right after a failed attempt.
         telemetry: the run's telemetry, or None.
         settle, succeeded, apply, claim_lost, cancelled, in_progress_elsewhere, defer_delay:
             the :class:`~reliable_sub._runtime.decisions.Decisions` methods of those names.
+
+    A failed attempt's dead-letter-or-backoff decision is its lane's (``Lane.failure``),
+    awaited right after the attempt.
     """
 
     def __init__(

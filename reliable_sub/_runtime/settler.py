@@ -164,8 +164,8 @@ class Settler:
 
     Args:
         adapter: the broker.
-        dedup: the store completions and releases go to.
-        dedup_ttl: retention of completed records and failure counts.
+        claims: the run's claim lifecycle: completions and releases go to its store, kept for
+            its ``retention`` (completed records and failure counts).
         stats: counters of store and broker errors and refused acks.
         on_settled: called with settles confirmed together and the ack ids the broker
             refused among them.
