@@ -879,3 +879,6 @@ def _msg_id(attributes: dict[str, str]) -> str | None:
     if len(msg_id) <= MAX_PLAIN_MSG_ID and msg_id.isascii() and msg_id.isprintable():
         return msg_id
     return "sha256:" + hashlib.sha256(msg_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+__all__ = ["CAPABILITIES", "DEFAULT_URL", "NatsJetStreamAdapter"]

@@ -798,3 +798,6 @@ def _failed_ack_ids(
 
 def _chunks(items: list[Delivery], size: int) -> list[list[Delivery]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+__all__ = ["CAPABILITIES", "PubSubAdapter"]

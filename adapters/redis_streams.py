@@ -886,3 +886,6 @@ def _entries_of(reply: Any) -> list[_Entry]:
                 continue  # deleted while pending: only XREADGROUP of history shows these
             entries.append((_text(entry_id), _field_map(fields), 1))
     return entries
+
+
+__all__ = ["CAPABILITIES", "DEFAULT_URL", "RedisStreamsAdapter", "hash_tag"]

@@ -646,3 +646,36 @@ class Inspectable(Protocol):
     async def subscription_stats(self, subscription: str) -> SubscriptionStats:
         """The subscription's figures now (``UnknownSubscriptionError`` if there is none)."""
         ...
+
+
+__all__ = [
+    "CONTENT_TYPE",
+    "JSON_CONTENT_TYPE",
+    "AcksWithCompletions",
+    "Adapter",
+    "Admin",
+    "BatchPublisher",
+    "Capabilities",
+    "ClaimResult",
+    "Claimed",
+    "Completed",
+    "Completion",
+    "Consumer",
+    "DedupEpochs",
+    "DedupKey",
+    "DedupStore",
+    "DescribesConnection",
+    "InProgress",
+    "Inspectable",
+    "InstrumentsPublishes",
+    "Outgoing",
+    "Payload",
+    "Prefetches",
+    "Publisher",
+    "Seekable",
+    "Snapshot",
+    "SubscriptionStats",
+    "SyncDedupStore",
+    "attributes_from_json",
+    "checked_message",
+]

@@ -180,3 +180,6 @@ def _built(option: str, value: str, build: Callable[[], T], also: str = "") -> T
                 type(error).__name__ != "ArgumentError"):
             raise
         raise ConfigurationError(f"{option} {shown(value)}: {error}{also}") from error
+
+
+__all__ = ["DEFAULT_CONNECT_TIMEOUT", "Connection"]

@@ -111,3 +111,6 @@ def run(target: str, log_level: str) -> None:
 
 
 COMMANDS = [run]
+
+
+__all__ = ["COMMANDS", "load", "run"]

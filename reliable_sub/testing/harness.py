@@ -415,3 +415,19 @@ async def drain(harness: Harness, subscription: str) -> list[Delivery]:
     adapter = harness.adapters[0]
     return await harness.receive(adapter, subscription,
                                  timeout=DRAIN_MARGIN * harness.ack_deadline)
+
+
+__all__ = [
+    "Features",
+    "Harness",
+    "Recorder",
+    "delete_nats_streams",
+    "delete_rabbitmq_names",
+    "drain",
+    "fakeredis_harness",
+    "memory_harness",
+    "nats_harness",
+    "pubsub_harness",
+    "rabbitmq_harness",
+    "redis_harness",
+]
