@@ -717,7 +717,7 @@ class _Core:
         self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
     ) -> None:
         """:meth:`finish`; a caller cancelled meanwhile leaves it to be done in a task of its
-        own, which later calls with ``key`` wait for (see :mod:`.settling`)."""
+        own, which later calls with ``key`` wait for (see :mod:`._settling`)."""
         if self.shield:
             finishing = asyncio.ensure_future(self.finish(beat, claim, key, record))
             try:
