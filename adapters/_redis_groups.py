@@ -14,7 +14,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from reliable_sub.redis_clients import AsyncClient, SyncClient
+from reliable_sub._redis_clients import AsyncClient, SyncClient
 
 
 async def create_group(

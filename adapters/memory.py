@@ -568,3 +568,6 @@ class MemoryAdapter(InstrumentedPublishing):
         for loop, event in sub.waiters:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(event.set)
+
+
+__all__ = ["CAPABILITIES", "MemoryAdapter"]

@@ -46,6 +46,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from reliable_sub._loops import PerLoop
 from reliable_sub.adapters._nats_liveness import Retirer, reader_stopped
 from reliable_sub.adapters._nats_urls import servers_of
 from reliable_sub.dead_letters import REPLAYED_FROM_ATTRIBUTE
@@ -57,8 +58,7 @@ from reliable_sub.errors import (
     UnknownSubscriptionError,
     UnknownTopicError,
 )
-from reliable_sub.idempotency.background_loop import BackgroundLoop
-from reliable_sub.loops import PerLoop
+from reliable_sub.idempotency._background_loop import BackgroundLoop
 from reliable_sub.message import IDEMPOTENCY_KEY_ATTRIBUTE, Delivery, Message
 from reliable_sub.ports import (
     Capabilities,
@@ -879,3 +879,6 @@ def _msg_id(attributes: dict[str, str]) -> str | None:
     if len(msg_id) <= MAX_PLAIN_MSG_ID and msg_id.isascii() and msg_id.isprintable():
         return msg_id
     return "sha256:" + hashlib.sha256(msg_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+__all__ = ["CAPABILITIES", "DEFAULT_URL", "NatsJetStreamAdapter"]

@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+from reliable_sub._loops import PerLoop
 from reliable_sub.entries import read_each
 from reliable_sub.errors import (
     AccessDeniedError,
@@ -40,7 +41,6 @@ from reliable_sub.errors import (
     UnknownSubscriptionError,
     UnknownTopicError,
 )
-from reliable_sub.loops import PerLoop
 from reliable_sub.message import Delivery, Message
 from reliable_sub.policy import DeadLetterPolicy, RetryPolicy
 from reliable_sub.ports import (
@@ -798,3 +798,6 @@ def _failed_ack_ids(
 
 def _chunks(items: list[Delivery], size: int) -> list[list[Delivery]]:
     return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+__all__ = ["CAPABILITIES", "PubSubAdapter"]

@@ -47,6 +47,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from reliable_sub._loops import PerLoop
 from reliable_sub.entries import read_each
 from reliable_sub.errors import (
     ConfigurationError,
@@ -54,8 +55,7 @@ from reliable_sub.errors import (
     UnknownSubscriptionError,
     UnknownTopicError,
 )
-from reliable_sub.idempotency.background_loop import BackgroundLoop
-from reliable_sub.loops import PerLoop
+from reliable_sub.idempotency._background_loop import BackgroundLoop
 from reliable_sub.message import Delivery, Message
 from reliable_sub.ports import Capabilities, Outgoing, Payload, SubscriptionStats, checked_message
 from reliable_sub.telemetry.publishing import InstrumentedPublishing

@@ -84,20 +84,20 @@ try:
     from redis.crc import key_slot
     from redis.exceptions import ResponseError
 
-    from reliable_sub.adapters._redis_groups import (
-        create_group,
-        create_group_sync,
-        raise_unless_group_exists,
-        skipped_warning,
-    )
-    from reliable_sub.idempotency.redis_store import COMPLETE_LUA, RedisDedupStore
-    from reliable_sub.redis_clients import (
+    from reliable_sub._redis_clients import (
         AsyncClient,
         RedisClients,
         SyncClient,
         lua_source,
         script,
     )
+    from reliable_sub.adapters._redis_groups import (
+        create_group,
+        create_group_sync,
+        raise_unless_group_exists,
+        skipped_warning,
+    )
+    from reliable_sub.dedup._redis import COMPLETE_LUA, RedisDedupStore
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("RedisStreamsAdapter", "redis", "redis") from error
 
@@ -886,3 +886,6 @@ def _entries_of(reply: Any) -> list[_Entry]:
                 continue  # deleted while pending: only XREADGROUP of history shows these
             entries.append((_text(entry_id), _field_map(fields), 1))
     return entries
+
+
+__all__ = ["CAPABILITIES", "DEFAULT_URL", "RedisStreamsAdapter", "hash_tag"]

@@ -13,7 +13,7 @@
 * :class:`IdleSignallingSelector` -- the event loop's selector, which lets a sync handler's
   thread wait until the loop has nothing to do (see there for why).
 
-Nothing here looks inside ``reliable_sub.runtime``: whatever the delivery path becomes, these
+Nothing here looks inside ``reliable_sub._runtime``: whatever the delivery path becomes, these
 seams stay where they are.
 """
 

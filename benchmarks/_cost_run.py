@@ -322,8 +322,8 @@ def real_time_calls_once() -> Iterator[None]:
     """The Redis adapter's reclaim of idle entries and the Subscriber's read of the dedup epoch,
     which run once per second of real time, run once per Subscriber run meanwhile: a pass counts
     the same calls however long a busy machine makes it."""
+    from reliable_sub._runtime import claims
     from reliable_sub.adapters import redis_streams
-    from reliable_sub.runtime import claims
 
     saved = redis_streams.RECLAIM_INTERVAL_MIN, redis_streams.RECLAIM_INTERVAL_MAX
     epoch_cache = claims.EpochCache

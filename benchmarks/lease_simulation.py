@@ -16,7 +16,7 @@ What it measures, for both sides on the same deliveries (same arrivals, same han
 
 How:
 
-* Time is virtual. OUR side is the real :class:`reliable_sub.runtime.lease.LeaseManager` (default
+* Time is virtual. OUR side is the real :class:`reliable_sub.LeaseManager` (default
   :class:`~reliable_sub.policy.LeasePolicy`) on a :class:`~reliable_sub.clock.ManualClock`, driven
   the way the Subscriber drives it (``add`` on arrival, ``started`` at once since there is no flow
   control, ``finish`` when the handler ends) against :class:`SimulatedAdapter`, a broker that
@@ -55,12 +55,12 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import cast
 
+from reliable_sub._runtime.inflight import InFlight, Stage
+from reliable_sub._runtime.lease import BATCH_FRACTION, LeaseManager
 from reliable_sub.adapters.base import Adapter, Capabilities
 from reliable_sub.clock import ManualClock
 from reliable_sub.message import Delivery, Message
 from reliable_sub.policy import LeasePolicy
-from reliable_sub.runtime.inflight import InFlight, Stage
-from reliable_sub.runtime.lease import BATCH_FRACTION, LeaseManager
 
 # -- the workloads -------------------------------------------------------------------------------
 

@@ -59,7 +59,7 @@ async def _raw_worker(args: argparse.Namespace) -> int:
     import redis.asyncio as aioredis
     import sqlalchemy as sa
 
-    from reliable_sub.sql_engines import SqlEngines
+    from reliable_sub._sql_engines import SqlEngines
 
     # the library's driver, without its pre-ping (a round trip per checkout)
     engine = SqlEngines(args.postgres, owner="the raw loop",

@@ -111,11 +111,10 @@ from benchmarks._common import (
 from benchmarks._common import (
     Throughput as _common_throughput,
 )
-from reliable_sub import Message, Subscriber
+from reliable_sub import LeaseManager, Message, Subscriber
 from reliable_sub.adapters.pubsub import PubSubAdapter
 from reliable_sub.message import Delivery
 from reliable_sub.outcome import Outcome
-from reliable_sub.runtime.lease import LeaseManager
 from reliable_sub.subscriber import RECEIVE_BATCH
 from reliable_sub.testing.services import EmulatorProcess
 
@@ -705,31 +704,31 @@ ADAPTER_FILE = "adapters/pubsub.py"
 # dataclass __init__s, builtins, helpers shared by two stages such as subscription_path) takes
 # the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE_CALL, "reliable_sub/runtime/receiver.py", "_receive", "loop"),
+    rule(RECEIVE_CALL, "reliable_sub/_runtime/receiver.py", "_receive", "loop"),
     rule(RECEIVE_CONVERT, ADAPTER_FILE, "_delivery", "_count_attempt", "_unreadable"),
     # read_each walks the proto-plus response into _delivery (one guard per message)
     rule(RECEIVE_CONVERT, "reliable_sub/entries.py", "read_each"),
     rule(RECEIVE_CONVERT, ADAPTER_FILE, "<lambda>", lines=lines_of(PubSubAdapter.receive)),
     rule(RECEIVE_CALL, ADAPTER_FILE, "receive", "subscription_ack_deadline"),
     rule(RECEIVE_CALL, "google/pubsub_v1/services/subscriber/async_client.py", "pull"),
-    rule(LEASE, "reliable_sub/runtime/lease.py"),
-    rule(LEASE, "reliable_sub/runtime/lease_basics.py"),
-    rule(LEASE, "reliable_sub/runtime/claim_renewal.py"),
-    rule(LEASE, "reliable_sub/runtime/histogram.py"),
-    rule(TASK, "reliable_sub/runtime/receiver.py", "_admit"),
-    rule(TASK, "reliable_sub/runtime/dispatcher.py", "dispatch", "_start", "_run", "_attempt",
+    rule(LEASE, "reliable_sub/_runtime/lease.py"),
+    rule(LEASE, "reliable_sub/_runtime/lease_basics.py"),
+    rule(LEASE, "reliable_sub/_runtime/claim_renewal.py"),
+    rule(LEASE, "reliable_sub/_runtime/histogram.py"),
+    rule(TASK, "reliable_sub/_runtime/receiver.py", "_admit"),
+    rule(TASK, "reliable_sub/_runtime/dispatcher.py", "dispatch", "_start", "_run", "_attempt",
          "_call_handler", "_call"),
-    rule(TASK, "reliable_sub/runtime/lanes.py", "new_task"),
-    rule(TASK, "reliable_sub/runtime/inflight.py"),
+    rule(TASK, "reliable_sub/_runtime/lanes.py", "new_task"),
+    rule(TASK, "reliable_sub/_runtime/inflight.py"),
     rule(TASK, "reliable_sub/middleware/__init__.py"),
     rule(TASK, THIS_FILE, "handle"),
-    rule(SETTLE, "reliable_sub/runtime/decisions.py", "settle", "succeeded", "apply"),
-    rule(SETTLE, "reliable_sub/runtime/dispatcher.py", "key_decided"),
-    rule(SETTLE, "reliable_sub/runtime/pipeline.py", "_on_settled"),
-    rule(SETTLE, "reliable_sub/runtime/settler.py"),
+    rule(SETTLE, "reliable_sub/_runtime/decisions.py", "settle", "succeeded", "apply"),
+    rule(SETTLE, "reliable_sub/_runtime/dispatcher.py", "key_decided"),
+    rule(SETTLE, "reliable_sub/_runtime/pipeline.py", "_on_settled"),
+    rule(SETTLE, "reliable_sub/_runtime/settler.py"),
     rule(SETTLE, ADAPTER_FILE, "ack", "_acknowledge", "_in_chunks", "_by_subscription", "_chunks"),
     rule(SETTLE, "google/pubsub_v1/services/subscriber/async_client.py", "acknowledge"),
-    rule(FLOW, "reliable_sub/runtime/flow.py"),
+    rule(FLOW, "reliable_sub/_runtime/flow.py"),
     rule(FLOW, "reliable_sub/message.py", "size"),
     rule(GRPC, "grpc/aio/_call.py"),
     rule(GRPC, "grpc/aio/_channel.py"),

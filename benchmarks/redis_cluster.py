@@ -117,7 +117,7 @@ def count_round_trips() -> list[int]:
 async def consume(settings: dict[str, Any]) -> None:
     from reliable_sub import Message, Subscriber
     from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
-    from reliable_sub.idempotency.redis_store import RedisDedupStore
+    from reliable_sub.dedup import RedisDedupStore
     from reliable_sub.ports import DedupStore
 
     class CompletionsApart(RedisStreamsAdapter):

@@ -5,6 +5,8 @@ before its handler finished, duplicates turned into no-ops by a dedup store, ack
 ahead of running handlers from a rolling p99, retries with backoff and dead-lettering.
 """
 
+from ._runtime.current import current_claim
+from ._runtime.lease import LeaseManager
 from ._version import __version__
 from .batches import BatchResult
 from .clock import Clock, ManualClock, SystemClock
@@ -39,8 +41,6 @@ from .errors import (
 from .message import Delivery, Message
 from .outcome import Outcome, SubscriberStats
 from .policy import DeadLetterPolicy, FlowControl, LeasePolicy, RetryPolicy, TelemetryPolicy
-from .runtime.current import current_claim
-from .runtime.lease import LeaseManager
 from .subscriber import Subscriber
 
 __all__ = [

@@ -25,7 +25,7 @@ from .policy import (
 )
 
 if TYPE_CHECKING:
-    from .runtime.lanes import Config
+    from ._runtime.lanes import Config
 
 # What the Subscriber calls on an adapter and on a dedup store.
 ADAPTER_METHODS = (

@@ -245,3 +245,6 @@ async def within(
 def _retrieve(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved: no "exception was never retrieved" at garbage collection
+
+
+__all__ = ["AbandonedCall", "Clock", "ManualClock", "SystemClock", "sleep_or_event", "within"]

@@ -68,3 +68,6 @@ def describe(error: BaseException) -> str:
     """``"Type: text"`` of ``error``, at most MAX_PROBLEM_CHARS long, even when its ``__str__``
     raises."""
     return describe_error(error, MAX_PROBLEM_CHARS - 3)
+
+
+__all__ = ["MAX_PROBLEM_CHARS", "describe", "read_each"]

@@ -125,3 +125,26 @@ class IdempotencyKeyReuseError(ReliableSubError, ValueError):
     def __init__(self, message: str, *, key: str = "") -> None:
         super().__init__(message)
         self.key = key
+
+
+__all__ = [
+    "AccessDeniedError",
+    "AdapterError",
+    "BodyValidationError",
+    "ClaimLostError",
+    "ConfigurationError",
+    "HandlerTimeoutError",
+    "IdempotencyInProgressError",
+    "IdempotencyKeyReuseError",
+    "InvalidMessageError",
+    "MalformedMessageError",
+    "MissingExtraError",
+    "Reject",
+    "ReliableSubError",
+    "ResultNotSerializableError",
+    "SnapshotExistsError",
+    "StoredResultError",
+    "UnknownSnapshotError",
+    "UnknownSubscriptionError",
+    "UnknownTopicError",
+]

@@ -56,3 +56,6 @@ class Delivery:
     def size(self) -> int:
         """Payload bytes, for flow control."""
         return len(self.message.data)
+
+
+__all__ = ["IDEMPOTENCY_KEY_ATTRIBUTE", "Delivery", "Message"]

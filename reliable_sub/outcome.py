@@ -105,3 +105,6 @@ class SubscriberStats:
 
 _OUTCOME_NAMES = frozenset(outcome.value for outcome in Outcome)
 _COUNTERS = tuple(name for name in SubscriberStats.__dataclass_fields__ if name != "outcomes")
+
+
+__all__ = ["DeliveryEvent", "Outcome", "SubscriberStats"]

@@ -245,3 +245,16 @@ class TelemetryPolicy:
                 f"TelemetryPolicy.idempotency_key must be one of {IDEMPOTENCY_KEY_MODES}, got "
                 f"{self.idempotency_key!r}"
             )
+
+
+__all__ = [
+    "BACKOFF_JITTER",
+    "IDEMPOTENCY_KEY_MODES",
+    "DeadLetterPolicy",
+    "FlowControl",
+    "LeasePolicy",
+    "RetryPolicy",
+    "TelemetryPolicy",
+    "check_count",
+    "check_seconds",
+]

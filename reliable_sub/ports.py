@@ -514,7 +514,7 @@ class DedupEpochs(Protocol):
     """An optional capability of a :class:`DedupStore`: an epoch number per namespace.
 
     The Subscriber claims a subscription's keys in the namespace of its current epoch
-    (:func:`reliable_sub.idempotency.epochs.epoch_namespace`), so records written in an earlier
+    (:func:`reliable_sub.dedup._epochs.epoch_namespace`), so records written in an earlier
     epoch no longer match: a replay in mode ``"reprocess"`` starts a new epoch before it seeks.
     Epochs are kept until deleted by hand; a namespace that never had one is in epoch 0.
     """
@@ -646,3 +646,36 @@ class Inspectable(Protocol):
     async def subscription_stats(self, subscription: str) -> SubscriptionStats:
         """The subscription's figures now (``UnknownSubscriptionError`` if there is none)."""
         ...
+
+
+__all__ = [
+    "CONTENT_TYPE",
+    "JSON_CONTENT_TYPE",
+    "AcksWithCompletions",
+    "Adapter",
+    "Admin",
+    "BatchPublisher",
+    "Capabilities",
+    "ClaimResult",
+    "Claimed",
+    "Completed",
+    "Completion",
+    "Consumer",
+    "DedupEpochs",
+    "DedupKey",
+    "DedupStore",
+    "DescribesConnection",
+    "InProgress",
+    "Inspectable",
+    "InstrumentsPublishes",
+    "Outgoing",
+    "Payload",
+    "Prefetches",
+    "Publisher",
+    "Seekable",
+    "Snapshot",
+    "SubscriptionStats",
+    "SyncDedupStore",
+    "attributes_from_json",
+    "checked_message",
+]

@@ -8,7 +8,7 @@ messages whose effects the dedup store has recorded:
   fills gaps -- the messages that were acked without being processed (a bad deploy that acked
   what it should not have), or lost.
 * ``ReplayMode.REPROCESS``: the replayed range runs again. The subscription's dedup namespace
-  starts a new epoch (:mod:`reliable_sub.idempotency.epochs`) before the seek, so records of
+  starts a new epoch (:mod:`reliable_sub.dedup._epochs`) before the seek, so records of
   earlier epochs no longer match. Every message delivered after that runs once more, including
   a redelivery of one that was being handled when the replay began.
 """
@@ -21,8 +21,8 @@ import logging
 from dataclasses import dataclass
 from datetime import datetime
 
+from .dedup._epochs import EPOCH_SETTLE
 from .errors import ConfigurationError, UnknownSnapshotError
-from .idempotency.epochs import EPOCH_SETTLE
 from .ports import Consumer, DedupEpochs, DedupStore, Seekable
 
 logger = logging.getLogger(__name__)

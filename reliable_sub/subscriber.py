@@ -1,7 +1,7 @@
 """The Subscriber: register handlers, then run them with the full guarantees.
 
-The path of one delivery is in :mod:`reliable_sub.runtime` (a module per stage, wired by
-:mod:`~reliable_sub.runtime.pipeline`); this module is the facade
+The path of one delivery is in :mod:`reliable_sub._runtime` (a module per stage, wired by
+:mod:`~reliable_sub._runtime.pipeline`); this module is the facade
 users see: configuration checked up front, ``@sub.handler``, and the lifecycle --
 ``start``/``stop`` (a background thread), ``run`` (blocking, stopped by SIGINT/SIGTERM),
 ``serve``/``shutdown`` (inside your event loop), and the ``with``/``async with`` forms.
@@ -32,12 +32,15 @@ from ._checks import (
     checked_middleware,
     handler_policies,
 )
+from ._lifecycle import Service
+from ._runtime.lanes import Config, Route
+from ._runtime.lease import LeaseManager
+from ._runtime.pipeline import Runtime
 from .batches import batch_spec, check_batch_options
 from .clock import Clock, SystemClock
 from .dedup import DedupStore
 from .errors import ConfigurationError
 from .idempotency.transactional import TransactionalStore
-from .lifecycle import Service
 from .message import Message
 from .middleware import Middleware
 from .outcome import DeliveryEvent, Outcome, SubscriberStats
@@ -51,9 +54,6 @@ from .policy import (
     check_seconds,
 )
 from .ports import Adapter
-from .runtime.lanes import Config, Route
-from .runtime.lease import LeaseManager
-from .runtime.pipeline import Runtime
 from .telemetry.consumer import SubscriberTelemetry
 from .telemetry.publishing import instrument_publishes
 
@@ -326,7 +326,7 @@ class Subscriber(Service):
             raise RuntimeError(f"subscription {subscription!r} is not running")
         return runtime.lanes[subscription].lease
 
-    # -- lifecycle (start/stop, run, serve/shutdown, with: see reliable_sub.lifecycle) ----------
+    # -- lifecycle (start/stop, run, serve/shutdown, with: see reliable_sub._lifecycle) ---------
 
     _usual_name = "sub"
     _work_under_way = "running handlers"

@@ -421,9 +421,9 @@ async def test_a_batch_cancelled_before_its_first_step_gives_back_and_closes(
     """A batch's task may be cancelled before it ran at all (a stop, max_lease_duration in the
     same loop turn as its first delivery): Python raises at the coroutine's entry, so its own
     handling never runs. Its deliveries are given back, and the lane opens a new batch."""
-    from reliable_sub.runtime import batches as runtime_batches
-    from reliable_sub.runtime.decisions import cancel
-    from reliable_sub.runtime.inflight import CancelReason
+    from reliable_sub._runtime import batches as runtime_batches
+    from reliable_sub._runtime.decisions import cancel
+    from reliable_sub._runtime.inflight import CancelReason
 
     clock, broker, sub = setup()
     calls: list[int] = []

@@ -19,7 +19,7 @@ def test_every_stage_rule_names_a_function_its_file_defines(name: str) -> None:
 
 
 def test_a_renamed_function_is_reported() -> None:
-    rules = [rule("x", "reliable_sub/runtime/receiver.py", "_admit", "_no_such_function"),
+    rules = [rule("x", "reliable_sub/_runtime/receiver.py", "_admit", "_no_such_function"),
              rule("x", "reliable_sub/moved_away.py")]
-    assert unknown_rule_names(rules) == ["reliable_sub/runtime/receiver.py: _no_such_function",
+    assert unknown_rule_names(rules) == ["reliable_sub/_runtime/receiver.py: _no_such_function",
                                          "reliable_sub/moved_away.py: no such file"]

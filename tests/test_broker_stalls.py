@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from reliable_sub import Message, Outcome, Subscriber
-from reliable_sub.runtime.settler import CALL_BOUND
+from reliable_sub._runtime.settler import CALL_BOUND
 from reliable_sub.testing.services import redis_url
 from reliable_sub.testing.tcp_proxy import TcpProxy
 

@@ -420,7 +420,7 @@ async def test_the_command_reaches_nats(nats_world: NatsWorld) -> None:
 
 
 def test_a_cluster_dedup_url_is_a_redis_store() -> None:
-    from reliable_sub.idempotency.redis_store import RedisDedupStore
+    from reliable_sub.dedup import RedisDedupStore
 
     connection = Connection(dedup_url="redis+cluster://127.0.0.1:7000,127.0.0.1:7001/0")
     assert isinstance(connection.dedup_store(), RedisDedupStore)

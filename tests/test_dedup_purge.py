@@ -10,7 +10,7 @@ import sqlalchemy as sa
 from reliable_sub import ConfigurationError, MemoryDedupStore, Message, Subscriber
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.clock import ManualClock
-from reliable_sub.idempotency.sql_store import SqlDedupStore
+from reliable_sub.dedup import SqlDedupStore
 from reliable_sub.ports import Completion, DedupKey
 from reliable_sub.testing.services import sql_url
 from tests.memory_world import serve_until

@@ -28,8 +28,8 @@ if importlib.util.find_spec("redis") is None and os.environ.get("CI", "").lower(
     pytest.skip('RedisDedupStore needs pip install "reliable-sub[redis]"',
                 allow_module_level=True)
 
-from reliable_sub.idempotency.redis_store import READABLE_LIMIT, RedisDedupStore
-from reliable_sub.redis_clients import URL_SCHEMES
+from reliable_sub._redis_clients import URL_SCHEMES
+from reliable_sub.dedup._redis import READABLE_LIMIT, RedisDedupStore
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis

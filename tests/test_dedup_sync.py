@@ -321,7 +321,7 @@ async def test_every_sync_batch_method_is_one_round_trip(
 
 
 async def test_a_forgotten_script_is_reloaded_by_the_sync_twins(redis_twins: Twins) -> None:
-    from reliable_sub.idempotency.redis_store import RedisDedupStore
+    from reliable_sub.dedup import RedisDedupStore
 
     store = cast(RedisDedupStore, redis_twins.store)
     bogus = "0" * 40  # what EVALSHA meets after a restart (NOSCRIPT), without flushing the cache
@@ -340,7 +340,7 @@ async def test_a_forgotten_script_is_reloaded_by_the_sync_twins(redis_twins: Twi
 async def test_a_dropped_sync_connection_is_replaced(redis_twins: Twins) -> None:
     import redis
 
-    from reliable_sub.idempotency.redis_store import RedisDedupStore
+    from reliable_sub.dedup import RedisDedupStore
 
     store = cast(RedisDedupStore, redis_twins.store)
     first = redis_twins.claim(store, DedupKey("s", "before"))
@@ -359,7 +359,7 @@ async def test_a_dropped_sync_connection_is_replaced(redis_twins: Twins) -> None
 async def test_a_given_sync_client_is_the_one_the_twins_use() -> None:
     import fakeredis
 
-    from reliable_sub.idempotency.redis_store import RedisDedupStore
+    from reliable_sub.dedup import RedisDedupStore
 
     server = fakeredis.FakeServer()
     store = RedisDedupStore(fakeredis.FakeAsyncRedis(server=server), owner="me",

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from reliable_sub import ConfigurationError, MemoryDedupStore
-from reliable_sub.idempotency._store_base import OWNER_LIMIT, TokenSource
+from reliable_sub.dedup._store_base import OWNER_LIMIT, TokenSource
 
 WITHIN = 30.0
 
@@ -42,7 +42,7 @@ def test_a_forked_child_makes_tokens_of_its_own() -> None:
     the same counter, and must not make the same token."""
     script = (
         "import os\n"
-        "from reliable_sub.idempotency._store_base import TokenSource\n"
+        "from reliable_sub.dedup._store_base import TokenSource\n"
         "source = TokenSource('svc')\n"
         "source.next()\n"
         "read, write = os.pipe()\n"

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 
+from reliable_sub._runtime.histogram import SlidingHistogram
 from reliable_sub.clock import ManualClock
-from reliable_sub.runtime.histogram import SlidingHistogram
+from reliable_sub.errors import ConfigurationError
 
 
 def test_percentile_is_nearest_rank() -> None:
@@ -44,7 +45,7 @@ def test_bad_samples_are_ignored_and_bad_settings_refused() -> None:
     histogram.add(-1.0)
     histogram.add(float("inf"))
     assert len(histogram) == 0
-    with pytest.raises(ValueError, match="window"):
+    with pytest.raises(ConfigurationError, match="window"):
         SlidingHistogram(ManualClock(), window=0)
-    with pytest.raises(ValueError, match="max_samples"):
+    with pytest.raises(ConfigurationError, match="max_samples"):
         SlidingHistogram(ManualClock(), max_samples=0)

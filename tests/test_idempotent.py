@@ -44,15 +44,15 @@ from reliable_sub import (
 from reliable_sub.dedup import Completion, SingleKeyMethods
 from reliable_sub.idempotency import (
     IdempotentResult,
-    background_loop,
     idempotency_key,
     idempotent,
     new_idempotency_key,
 )
+from reliable_sub.idempotency import _background_loop as background_loop
+from reliable_sub.idempotency import _renewer as renewer_module
 from reliable_sub.idempotency import keys as keys_module
-from reliable_sub.idempotency import renewer as renewer_module
+from reliable_sub.idempotency._renewer import Renewer
 from reliable_sub.idempotency.decorator import close_sync_connections
-from reliable_sub.idempotency.renewer import Renewer
 from reliable_sub.ports import ClaimResult, SyncDedupStore
 from reliable_sub.testing import redis_stores
 from reliable_sub.testing.services import redis_url, sql_url
@@ -169,7 +169,7 @@ def _memory() -> tuple[DedupStore, DedupStore, Callable[[], Any]]:
 
 
 def _sql(url: str) -> tuple[DedupStore, DedupStore, Callable[[], Any], Callable[[], Any]]:
-    from reliable_sub.idempotency.sql_store import SqlDedupStore
+    from reliable_sub.dedup import SqlDedupStore
 
     table = f"test_idempotent_{uuid.uuid4().hex[:10]}"
     store = SqlDedupStore(url, table=table, owner="me")  # the system clock: real leases
@@ -690,7 +690,7 @@ def test_claims_due_together_share_one_store_call() -> None:
 
 
 def test_a_failed_renewal_is_logged_and_tried_again(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger=renewer_module.__name__)
+    caplog.set_level(logging.WARNING, logger=renewer_module.logger.name)
     renewer, store = Renewer(), RenewalLog()
     store.fail = 2
     claim = a_claim("a")
@@ -749,7 +749,7 @@ def test_the_renewer_thread_ends_when_idle_and_starts_again(
 def test_a_forked_child_renews_its_own_claims_on_its_own_thread() -> None:
     script = (
         "import os, time\n"
-        "from reliable_sub.idempotency.renewer import Renewer\n"
+        "from reliable_sub.idempotency._renewer import Renewer\n"
         "from reliable_sub.ports import Claimed, DedupKey\n"
         "class Log:\n"
         "    def __init__(self): self.renewed = []\n"

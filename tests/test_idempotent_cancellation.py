@@ -28,9 +28,9 @@ import sqlalchemy as sa
 from reliable_sub import Claimed, Completed, DedupKey, DedupStore
 from reliable_sub.dedup import Completion, SingleKeyMethods
 from reliable_sub.idempotency import IdempotentResult, idempotent
-from reliable_sub.idempotency.background_loop import BACKGROUND
+from reliable_sub.idempotency._background_loop import BACKGROUND
+from reliable_sub.idempotency._settling import Settling
 from reliable_sub.idempotency.decorator import close_sync_connections
-from reliable_sub.idempotency.settling import Settling
 from reliable_sub.ports import ClaimResult, SyncDedupStore
 from reliable_sub.testing import redis_stores
 from reliable_sub.testing.services import redis_url, sql_url

@@ -136,8 +136,8 @@ def test_the_package_has_no_import_cycle() -> None:
 def test_the_check_sees_a_cycle_under_type_checking_and_relative_imports() -> None:
     graph = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}
     assert cycles(graph) == [["p.a", "p.b", "p.c"]]
-    assert _resolve("reliable_sub.runtime.lease", False, 2, "dedup") == "reliable_sub.dedup"
-    assert _resolve("reliable_sub.runtime", True, 1, "lease") == "reliable_sub.runtime.lease"
+    assert _resolve("reliable_sub._runtime.lease", False, 2, "dedup") == "reliable_sub.dedup"
+    assert _resolve("reliable_sub._runtime", True, 1, "lease") == "reliable_sub._runtime.lease"
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import X\n"
     module = ast.parse(source)
     guarded = [n for n in ast.walk(module) if isinstance(n, ast.ImportFrom) and n.level == 1]

@@ -6,12 +6,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from reliable_sub import Claimed, DedupKey, InProgress, LeasePolicy, MemoryDedupStore
+from reliable_sub import Claimed, DedupKey, InProgress, LeaseManager, LeasePolicy, MemoryDedupStore
+from reliable_sub._runtime.inflight import InFlight, Stage
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.clock import ManualClock
 from reliable_sub.message import Delivery
-from reliable_sub.runtime.inflight import InFlight, Stage
-from reliable_sub.runtime.lease import LeaseManager
 from reliable_sub.testing.timing import pass_time
 
 DEADLINE = 10.0

@@ -538,7 +538,7 @@ CHILD = textwrap.dedent(
 
     from reliable_sub import LeasePolicy, Subscriber
     from reliable_sub.adapters.nats_jetstream import NatsJetStreamAdapter
-    from reliable_sub.idempotency.redis_store import RedisDedupStore
+    from reliable_sub.dedup import RedisDedupStore
 
     cfg = json.loads(sys.argv[1])
     effects = redis.Redis.from_url(cfg["redis"])
@@ -629,7 +629,7 @@ async def scene(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Scene]
 @asynccontextmanager
 async def survivor(scene: Scene) -> AsyncIterator[list[tuple[str, int, Outcome]]]:
     """A second consumer of the subscription in this loop, serving until the block ends."""
-    from reliable_sub.idempotency.redis_store import RedisDedupStore
+    from reliable_sub.dedup import RedisDedupStore
 
     store = RedisDedupStore(scene.redis, prefix=scene.dedup_prefix, owner="survivor")
     outcomes: list[tuple[str, int, Outcome]] = []

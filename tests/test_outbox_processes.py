@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 
 from reliable_sub import LeasePolicy, Message, Outcome, RetryPolicy, Subscriber
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
-from reliable_sub.idempotency.redis_store import RedisDedupStore
+from reliable_sub.dedup import RedisDedupStore
 from reliable_sub.outbox import Outbox, OutboxRelay
 from reliable_sub.testing.services import redis_url, sql_url
 from tests.redis_processes import EXIT_TIMEOUT, Child, poll_until

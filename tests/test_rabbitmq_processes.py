@@ -52,7 +52,7 @@ import redis.asyncio as aioredis  # noqa: E402
 
 from reliable_sub.adapters._rabbitmq_topology import delay_bucket  # noqa: E402
 from reliable_sub.adapters.rabbitmq import RabbitMQAdapter  # noqa: E402
-from reliable_sub.idempotency.redis_store import RedisDedupStore  # noqa: E402
+from reliable_sub.dedup import RedisDedupStore  # noqa: E402
 
 # The subscriptions' ack deadline. Leases (and so dedup claims) are sized to it: the claim of
 # a killed consumer lapses this long after its last renewal.
@@ -87,7 +87,7 @@ CHILD = textwrap.dedent(
 
     from reliable_sub import LeasePolicy, Subscriber
     from reliable_sub.adapters.rabbitmq import RabbitMQAdapter
-    from reliable_sub.idempotency.redis_store import RedisDedupStore
+    from reliable_sub.dedup import RedisDedupStore
 
     cfg = json.loads(sys.argv[1])
     effects = redis.Redis.from_url(cfg["redis"])

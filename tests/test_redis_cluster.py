@@ -24,10 +24,10 @@ import redis
 from redis.cluster import RedisCluster
 
 from reliable_sub import FlowControl, LeasePolicy, Message, Outcome, RetryPolicy, Subscriber
+from reliable_sub._redis_clients import RedisClients
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter, hash_tag
 from reliable_sub.dedup import RedisDedupStore
 from reliable_sub.ports import DedupKey
-from reliable_sub.redis_clients import RedisClients
 from tests.redis_processes import RedisClusterProcesses, RedisServer
 
 MESSAGES = 600

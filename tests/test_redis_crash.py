@@ -32,7 +32,7 @@ if importlib.util.find_spec("redis") is None and os.environ.get("CI", "").lower(
     pytest.skip('the Redis tests need pip install "reliable-sub[redis]"', allow_module_level=True)
 
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
-from reliable_sub.idempotency.redis_store import RedisDedupStore
+from reliable_sub.dedup import RedisDedupStore
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
@@ -59,7 +59,7 @@ CHILD = textwrap.dedent(
 
     from reliable_sub import LeasePolicy, Subscriber
     from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
-    from reliable_sub.idempotency.redis_store import RedisDedupStore
+    from reliable_sub.dedup import RedisDedupStore
 
     cfg = json.loads(sys.argv[1])
     effects = redis.Redis.from_url(cfg["url"])

@@ -13,8 +13,8 @@ from datetime import datetime, timezone
 import pytest
 
 from reliable_sub import ConfigurationError, UnknownSubscriptionError
+from reliable_sub._redis_clients import URL_SCHEMES
 from reliable_sub.adapters.redis_streams import NACKED_CONSUMER, RedisStreamsAdapter
-from reliable_sub.redis_clients import URL_SCHEMES
 from reliable_sub.replay import seek
 from reliable_sub.testing.services import redis_url
 

@@ -9,8 +9,8 @@ import pytest
 
 from reliable_sub import ConfigurationError, MemoryDedupStore
 from reliable_sub.adapters.memory import MemoryAdapter
+from reliable_sub.dedup._epochs import EPOCH_CHECK_INTERVAL, EpochCache
 from reliable_sub.errors import UnknownSubscriptionError
-from reliable_sub.idempotency.epochs import EPOCH_CHECK_INTERVAL, EpochCache
 from reliable_sub.ports import Capabilities
 from reliable_sub.replay import ReplayMode, seek
 

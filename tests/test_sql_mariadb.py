@@ -17,11 +17,10 @@ from collections.abc import AsyncIterator
 import pytest
 import sqlalchemy as sa
 
+from reliable_sub._sql_engines import MYSQL_LOCK_WAIT_SECONDS, check_mysql_server
 from reliable_sub.clock import ManualClock
-from reliable_sub.dedup import Claimed, Completed, DedupKey, InProgress
+from reliable_sub.dedup import Claimed, Completed, DedupKey, InProgress, SqlDedupStore
 from reliable_sub.errors import ConfigurationError
-from reliable_sub.idempotency.sql_store import SqlDedupStore
-from reliable_sub.sql_engines import MYSQL_LOCK_WAIT_SECONDS, check_mysql_server
 from reliable_sub.testing.services import mariadb_url
 
 WITHIN = 10.0
@@ -206,7 +205,7 @@ async def test_a_mysql_server_is_refused_at_the_first_call_naming_it(
 ) -> None:
     """The check runs on each new connection of the store's own sessions (here the real
     server's version string is read as MySQL's, the only way to meet one on this machine)."""
-    import reliable_sub.sql_engines as engines
+    import reliable_sub._sql_engines as engines
 
     real = engines.check_mysql_server
     monkeypatch.setattr(engines, "check_mysql_server", lambda _version: real("8.0.36"))

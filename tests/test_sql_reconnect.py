@@ -14,8 +14,7 @@ import uuid
 import pytest
 import sqlalchemy as sa
 
-from reliable_sub.dedup import Claimed, DedupKey
-from reliable_sub.idempotency.sql_store import SqlDedupStore
+from reliable_sub.dedup import Claimed, DedupKey, SqlDedupStore
 from reliable_sub.testing.services import sql_url
 
 WHO = {"postgresql": "SELECT pg_backend_pid()", "mariadb": "SELECT CONNECTION_ID()"}

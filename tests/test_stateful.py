@@ -522,7 +522,7 @@ class World(RuleBasedStateMachine):
 
 @pytest.fixture(autouse=True)
 def _short_real_time_graces(monkeypatch: pytest.MonkeyPatch) -> None:
-    from reliable_sub.runtime import shutdown as _runtime
+    from reliable_sub._runtime import shutdown as _runtime
 
     monkeypatch.setattr(_runtime, "FLUSH_GRACE", 0.05)
     monkeypatch.setattr(_runtime, "CANCEL_GRACE", 0.05)
@@ -534,7 +534,7 @@ def _short_real_time_graces(monkeypatch: pytest.MonkeyPatch) -> None:
 def _revert_defect_3(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue #8 defect 3 back: lease and claim end when the handler returns, not when its
     result is recorded."""
-    from reliable_sub.runtime.lease import LeaseManager
+    from reliable_sub import LeaseManager
 
     finished = LeaseManager.finished
 
@@ -551,7 +551,7 @@ def _revert_defect_4(monkeypatch: pytest.MonkeyPatch) -> None:
     eager start, as it was), and a CancelledError it raises counts as a cancellation of ours."""
     import contextvars
 
-    from reliable_sub.runtime import dispatcher as _runtime
+    from reliable_sub._runtime import dispatcher as _runtime
 
     class Resume:
         def __init__(self, coroutine: Any, yielded: Any) -> None:

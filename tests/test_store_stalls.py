@@ -33,7 +33,7 @@ if importlib.util.find_spec("redis") is None and os.environ.get("CI", "").lower(
 import redis
 
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
-from reliable_sub.idempotency.redis_store import RedisDedupStore
+from reliable_sub.dedup import RedisDedupStore
 
 # The subscription's ack deadline: an entry idle this long is reclaimed by the other consumer.
 ACK_DEADLINE = 2.0

@@ -26,10 +26,10 @@ from reliable_sub import (
     Subscriber,
     UnknownSubscriptionError,
 )
+from reliable_sub._runtime.settler import quantize_delay
 from reliable_sub.adapters.memory import MemoryAdapter
 from reliable_sub.clock import ManualClock
 from reliable_sub.message import Delivery
-from reliable_sub.runtime.settler import quantize_delay
 from reliable_sub.testing.timing import drive_until
 
 

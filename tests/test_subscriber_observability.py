@@ -125,7 +125,7 @@ async def test_a_claim_that_lapsed_under_its_handler_is_fenced_off() -> None:
 async def test_a_crashed_loop_is_logged_restarted_and_reported_unhealthy(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from reliable_sub.runtime.receiver import Receiver
+    from reliable_sub._runtime.receiver import Receiver
 
     clock, broker, sub = setup()
     handled: list[bytes] = []
@@ -161,7 +161,7 @@ async def test_a_crashed_loop_is_logged_restarted_and_reported_unhealthy(
 async def test_a_handler_that_swallows_its_cancellation_cannot_hang_the_stop(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from reliable_sub.runtime import shutdown as _runtime
+    from reliable_sub._runtime import shutdown as _runtime
 
     monkeypatch.setattr(_runtime, "CANCEL_GRACE", 0.1)
     clock, broker, sub = setup(dedup=MemoryDedupStore())
@@ -196,7 +196,7 @@ async def test_a_loop_whose_cancellation_is_lost_cannot_hang_the_stop(
     again."""
     from opentelemetry.sdk.metrics import MeterProvider
 
-    from reliable_sub.runtime import supervisor
+    from reliable_sub._runtime import supervisor
 
     monkeypatch.setattr(supervisor, "CANCEL_AGAIN_AFTER", 0.05)
     clock, broker, sub = setup(meter_provider=MeterProvider())

@@ -23,8 +23,7 @@ import pytest_asyncio
 import sqlalchemy as sa
 
 from reliable_sub import DeadLetterPolicy, Message, Outcome, RetryPolicy, Subscriber
-from reliable_sub.dedup import MemoryDedupStore
-from reliable_sub.idempotency.sql_store import SqlDedupStore
+from reliable_sub.dedup import MemoryDedupStore, SqlDedupStore
 from reliable_sub.testing import Harness, memory_harness, pubsub_harness, redis_harness
 from reliable_sub.testing.faults import (
     DUPLICATE_DELIVERY,

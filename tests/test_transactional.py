@@ -35,8 +35,7 @@ from reliable_sub import (
     current_claim,
 )
 from reliable_sub.adapters.memory import MemoryAdapter
-from reliable_sub.dedup import Completed, DedupKey, InProgress
-from reliable_sub.idempotency.sql_store import SqlDedupStore
+from reliable_sub.dedup import Completed, DedupKey, InProgress, SqlDedupStore
 from reliable_sub.testing.services import sql_url
 from reliable_sub.testing.timing import drive_until
 from tests.memory_world import serve_until

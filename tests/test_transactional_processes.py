@@ -33,7 +33,7 @@ import sqlalchemy as sa
 
 from reliable_sub import LeasePolicy, Message, Outcome, RetryPolicy, Subscriber
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
-from reliable_sub.idempotency.sql_store import SqlDedupStore
+from reliable_sub.dedup import SqlDedupStore
 from reliable_sub.testing.services import redis_url, sql_url
 from tests.redis_processes import Child, poll_until
 
@@ -60,7 +60,7 @@ CHILD = textwrap.dedent(
 
     from reliable_sub import LeasePolicy, RetryPolicy, Subscriber
     from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
-    from reliable_sub.idempotency.sql_store import SqlDedupStore
+    from reliable_sub.dedup import SqlDedupStore
 
     cfg = json.loads(sys.argv[1])
 

@@ -155,3 +155,6 @@ BROKERS: tuple[Broker, ...] = (
     Broker("--pubsub-project", "The Pub/Sub project (PUBSUB_EMULATOR_HOST selects the "
            "emulator).", _pubsub, probe=_reach_pubsub),
 )
+
+
+__all__ = ["BROKERS", "REDIS_SCHEMES", "Broker"]

@@ -95,13 +95,13 @@ class Connection:
                 "a redis:// or database URL")
         if scheme_of(url) in REDIS_SCHEMES:
             check_url("--dedup-url", url, REDIS_SCHEMES)
-            from ..idempotency.redis_store import RedisDedupStore
+            from ..dedup._redis import RedisDedupStore
 
             return _built("--dedup-url", url,
                           lambda: RedisDedupStore(url, prefix=self.dedup_prefix))
         example = f"redis://host:6379/0 or {SQL_EXAMPLE}"
         check_url("--dedup-url", url, None, example)
-        from ..idempotency.sql_store import SqlDedupStore
+        from ..dedup._sql import SqlDedupStore
 
         return _built("--dedup-url", url, lambda: SqlDedupStore(url, table=self.dedup_table),
                       also="; a Redis store takes one of "
@@ -180,3 +180,6 @@ def _built(option: str, value: str, build: Callable[[], T], also: str = "") -> T
                 type(error).__name__ != "ArgumentError"):
             raise
         raise ConfigurationError(f"{option} {shown(value)}: {error}{also}") from error
+
+
+__all__ = ["DEFAULT_CONNECT_TIMEOUT", "Connection"]

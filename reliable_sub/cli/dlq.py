@@ -184,3 +184,6 @@ def purge(connection: Connection, subscription: str, message_ids: tuple[str, ...
 
 
 COMMANDS = [dlq]
+
+
+__all__ = ["COMMANDS", "as_dict", "dlq"]

@@ -136,3 +136,18 @@ def _client_error(error: BaseException) -> tuple[int, str] | None:
         return USAGE, (f"the database refused the command ({type(cause).__name__}: {cause}); "
                        "check --database-url, --outbox-table, --dedup-url and --dedup-table")
     return None
+
+
+__all__ = [
+    "ABORTED",
+    "FAILED",
+    "OK",
+    "UNKNOWN",
+    "UNREACHABLE",
+    "USAGE",
+    "CommandError",
+    "classify",
+    "fail",
+    "report",
+    "stderr",
+]

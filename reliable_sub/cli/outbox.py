@@ -73,3 +73,6 @@ def purge(connection: Connection, older_than: float, yes: bool) -> None:
 
 
 COMMANDS = [outbox]
+
+
+__all__ = ["COMMANDS", "outbox"]

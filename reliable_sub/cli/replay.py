@@ -143,3 +143,6 @@ def snapshot_dict(snap: Any) -> dict[str, Any]:
 
 
 COMMANDS = [seek, snapshot]
+
+
+__all__ = ["COMMANDS", "parse_time", "seek", "snapshot"]

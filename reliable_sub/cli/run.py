@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import click
 
-from ..lifecycle import Service
+from .._lifecycle import Service
 from .failures import USAGE, classify, fail
 
 LEVELS = ["critical", "error", "warning", "info", "debug"]
@@ -111,3 +111,6 @@ def run(target: str, log_level: str) -> None:
 
 
 COMMANDS = [run]
+
+
+__all__ = ["COMMANDS", "load", "run"]

@@ -152,3 +152,6 @@ def _shown(rows: list[dict[str, Any]], dead_letters: bool
 
 
 COMMANDS = [stats, top]
+
+
+__all__ = ["COMMANDS", "stats", "top"]

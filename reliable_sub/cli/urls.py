@@ -65,3 +65,6 @@ def _check_port(option: str, value: str, part: str) -> None:
         raise ConfigurationError(
             f"{option} {shown(value)} has port {written!r}; a port is a number from 1 to "
             f"{_HIGHEST_PORT}")
+
+
+__all__ = ["check_url", "scheme_of", "shown"]

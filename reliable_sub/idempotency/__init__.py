@@ -1,16 +1,17 @@
-"""Idempotent consumers: the dedup stores behind ``reliable_sub.dedup``.
+"""Idempotent functions: ``@idempotent``, idempotency keys, transactional handlers.
 
-* :mod:`~reliable_sub.idempotency.memory_store` -- :class:`MemoryDedupStore` and what every store
-  shares (fencing tokens, owner checks, single-key methods).
-* :mod:`~reliable_sub.idempotency.redis_store` -- :class:`RedisDedupStore` (extra ``redis``), its
-  Lua scripts in ``lua/``.
 * :mod:`~reliable_sub.idempotency.decorator` -- :func:`idempotent`: any function, sync or async,
   runs once per idempotency key; repeats replay its stored result (:class:`IdempotentResult`).
 * :mod:`~reliable_sub.idempotency.keys` -- :func:`idempotency_key` (a deterministic, namespaced
   key from a request's values) and :func:`new_idempotency_key` (a fresh UUIDv7 for clients).
+* :mod:`~reliable_sub.idempotency.fingerprint` -- fingerprints of a call's arguments, so a key
+  reused with other arguments is refused rather than replayed.
+* :mod:`~reliable_sub.idempotency.transactional` -- transactional handlers: the handler's writes
+  and its dedup record commit in one transaction.
 
-Import stores from :mod:`reliable_sub.dedup`; the contract is in :mod:`reliable_sub.ports`. The
-claim lifecycle of a running Subscriber is :mod:`reliable_sub.runtime.claims`.
+The dedup stores they keep their records in are :mod:`reliable_sub.dedup`; the contract is in
+:mod:`reliable_sub.ports`. The claim lifecycle of a running Subscriber is
+:mod:`reliable_sub._runtime.claims`.
 """
 
 from .decorator import IdempotentResult, idempotent

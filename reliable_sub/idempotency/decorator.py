@@ -40,7 +40,7 @@ too. The store call the cancellation interrupted is made again in a task of its 
 call that is not cancelled costs nothing more) or on the background loop (sync), and a later
 call with the key in the same process waits for it first (up to ``wait_timeout``), so the
 natural client retry replays the result instead of finding the key in progress or running the
-function again (see :mod:`~reliable_sub.idempotency.settling`). A store whose calls must not be
+function again (see :mod:`~reliable_sub.idempotency._settling`). A store whose calls must not be
 cut short in flight says so with a ``cancel_safe_calls = False`` attribute (SqlDedupStore: a
 SQLite database would stay locked): async calls then await its calls in a task of their own,
 through ``asyncio.shield``, and leave them to finish.
@@ -63,7 +63,7 @@ record's JSON is ``{"p": <fingerprint hex or null>, "r": <result>}``.
 blocking twins (a :class:`~reliable_sub.ports.SyncDedupStore`: MemoryDedupStore,
 RedisDedupStore) and the clock is the system clock: one round trip for a replay, two for a first
 call, no thread hop, no event loop. Their claims are renewed by one shared daemon thread (see
-:mod:`~reliable_sub.idempotency.renewer`), which a call joins when its function starts and leaves
+:mod:`~reliable_sub.idempotency._renewer`), which a call joins when its function starts and leaves
 when it returns; a ``"wait"`` caller sleeps with ``time.sleep``. With another store (SqlDedupStore)
 or clock (a ManualClock: its sleeps are async only), the store calls, renewals and waits run on
 one background event loop (a daemon thread shared by every sync ``@idempotent`` function of the
@@ -92,6 +92,7 @@ from .._callables import is_async_callable
 from .._results import encode_result
 from .._text import describe_error, safe_repr
 from ..clock import Clock, SystemClock, sleep_or_event
+from ..dedup._store_base import TokenSource, check_owner
 from ..errors import (
     ConfigurationError,
     IdempotencyInProgressError,
@@ -110,11 +111,10 @@ from ..ports import (
     InProgress,
     SyncDedupStore,
 )
-from ._store_base import TokenSource, check_owner
-from .background_loop import BACKGROUND
+from ._background_loop import BACKGROUND
+from ._renewer import RENEWALS_PER_LEASE, RENEWER
+from ._settling import Settling
 from .fingerprint import fingerprint
-from .renewer import RENEWALS_PER_LEASE, RENEWER
-from .settling import Settling
 
 logger = logging.getLogger(__name__)
 
@@ -717,7 +717,7 @@ class _Core:
         self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
     ) -> None:
         """:meth:`finish`; a caller cancelled meanwhile leaves it to be done in a task of its
-        own, which later calls with ``key`` wait for (see :mod:`.settling`)."""
+        own, which later calls with ``key`` wait for (see :mod:`._settling`)."""
         if self.shield:
             finishing = asyncio.ensure_future(self.finish(beat, claim, key, record))
             try:

@@ -37,3 +37,6 @@ def _tagged(value: Any) -> Any:
     if isinstance(value, set | frozenset):  # repr order varies with the hash seed
         return {tag: sorted(_canonical(item) for item in value)}
     return {tag: _ADDRESS.sub("", repr(value))}  # " at 0x...": identity, not payload
+
+
+__all__ = ["fingerprint"]

@@ -177,3 +177,17 @@ def log_fields(message: Message, failures: int, outcome: str) -> dict[str, Any]:
         "failures": failures,
         "outcome": outcome,
     }
+
+
+__all__ = [
+    "ATTEMPTS_USED_UP",
+    "DEAD_LETTER_ATTRIBUTES",
+    "PUBLISHER_ATTRIBUTE_PREFIX",
+    "REJECTED",
+    "RUNNING_TOO_LONG",
+    "UNREADABLE",
+    "DeadLetterOrBackoff",
+    "dead_letter_attributes",
+    "log_fields",
+    "named_like_ours",
+]

@@ -71,3 +71,6 @@ def _last_decision(state: RetryCallState) -> Any:
     """When the attempts run out, the last failure goes on (not tenacity's RetryError)."""
     assert state.outcome is not None
     return state.outcome.result()
+
+
+__all__ = ["InProcessRetry"]

@@ -36,7 +36,7 @@ try:
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("Outbox", "sql", "SQLAlchemy") from error
 
-from ..sql_engines import OnSqlEngines, SqlEngines
+from .._sql_engines import OnSqlEngines, SqlEngines
 
 _SYNC_CONNECTIONS = (Connection, Session)
 _ASYNC_CONNECTIONS = (AsyncConnection, AsyncSession)

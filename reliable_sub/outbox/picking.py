@@ -30,7 +30,7 @@ an index, then reading the rows chosen). Having no partial indexes either, a rou
 the oldest pending row's id, and the other statements start there: left alone, the optimizer
 walked every published row for ORDER BY id LIMIT (a round read 5,041 rows for 3 pending ones
 after 5,000 published). The round runs
-under READ COMMITTED (the relay's sessions, see ``reliable_sub.sql_engines``): each statement
+under READ COMMITTED (the relay's sessions, see ``reliable_sub._sql_engines``): each statement
 reads what has committed before it, so the rows of a key read after its lock are fresh, where
 REPEATABLE READ would show the snapshot of the round's first read and publish them again.
 
@@ -45,10 +45,10 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from .._sql_engines import MYSQL_DIALECTS
 from ..errors import MissingExtraError
 from ..message import IDEMPOTENCY_KEY_ATTRIBUTE
 from ..ports import Outgoing
-from ..sql_engines import MYSQL_DIALECTS
 
 try:
     import sqlalchemy as sa

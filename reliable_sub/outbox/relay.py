@@ -52,13 +52,13 @@ from opentelemetry.trace import TracerProvider
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception_type, wait_random_exponential
 
 from .._checks import check_clock, check_with
+from .._lifecycle import Service
+from .._runtime.supervisor import Supervisor
 from .._text import describe_error
 from ..clock import Clock, SystemClock
 from ..errors import ConfigurationError, MissingExtraError
-from ..lifecycle import Service
 from ..policy import check_count, check_seconds
 from ..ports import Publisher
-from ..runtime.supervisor import Supervisor
 from ..telemetry.guard import report
 from ..telemetry.outbox import OutboxTelemetry
 from ..telemetry.producer import SendSpans
@@ -352,7 +352,7 @@ class OutboxRelay(Service):
         rows."""
         return await maintenance.backlog(self.outbox, self._clock.wall())
 
-    # -- running (see reliable_sub.lifecycle for start/stop, run, serve/shutdown) ---------------
+    # -- running (see reliable_sub._lifecycle for start/stop, run, serve/shutdown) --------------
 
     def healthy(self) -> bool:
         """True while running with its loops alive and its last round through (for a

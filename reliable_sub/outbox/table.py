@@ -24,8 +24,8 @@ try:
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("Outbox", "sql", "SQLAlchemy") from error
 
-from ..sql_engines import MYSQL_DIALECTS
-from ..sql_types import TABLE_OPTIONS, exact_text, long_bytes, long_text, seconds
+from .._sql_engines import MYSQL_DIALECTS
+from .._sql_types import TABLE_OPTIONS, exact_text, long_bytes, long_text, seconds
 
 DEFAULT_TABLE = "reliable_sub_outbox"
 # Longest idempotency key, topic and ordering key a row holds.

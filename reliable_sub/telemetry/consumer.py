@@ -48,7 +48,7 @@ from .propagation import extract, producer_span_context
 from .providers import meter_of, tracer_of
 
 if TYPE_CHECKING:
-    from ..runtime.inflight import InFlight
+    from .._runtime.inflight import InFlight
 
 # Outcomes that end a span with status ERROR: the handler failed.
 _FAILED = frozenset({Outcome.RETRY, Outcome.DEAD_LETTERED})

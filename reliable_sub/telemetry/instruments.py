@@ -271,3 +271,19 @@ class RouteTelemetry:
                 self.outcome_attributes(outcome, error))
         return tally
 
+
+__all__ = [
+    "MAX_ERROR_TYPES",
+    "OTHER_ERROR_TYPE",
+    "BacklogGauges",
+    "ErrorTypes",
+    "HealthGauge",
+    "Instruments",
+    "PerMeter",
+    "RouteTallies",
+    "RouteTelemetry",
+    "Tallies",
+    "Tally",
+    "error_type",
+    "instruments_for",
+]

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from reliable_sub import Claimed, Completed, Completion, ConfigurationError, DedupKey, InProgress
-from reliable_sub.idempotency._store_base import OWNER_LIMIT
+from reliable_sub.dedup._store_base import OWNER_LIMIT
 from reliable_sub.ports import DedupStore
 from reliable_sub.testing.dedup_harness import StoreHarness
 
@@ -72,3 +72,10 @@ async def test_every_owner_accepted_fits_the_records(stores: StoreHarness) -> No
     with pytest.raises(ConfigurationError, match=f"at most {OWNER_LIMIT} characters") as refused:
         another("o" * 300)
     assert "got 300" in str(refused.value)
+
+
+__all__ = [
+    "test_every_owner_accepted_fits_the_records",
+    "test_instances_given_one_owner_never_make_the_same_token",
+    "test_two_instances_given_one_owner_fence_each_other",
+]

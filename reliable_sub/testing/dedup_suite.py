@@ -31,7 +31,7 @@ from reliable_sub import (
     StoredResultError,
 )
 from reliable_sub.dedup import encode_result
-from reliable_sub.idempotency.epochs import epoch_namespace
+from reliable_sub.dedup._epochs import epoch_namespace
 from reliable_sub.ports import ClaimResult, DedupEpochs
 from reliable_sub.testing import dedup_owners
 from reliable_sub.testing.dedup_harness import StoreHarness
@@ -67,7 +67,7 @@ def memory_stores() -> StoreHarness:
 def redis_stores(url: str | None = None, client_factory: Callable[[], object] | None = None,
                   name: str = "redis") -> StoreHarness:
 
-    from reliable_sub.idempotency.redis_store import RedisDedupStore
+    from reliable_sub.dedup import RedisDedupStore
 
     prefix = f"test-contract-{uuid.uuid4().hex[:10]}"
     made: list[RedisDedupStore] = []
@@ -102,7 +102,7 @@ def redis_stores(url: str | None = None, client_factory: Callable[[], object] | 
 
 def sql_stores(url: str, name: str = "sql") -> StoreHarness:
     """Two SqlDedupStores over one fresh table on ``url``, on a shared ManualClock."""
-    from reliable_sub.idempotency.sql_store import SqlDedupStore
+    from reliable_sub.dedup import SqlDedupStore
 
     clock = ManualClock(start=1000.0)
     table = f"test_processed_{uuid.uuid4().hex[:10]}"
@@ -390,3 +390,28 @@ class DedupStoreSuite:
 for _name, _test in [*globals().items(), *vars(dedup_owners).items()]:
     if _name.startswith("test_") and callable(_test):
         setattr(DedupStoreSuite, _name, staticmethod(_test))
+
+
+__all__ = [
+    "DedupStoreSuite",
+    "fakeredis_stores",
+    "memory_stores",
+    "redis_stores",
+    "sql_stores",
+    "test_a_completed_record_is_never_overwritten",
+    "test_a_lapsed_claim_can_be_taken_and_the_old_holder_is_fenced",
+    "test_a_lapsed_claim_nobody_took_still_records_its_completion",
+    "test_a_new_epoch_leaves_the_records_of_earlier_ones_behind",
+    "test_an_unreadable_stored_result_never_fails_a_claim",
+    "test_claim_many_reports_every_state_in_order",
+    "test_claim_then_in_progress_then_completed",
+    "test_claims_from_many_threads_have_exactly_one_winner",
+    "test_concurrent_claims_have_exactly_one_winner",
+    "test_durations_must_be_positive",
+    "test_failures_survive_release_and_travel_with_renewals",
+    "test_namespaces_and_keys_never_collide",
+    "test_only_json_text_is_stored_never_pickle",
+    "test_reclaiming_with_the_same_token_is_idempotent",
+    "test_release_and_renew_only_touch_the_holders_claim",
+    "test_the_store_satisfies_the_protocol",
+]

@@ -265,3 +265,13 @@ class FaultyDedupStore:
 
     async def close(self) -> None:
         await self.wrapped.close()
+
+
+__all__ = [
+    "DUPLICATE_DELIVERY",
+    "FaultInjector",
+    "Faults",
+    "FaultyAdapter",
+    "FaultyDedupStore",
+    "InjectedFault",
+]

@@ -221,9 +221,9 @@ def redis_harness(url: str | None = None, name: str = "redis",
                   ack_deadline: float = 1.0) -> Harness:
     """Real Redis: by default on 127.0.0.1:6379, or at ``url`` (a ``redis+cluster://`` URL for
     a Redis Cluster). Real time: a 1 s ack deadline keeps the suite short."""
+    from reliable_sub._redis_clients import RedisClients
     from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
     from reliable_sub.clock import SystemClock
-    from reliable_sub.redis_clients import RedisClients
     from reliable_sub.testing.services import redis_url
 
     url = url or redis_url()
@@ -245,7 +245,7 @@ def redis_harness(url: str | None = None, name: str = "redis",
             await clients.close()
 
     def new_store(owner: str) -> DedupStore:
-        from reliable_sub.idempotency.redis_store import RedisDedupStore
+        from reliable_sub.dedup import RedisDedupStore
 
         return RedisDedupStore(url, prefix=f"conf-{run}:dedup", owner=owner)
 
@@ -272,7 +272,7 @@ def fakeredis_harness() -> Harness:
         )
 
     def new_store(owner: str) -> DedupStore:
-        from reliable_sub.idempotency.redis_store import RedisDedupStore
+        from reliable_sub.dedup import RedisDedupStore
 
         return RedisDedupStore(fakeredis.FakeAsyncRedis(server=server), owner=owner,
                                sync_client=fakeredis.FakeRedis(server=server))
@@ -415,3 +415,19 @@ async def drain(harness: Harness, subscription: str) -> list[Delivery]:
     adapter = harness.adapters[0]
     return await harness.receive(adapter, subscription,
                                  timeout=DRAIN_MARGIN * harness.ack_deadline)
+
+
+__all__ = [
+    "Features",
+    "Harness",
+    "Recorder",
+    "delete_nats_streams",
+    "delete_rabbitmq_names",
+    "drain",
+    "fakeredis_harness",
+    "memory_harness",
+    "nats_harness",
+    "pubsub_harness",
+    "rabbitmq_harness",
+    "redis_harness",
+]

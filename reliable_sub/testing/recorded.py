@@ -306,3 +306,13 @@ def _recorded_message(record: Any, number: int) -> Message:
 
 def _short(text: str, width: int = 24) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
+
+
+__all__ = [
+    "SUBSCRIPTION",
+    "TOPIC",
+    "EffectsReport",
+    "MessageEffects",
+    "load_recorded",
+    "run_recorded",
+]

@@ -320,3 +320,22 @@ def start_emulator_again() -> None:
     new.start()
     atexit.register(new.stop)
     _emulator[0] = new
+
+
+__all__ = [
+    "EmulatorProcess",
+    "emulator_host",
+    "emulator_launcher",
+    "free_port",
+    "in_ci",
+    "kill_emulator",
+    "mariadb_url",
+    "missing_service",
+    "postgres_url",
+    "rabbitmq_url",
+    "redis_available",
+    "redis_url",
+    "restart_emulator",
+    "sql_url",
+    "start_emulator_again",
+]

@@ -191,3 +191,6 @@ class TcpProxy:
         await asyncio.gather(*self._handlers, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
+
+
+__all__ = ["TcpProxy"]

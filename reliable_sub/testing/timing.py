@@ -153,3 +153,6 @@ async def run_driven(clock: Clock, awaitable: Awaitable[T], within: float) -> T:
         if not task.done():
             task.cancel()
     return task.result()
+
+
+__all__ = ["REAL_WAIT_SLACK", "drive_until", "pass_time", "run_driven", "settle"]

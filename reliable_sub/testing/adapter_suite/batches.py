@@ -40,3 +40,6 @@ async def test_a_typed_batch_fails_and_acks_each_message_on_its_own(harness: Har
     assert "out of stock" in letters[0].error_message
     assert "is not a valid _Order" in letters[1].error_message
     await adapter.ack(dead)
+
+
+__all__ = ["test_a_typed_batch_fails_and_acks_each_message_on_its_own"]

@@ -71,3 +71,10 @@ async def test_a_typed_body_is_decoded_and_a_bad_one_dead_lettered_at_once(
         assert (letter.reason, letter.handler_failures) == ("rejected", 1)
         assert "is not a valid _Order" in letter.error_message
     await adapter.ack(dead)
+
+
+__all__ = [
+    "DeadLetterSetup",
+    "dead_letter_setup",
+    "test_a_typed_body_is_decoded_and_a_bad_one_dead_lettered_at_once",
+]

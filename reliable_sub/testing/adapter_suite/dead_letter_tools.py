@@ -80,3 +80,6 @@ async def test_dead_letters_can_be_listed_shown_replayed_after_a_fix_and_purged(
         purged = await harness.call(queue.purge())
         assert (purged.purged, purged.missing) == (1, [])
         assert await harness.call(queue.peek()) == []
+
+
+__all__ = ["test_dead_letters_can_be_listed_shown_replayed_after_a_fix_and_purged"]

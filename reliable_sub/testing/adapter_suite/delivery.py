@@ -158,3 +158,16 @@ async def test_ordering_keys_deliver_in_order(harness: Harness) -> None:
     assert acked["A"] == [f"a{i}".encode() for i in range(6)]
     assert acked["B"] == [f"b{i}".encode() for i in range(6)]
     assert nacked_a2
+
+
+__all__ = [
+    "test_ack_removes_the_message",
+    "test_ensure_subscription_is_idempotent",
+    "test_expired_deadline_redelivers_with_the_next_attempt",
+    "test_extend_moves_the_deadline_and_stale_ids_are_refused",
+    "test_fan_out_to_two_subscriptions",
+    "test_nack_redelivers_after_the_delay",
+    "test_nack_without_delay_redelivers_at_once",
+    "test_ordering_keys_deliver_in_order",
+    "test_receive_respects_max_messages",
+]

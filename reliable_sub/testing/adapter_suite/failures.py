@@ -250,3 +250,12 @@ async def test_a_claim_past_max_lease_is_renewed_on_its_own_schedule(
         f"{len(during)} renewals in {elapsed:.1f}s"
     )
     assert len(during) >= 3, "the claim must stay renewed while the thread runs"
+
+
+__all__ = [
+    "test_a_claim_past_max_lease_is_renewed_on_its_own_schedule",
+    "test_a_hung_sync_handler_starves_nothing_and_is_dead_lettered_in_the_end",
+    "test_a_rejected_message_is_dead_lettered_at_its_first_failure",
+    "test_an_async_handler_blocking_the_loop_is_named_in_a_warning",
+    "test_only_handler_failures_use_up_attempts_across_deferrals_and_restarts",
+]

@@ -297,3 +297,16 @@ async def test_handlers_see_each_ordering_key_in_order_one_at_a_time(harness: Ha
     assert recorder.count(Outcome.DEFERRED) == 0
     assert done["A"] == [f"a{i}".encode() for i in range(5)]
     assert done["B"] == [f"b{i}".encode() for i in range(5)]
+
+
+__all__ = [
+    "test_a_failing_handler_never_stops_the_consumer",
+    "test_duplicate_publish_with_one_idempotency_key_is_handled_once",
+    "test_every_published_message_is_handled_and_acked",
+    "test_handlers_see_each_ordering_key_in_order_one_at_a_time",
+    "test_lease_keeps_a_long_handler_from_being_redelivered",
+    "test_poison_message_is_dead_lettered_after_max_attempts",
+    "test_stop_with_a_slow_handler_in_flight_loses_nothing",
+    "test_sync_and_async_handlers_both_run",
+    "test_two_subscribers_share_a_subscription_without_double_handling",
+]

@@ -250,3 +250,14 @@ async def test_handlers_that_never_wait_do_not_starve_the_event_loop(
         finally:
             beating.cancel()
     assert beats_seen[-1] - beats_seen[0] >= 5, "the loop never let another task run"
+
+
+__all__ = [
+    "keeps_consuming",
+    "test_a_handler_that_always_raises_a_base_exception_is_dead_lettered",
+    "test_a_handlers_own_timeout_cancels_only_its_own_task",
+    "test_a_task_group_with_a_failing_child_fails_only_its_message",
+    "test_anything_a_handler_raises_is_a_failed_attempt",
+    "test_handlers_that_never_wait_do_not_starve_the_event_loop",
+    "test_httpx_with_a_timeout_works_in_a_handler",
+]

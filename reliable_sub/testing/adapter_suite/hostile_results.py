@@ -213,3 +213,11 @@ async def test_a_result_whose_encoding_raises_anything_is_stored_as_null_and_ack
     assert recorder.count(Outcome.RETRY) == 0
     found = await store.claim(DedupKey(adapter.dedup_namespace(sub), "lazy-1"), 10)
     assert isinstance(found, Completed) and found.result is None
+
+
+__all__ = [
+    "test_a_result_nested_too_deeply_is_stored_as_null_and_not_rerun",
+    "test_a_result_whose_encoding_raises_anything_is_stored_as_null_and_acked_once",
+    "test_an_awaitable_a_handler_returns_is_run_once_before_the_ack",
+    "test_an_exception_that_cannot_be_printed_is_dead_lettered_after_its_attempts",
+]

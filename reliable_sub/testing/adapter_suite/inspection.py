@@ -65,3 +65,6 @@ async def figures_once(adapter: Inspectable, subscription: str, within: float,
         await asyncio.sleep(POLL)
         figures = await adapter.subscription_stats(subscription)
     return figures
+
+
+__all__ = ["test_stats_count_the_backlog_and_what_is_in_flight"]

@@ -298,3 +298,16 @@ async def test_ensure_topic_and_its_blocking_twin_create_a_topic(harness: Harnes
     assert await adapter.topic_exists(made_sync)
     await adapter.publish(made_sync, b"publishable")
     await in_thread(harness, adapter.close_sync)
+
+
+__all__ = [
+    "test_a_missing_dead_letter_topic_fails_the_start_by_name",
+    "test_a_second_stop_forces_and_keeps_the_running_threads_claim",
+    "test_a_stopped_subscriber_leaves_no_open_connection_and_a_usable_adapter",
+    "test_a_sync_handler_running_at_the_deadline_is_waited_for_and_acked",
+    "test_an_async_handler_running_at_the_deadline_is_cancelled_and_given_back",
+    "test_async_with_serves_in_the_current_loop",
+    "test_ensure_topic_and_its_blocking_twin_create_a_topic",
+    "test_start_stop_start_in_new_threads_and_loops",
+    "test_stop_gives_back_what_has_not_started_and_finishes_what_runs",
+]

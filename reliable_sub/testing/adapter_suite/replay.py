@@ -172,3 +172,12 @@ async def test_a_snapshot_keeps_what_was_published_after_it_without_retention(
 
     assert payloads(await receive_all(harness, adapter, sub, 2)) == [b"after", b"unacked"]
     await adapter.delete_snapshot(name)
+
+
+__all__ = [
+    "test_a_replay_skips_or_reprocesses_what_the_store_recorded",
+    "test_a_snapshot_keeps_what_was_published_after_it_without_retention",
+    "test_seek_to_a_future_time_acknowledges_the_backlog",
+    "test_seek_to_a_snapshot_brings_back_its_unacked_messages_and_later_ones",
+    "test_seek_to_a_time_redelivers_what_was_published_from_then_on",
+]

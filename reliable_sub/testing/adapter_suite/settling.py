@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from reliable_sub import Claimed, DedupKey, Message, Outcome, RetryPolicy
+from reliable_sub._runtime.settler import RETRY_WAIT_MAX, RETRY_WAIT_MIN
 from reliable_sub.message import Delivery
 from reliable_sub.ports import AcksWithCompletions, Adapter
-from reliable_sub.runtime.settler import RETRY_WAIT_MAX, RETRY_WAIT_MIN
 from reliable_sub.testing.harness import Harness, Recorder, drain
 
 
@@ -200,3 +200,12 @@ async def test_a_deferral_waits_at_least_a_second_even_with_zero_backoff(
     deferrals = recorder.count(Outcome.DEFERRED)
     assert deferrals <= elapsed + 2, f"{deferrals} deferrals in {elapsed:.1f}s: a spin"
     await peer.release(held, 0)
+
+
+__all__ = [
+    "test_a_deferral_waits_at_least_a_second_even_with_zero_backoff",
+    "test_a_failing_ack_is_retried_after_the_result_is_recorded",
+    "test_a_failing_completion_is_retried_and_the_message_never_runs_twice",
+    "test_an_unreadable_stored_result_does_not_wedge_its_batch",
+    "test_one_stuck_ack_call_does_not_hold_up_the_others",
+]

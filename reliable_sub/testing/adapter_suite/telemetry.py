@@ -150,3 +150,10 @@ async def test_a_poison_message_ends_dead_lettered(harness: Harness) -> None:
     assert dead_letter_send.parent.span_id == last.context.span_id, \
         "the dead-letter publish is a child of the attempt that dead-lettered"
     assert dead_lettered == 1
+
+
+__all__ = [
+    "test_a_duplicate_ends_its_span_as_duplicate",
+    "test_a_poison_message_ends_dead_lettered",
+    "test_each_attempt_is_a_span_linked_to_the_producer_with_its_outcome",
+]

@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, TypeVar
 
+from ._loops import PerLoop
 from .errors import ConfigurationError, MissingExtraError
-from .loops import PerLoop
 
 try:
     import sqlalchemy as sa

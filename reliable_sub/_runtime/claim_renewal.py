@@ -21,7 +21,8 @@ from .health import Health
 from .inflight import InFlight
 from .lease_basics import MIN_CALL_BOUND, RETRY_FRACTION, LeaseStats, claim_due
 
-logger = logging.getLogger(__name__)
+# The name this module's records always had (it was public): logging set-ups name it.
+logger = logging.getLogger("reliable_sub.runtime.claim_renewal")
 
 
 class ClaimRenewer(Protocol):

@@ -14,12 +14,12 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import sqlalchemy as sa  # imported by sql_store only, once it has checked the sql extra
+import sqlalchemy as sa  # imported by _sql only, once it has checked the sql extra
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..ports import Claimed
-from .sql_table import CLAIMED, COMPLETED, EPOCH, EPOCH_KEY, FAILED, NEVER, stored, stored_part
+from ._sql_table import CLAIMED, COMPLETED, EPOCH, EPOCH_KEY, FAILED, NEVER, stored, stored_part
 
 # A claimed key's row as it stands after the claim: state, owner, failures, expires_at, result.
 Row = tuple[str, str | None, int, float, str | None]

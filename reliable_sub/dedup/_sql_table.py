@@ -8,7 +8,7 @@
 ``state`` is ``claimed`` (``owner`` holds it until ``lease_expires_at``), ``failed`` (released
 after ``failures`` failed attempts, kept until ``expires_at``) or ``completed`` (``result`` is the
 handler's result as JSON text, ``owner`` NULL). A row whose ``expires_at`` has passed counts as
-absent. A namespace's dedup epoch (see :mod:`reliable_sub.idempotency.epochs`) is a row of state
+absent. A namespace's dedup epoch (see :mod:`reliable_sub.dedup._epochs`) is a row of state
 ``epoch`` under the key ``h:epoch``, which no message key is stored as. Times are epoch seconds
 from the store's clock. Namespaces and keys longer than ``READABLE_LIMIT`` characters (or that
 a database cannot hold as text) are stored as ``h:`` + their SHA-256 hex, as in the Redis store.
@@ -26,7 +26,7 @@ try:
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("SqlDedupStore", "sql", "SQLAlchemy") from error
 
-from ..sql_types import TABLE_OPTIONS, exact_text, long_text, seconds
+from .._sql_types import TABLE_OPTIONS, exact_text, long_text, seconds
 
 DEFAULT_TABLE = "reliable_sub_processed"
 # Namespaces and keys up to this many characters are stored as they are; longer ones hashed.

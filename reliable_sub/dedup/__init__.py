@@ -15,19 +15,29 @@ A record also counts *handler failures* (``failures``): a failed attempt release
 keeps the count, so the Subscriber can dead-letter after N failures however many consumers,
 restarts, deferrals and stops came in between. Results are stored as JSON, never pickle.
 
-Stores: :class:`MemoryDedupStore` (this process) and ``RedisDedupStore`` (shared by every
-consumer; needs ``pip install "reliable-sub[redis]"``). ``from reliable_sub.dedup import
-RedisDedupStore`` loads it on first use, so importing this module never imports redis.
+Stores: :class:`MemoryDedupStore` (this process), ``RedisDedupStore`` (shared by every
+consumer; needs ``pip install "reliable-sub[redis]"``) and ``SqlDedupStore`` (a table in your
+own database; extra ``sql``, or ``mysql`` for MariaDB). ``from reliable_sub.dedup import
+RedisDedupStore`` loads it on first use, so importing this package never imports redis or
+SQLAlchemy.
+
+Import everything from here; the modules of this package are private:
+
+* ``_store_base`` -- what every store shares: fencing tokens, owner checks, the single-key
+  methods;
+* ``_memory`` -- :class:`MemoryDedupStore`;
+* ``_redis`` -- ``RedisDedupStore``, its Lua scripts in ``lua/``;
+* ``_sql`` -- ``SqlDedupStore``, with ``_sql_table`` (the table) and ``_sql_claims`` /
+  ``_sql_claims_mariadb`` (the statements of PostgreSQL and SQLite; of MariaDB);
+* ``_epochs`` -- dedup epochs, how a replay makes processed messages run again.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._results import checked_result_json, decode_result, encode_result
-from .idempotency._store_base import SingleKeyMethods, TokenSource, check_owner
-from .idempotency.memory_store import MemoryDedupStore
-from .ports import (
+from .._results import checked_result_json, decode_result, encode_result
+from ..ports import (
     Claimed,
     ClaimResult,
     Completed,
@@ -37,10 +47,12 @@ from .ports import (
     InProgress,
     SyncDedupStore,
 )
+from ._memory import MemoryDedupStore
+from ._store_base import SingleKeyMethods, TokenSource, check_owner
 
 if TYPE_CHECKING:  # for type checkers only: at runtime __getattr__ imports them on first use
-    from .idempotency.redis_store import RedisDedupStore as RedisDedupStore
-    from .idempotency.sql_store import SqlDedupStore as SqlDedupStore
+    from ._redis import RedisDedupStore as RedisDedupStore
+    from ._sql import SqlDedupStore as SqlDedupStore
 
 __all__ = [
     "ClaimResult",
@@ -70,11 +82,11 @@ def __getattr__(name: str) -> Any:
     ``pip install`` to run.
     """
     if name == "RedisDedupStore":
-        from .idempotency.redis_store import RedisDedupStore
+        from ._redis import RedisDedupStore
 
         return RedisDedupStore
     if name == "SqlDedupStore":
-        from .idempotency.sql_store import SqlDedupStore
+        from ._sql import SqlDedupStore
 
         return SqlDedupStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -33,9 +33,10 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from .background_loop import BACKGROUND
+from ._background_loop import BACKGROUND
 
-logger = logging.getLogger(__name__)
+# The name this module's records always had (it was public): logging set-ups name it.
+logger = logging.getLogger("reliable_sub.idempotency.settling")
 
 T = TypeVar("T")
 # What settles a key: a task in the caller's event loop, or (for a sync caller) a future this

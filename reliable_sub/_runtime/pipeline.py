@@ -19,7 +19,7 @@ The path of one delivery, stage by stage (each a module that takes callbacks, ne
                 delivery's lease, claim and flow-control slot are let go (:meth:`_on_settled`)
 
 The lease manager keeps every delivery's ack deadline (and running claim) ahead of it meanwhile,
-and :mod:`~reliable_sub.runtime.shutdown` stops the run.
+and :mod:`~reliable_sub._runtime.shutdown` stops the run.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import math
 from collections import deque
 
 from ..clock import Clock
+from ..errors import ConfigurationError
 
 # Ten minutes of history: long enough for a stable p99 at a few messages a second, short enough
 # that a shift in the workload shows within minutes.
@@ -35,9 +36,9 @@ class SlidingHistogram:
         max_samples: int = DEFAULT_MAX_SAMPLES,
     ) -> None:
         if not window > 0:
-            raise ValueError(f"SlidingHistogram.window must be in (0, inf), got {window!r}")
+            raise ConfigurationError(f"SlidingHistogram.window must be in (0, inf), got {window!r}")
         if max_samples < 1:
-            raise ValueError(
+            raise ConfigurationError(
                 f"SlidingHistogram.max_samples must be in [1, inf), got {max_samples!r}"
             )
         self._clock = clock

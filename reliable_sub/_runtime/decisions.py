@@ -69,10 +69,11 @@ class Decisions:
         config, state: the run's configuration and switches.
         claims: the claim lifecycle (failure counts, completions, releases).
         stats: the Subscriber's counters.
-        failure: the dead-letter-or-backoff decision for a failed attempt.
         workers: the sync handlers' threads (whether one is free).
         telemetry: the run's telemetry, or None.
-        add_settle: the settler's queue.
+        add_settle, add_settles: the settler's queue, for one settle or several.
+
+    A failed attempt's dead-letter-or-backoff decision is its lane's (``Lane.failure``).
     """
 
     def __init__(

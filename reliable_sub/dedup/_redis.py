@@ -43,9 +43,9 @@ import re
 from collections.abc import Sequence
 from typing import Any, NamedTuple, TypeVar
 
+from .._loops import PerLoop
 from .._results import checked_result_json
 from ..errors import ConfigurationError, MissingExtraError
-from ..loops import PerLoop
 from ..policy import check_seconds
 from ..ports import Claimed, ClaimResult, Completed, Completion, DedupKey, InProgress
 from ._store_base import SingleKeyMethods, TokenSource, check_owner
@@ -58,7 +58,7 @@ except ImportError as error:  # the redis extra is not installed
     raise MissingExtraError("RedisDedupStore", "redis", "redis") from error
 
 
-from ..redis_clients import (
+from .._redis_clients import (
     AsyncClient,
     RedisClients,
     SyncClient,
@@ -68,7 +68,8 @@ from ..redis_clients import (
     sync_script,
 )
 
-logger = logging.getLogger(__name__)
+# The name this module's records always had (it was public): logging set-ups name it.
+logger = logging.getLogger("reliable_sub.idempotency.redis_store")
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "reliable-sub:dedup"
@@ -121,7 +122,7 @@ class RedisDedupStore(SingleKeyMethods):
         prefix: the first part of every Redis key this store writes; no braces.
         owner: readable prefix of this store's fencing tokens, such as the service's name
             (default: a short random one); see
-            :func:`~reliable_sub.idempotency.memory_store.check_owner`.
+            :func:`~reliable_sub.dedup.check_owner`.
         sync_client: the ``redis.Redis`` client of the blocking twins (``claim_many_sync`` ...)
             on the same server (default: one built from the URL, or from the given client's
             host, port, database and credentials -- pass one for TLS or a fake server).

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 from ..ports import Claimed, SyncDedupStore
 
-logger = logging.getLogger(__name__)
+# The name this module's records always had (it was public): logging set-ups name it.
+logger = logging.getLogger("reliable_sub.idempotency.renewer")
 
 # A claim is renewed this many times per lease (every lease_ttl / RENEWALS_PER_LEASE) ...
 RENEWALS_PER_LEASE = 3

@@ -17,7 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-logger = logging.getLogger(__name__)
+# The name this module's records always had (it was public): logging set-ups name it.
+logger = logging.getLogger("reliable_sub.runtime.workers")
 
 # What a thread hands back: (True, return value) or (False, the exception it raised).
 Outcome = tuple[bool, Any]

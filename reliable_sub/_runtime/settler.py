@@ -35,7 +35,8 @@ from .claims import Claims
 from .health import Health
 from .inflight import InFlight, Stage
 
-logger = logging.getLogger(__name__)
+# The name this module's records always had (it was public): logging set-ups name it.
+logger = logging.getLogger("reliable_sub.runtime.settler")
 
 T = TypeVar("T")
 
@@ -163,8 +164,8 @@ class Settler:
 
     Args:
         adapter: the broker.
-        dedup: the store completions and releases go to.
-        dedup_ttl: retention of completed records and failure counts.
+        claims: the run's claim lifecycle: completions and releases go to its store, kept for
+            its ``retention`` (completed records and failure counts).
         stats: counters of store and broker errors and refused acks.
         on_settled: called with settles confirmed together and the ack ids the broker
             refused among them.

@@ -5,7 +5,7 @@ keeps its ack deadline and dedup claim alive) and the settler (which acks or nac
 fields of all three live here so a delivery costs one allocation, not three.
 
 It is generic in its ``lane`` (the route it came in on, during one run): the stages that read the
-lane name its type, :data:`reliable_sub.runtime.lanes.Item`; the lease manager, the settler and the
+lane name its type, :data:`reliable_sub._runtime.lanes.Item`; the lease manager, the settler and the
 claims never read it, so this module needs nothing of theirs (no import cycle).
 """
 

@@ -10,10 +10,10 @@
     the route's chain: your middleware ─► DeadLetterOrBackoff ─► InProcessRetry ─► handler
        │   (or the handler alone: the direct fast path, no object per message on success)
        ▼
-    the decision ─► :class:`~reliable_sub.runtime.decisions.Decisions` (succeeded, apply, ...)
+    the decision ─► :class:`~reliable_sub._runtime.decisions.Decisions` (succeeded, apply, ...)
 
 The handler's task runs with the delivery's span as the current one, and with
-:func:`~reliable_sub.runtime.current.current_claim` set. A cancellation is the Subscriber's (a
+:func:`~reliable_sub._runtime.current.current_claim` set. A cancellation is the Subscriber's (a
 stop, max_lease_duration) only when it says so (``cancel_reason``) or the task was asked to
 cancel; a CancelledError a handler raises by itself is its failure.
 """
@@ -67,10 +67,12 @@ class Dispatcher:
         config, state: the run's configuration and switches.
         flow, workers: the byte budget and the sync handlers' threads.
         claims, stats, health: for re-taking a claim that lapsed while its delivery waited.
-        failure: the dead-letter-or-backoff decision, awaited right after a failed attempt.
         telemetry: the run's telemetry, or None.
         settle, succeeded, apply, claim_lost, cancelled, in_progress_elsewhere, defer_delay:
-            the :class:`~reliable_sub.runtime.decisions.Decisions` methods of those names.
+            the :class:`~reliable_sub._runtime.decisions.Decisions` methods of those names.
+
+    A failed attempt's dead-letter-or-backoff decision is its lane's (``Lane.failure``),
+    awaited right after the attempt.
     """
 
     def __init__(

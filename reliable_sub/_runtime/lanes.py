@@ -2,7 +2,7 @@
 
 Plain records, no behaviour of a stage: the receiver, the dispatcher, the decisions and the
 shutdown each take what they need of these (and callbacks into one another), never the run that
-composes them (:mod:`reliable_sub.runtime.pipeline`).
+composes them (:mod:`reliable_sub._runtime.pipeline`).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class Lane:
 
 
 class Collector(Protocol):
-    """Gathers a batch handler's deliveries (:class:`reliable_sub.runtime.batches.Batches`)."""
+    """Gathers a batch handler's deliveries (:class:`reliable_sub._runtime.batches.Batches`)."""
 
     def add(self, item: Item) -> None: ...
 
@@ -132,7 +132,7 @@ Item: TypeAlias = "InFlight[Lane]"
 
 
 class SettleCall(Protocol):
-    """:meth:`reliable_sub.runtime.decisions.Decisions.settle`, as the other stages call it."""
+    """:meth:`reliable_sub._runtime.decisions.Decisions.settle`, as the other stages call it."""
 
     def __call__(self, item: Item, outcome: Outcome, *, ack: bool, delay: float = 0.0,
                  completion: Any = None, release: Claimed | None = None) -> None: ...

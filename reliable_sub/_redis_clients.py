@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from importlib import resources
 from typing import Any
 
+from ._loops import PerLoop
 from .errors import ConfigurationError, MissingExtraError
-from .loops import PerLoop
 
 try:
     import redis

@@ -55,7 +55,8 @@ from .lease_basics import (
     margin,
 )
 
-logger = logging.getLogger(__name__)
+# The name this module's records always had (it was public): logging set-ups name it.
+logger = logging.getLogger("reliable_sub.runtime.lease")
 
 # The loop never spins faster than this, whatever the leases say (a guard, not a schedule).
 MIN_TICK_INTERVAL = 0.01

@@ -2,7 +2,7 @@
 record can commit in one transaction (extra ``sql``).
 
 SQLAlchemy 2 Core, on PostgreSQL (psycopg 3), MariaDB 10.6+ (asyncmy and PyMySQL, extra
-``mysql``) and SQLite. One table (:mod:`reliable_sub.idempotency.sql_table`; ``metadata`` holds
+``mysql``) and SQLite. One table (:mod:`reliable_sub.dedup._sql_table`; ``metadata`` holds
 it, for your Alembic migrations; :meth:`SqlDedupStore.create_schema` creates it). Times are
 epoch seconds from the store's clock: keep consumers' clocks in sync (NTP), as their claims are
 compared across hosts.
@@ -36,10 +36,10 @@ try:
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("SqlDedupStore", "sql", "SQLAlchemy") from error
 
-from ..sql_engines import MYSQL_DIALECTS, OnSqlEngines, SqlEngines
+from .._sql_engines import MYSQL_DIALECTS, OnSqlEngines, SqlEngines
 from ._sql_claims import SqlClaims
 from ._sql_claims_mariadb import MariaDbClaims
-from .sql_table import (
+from ._sql_table import (
     CLAIMED,
     COMPLETED,
     DEFAULT_TABLE,
@@ -63,7 +63,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
         table: the table name (default ``reliable_sub_processed``).
         owner: readable prefix of this store's fencing tokens, such as the service's name
             (default: a short random one); see
-            :func:`~reliable_sub.idempotency.memory_store.check_owner`.
+            :func:`~reliable_sub.dedup.check_owner`.
         clock: the time source (``wall()`` is what rows record).
         sync_engine: the engine sync transactional handlers use (default: one on the same
             database, made on first use).
@@ -220,7 +220,7 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
 
     def begin(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """An ``AsyncConnection`` in a transaction (commits on exit), from a pool of its own
-        (see :attr:`~reliable_sub.sql_engines.SqlEngines.transaction_engine`): the store's
+        (see :attr:`~reliable_sub._sql_engines.SqlEngines.transaction_engine`): the store's
         calls never wait for a connection behind running handlers."""
         return self._engines.transaction_engine.begin()
 

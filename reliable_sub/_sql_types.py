@@ -20,7 +20,7 @@ try:
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("The SQL store and outbox", "sql", "SQLAlchemy") from error
 
-from .sql_engines import MYSQL_DIALECTS
+from ._sql_engines import MYSQL_DIALECTS
 
 # Compares code points, byte for byte, trailing spaces included (a binary NO PAD collation).
 EXACT_COLLATION = "utf8mb4_nopad_bin"

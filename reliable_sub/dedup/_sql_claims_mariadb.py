@@ -21,13 +21,13 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-import sqlalchemy as sa  # imported by sql_store only, once it has checked the sql extra
+import sqlalchemy as sa  # imported by _sql only, once it has checked the sql extra
 from sqlalchemy.dialects import mysql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ..ports import Claimed
 from ._sql_claims import ClaimRow, CompletionRow, Row, SqlClaims, by_key
-from .sql_table import (
+from ._sql_table import (
     CLAIMED,
     COMPLETED,
     EPOCH,

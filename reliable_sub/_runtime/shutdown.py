@@ -45,13 +45,13 @@ FLUSH_GRACE = 5.0
 
 
 class Shutdown:
-    """Stops one run: built by its :meth:`~reliable_sub.runtime.pipeline.Runtime.close`.
+    """Stops one run: built by its :meth:`~reliable_sub._runtime.pipeline.Runtime.close`.
 
     Args:
         config, state: the run's configuration and switches (flipped here).
         lanes: the run's lanes (their receive calls, and deliveries queued behind a key).
         flow, supervisor, settler, workers, watchdog: the parts stopped here.
-        settle: :meth:`~reliable_sub.runtime.decisions.Decisions.settle`.
+        settle: :meth:`~reliable_sub._runtime.decisions.Decisions.settle`.
         release: the claim to release for a delivery given back (:meth:`Claims.release`).
     """
 

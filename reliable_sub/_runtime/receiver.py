@@ -13,7 +13,7 @@
        │  held by a live peer ─► decisions.in_progress_elsewhere            "deferred"
        │  behind a held message of its ordering key ─► nack                 "requeued"
        ▼ claimed
-    dispatch (:mod:`reliable_sub.runtime.dispatcher`)
+    dispatch (:mod:`reliable_sub._runtime.dispatcher`)
 
 A lane whose deliveries were given back for want of a worker thread ("starved") waits for one
 before it receives again, so peers get those deliveries rather than this Subscriber again.
@@ -63,7 +63,7 @@ class Receiver:
         telemetry: the run's telemetry, or None.
         dispatch, dispatch_many: the dispatcher's entries (for one delivery, for several).
         settle, malformed, in_progress_elsewhere, defer_delay: the
-            :class:`~reliable_sub.runtime.decisions.Decisions` methods of those names.
+            :class:`~reliable_sub._runtime.decisions.Decisions` methods of those names.
     """
 
     def __init__(

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..dedup import Claimed, ClaimResult, Completion, DedupKey, DedupStore
-from ..idempotency.epochs import EpochCache
+from ..dedup._epochs import EpochCache
 from ..ports import DedupEpochs
 from .inflight import InFlight
 
@@ -62,7 +62,7 @@ class Claims:
         """Claim the keys of ``items`` in one call; a Claimed result is kept on its item.
 
         With a store that keeps epochs, the keys are claimed in the namespace of the current
-        epoch (see :mod:`reliable_sub.idempotency.epochs`)."""
+        epoch (see :mod:`reliable_sub.dedup._epochs`)."""
         assert self.store is not None
         if self._epochs is not None:
             namespace = await self._epochs.namespace(namespace)

@@ -24,7 +24,8 @@ from typing import Any, TypeVar
 
 from ..ports import DedupStore
 
-logger = logging.getLogger(__name__)
+# The name this module's records always had (it was public): logging set-ups name it.
+logger = logging.getLogger("reliable_sub.idempotency.background_loop")
 
 T = TypeVar("T")
 
