@@ -42,6 +42,7 @@ from .current import CURRENT_BATCH, BatchClaims
 from .flow import FlowGate
 from .inflight import CancelReason, Stage, cancel_requested
 from .lanes import Config, Item, Lane, RunState, SettleCall, new_task
+from .members import RUNNING, SETTLING, WAITING
 from .workers import WorkerThreads
 
 logger = logging.getLogger("reliable_sub.subscriber")
@@ -213,7 +214,7 @@ class Batches:
         lease = lane.lease
         ours = []
         for item in items:
-            if item.stage is Stage.WAITING and (
+            if item.stage is WAITING and (
                     item.claim is None or not lease.claim_needs_refresh(item)
                     or await self._refresh_claim(lane, item)):
                 ours.append(item)
@@ -225,7 +226,7 @@ class Batches:
             return
         lane, spec = self._lane, self._spec
         for item in items:
-            item.stage = Stage.RUNNING
+            item.stage = RUNNING
         lane.lease.started_many(items)
         failures: list[tuple[Item, BaseException]] = []
         bodies: list[Any] | None = None
@@ -262,7 +263,7 @@ class Batches:
                     self._succeeded(lane, items)
         if failures:
             for item, _ in failures:  # decided from here on (as Decisions.decide_failure)
-                item.stage = Stage.SETTLING
+                item.stage = SETTLING
             # beside this task: the batch's timeout or a stop must not cut the decisions short
             self._state.track(self._fail_each(failures))
 

@@ -45,6 +45,7 @@ from ..telemetry.consumer import DeliveryTelemetry
 from .claims import Claims
 from .inflight import CancelReason, Stage
 from .lanes import Config, Item, Lane, RunState
+from .members import ACKED
 from .settler import Settle
 from .workers import WorkerThreads
 
@@ -127,19 +128,19 @@ class Decisions:
         """The handler returned ``result``: record it with the ack."""
         if isinstance(result, Committed):  # recorded in the handler's transaction: only ack
             self._claims.drop(item)
-            self.settle(item, Outcome.ACKED, ack=True)
+            self.settle(item, ACKED, ack=True)
             return
         claims = self._claims
         if item.claim is None:  # the fast path: nothing to record
             if claims.failure_counts:
                 claims.forget(lane.namespace, item)
             if not lane.ordered or item.delivery.message.ordering_key is None:
-                self._add_settle(Settle(item, Outcome.ACKED, ack=True))  # (settle(), inline)
+                self._add_settle(Settle(item, ACKED, ack=True))  # (settle(), inline)
             else:
-                self.settle(item, Outcome.ACKED, ack=True)
+                self.settle(item, ACKED, ack=True)
             return
         result_json = "null" if result is None else self.encode(result, item.delivery.message)
-        self.settle(item, Outcome.ACKED, ack=True,
+        self.settle(item, ACKED, ack=True,
                     completion=claims.completion(item, result_json))
 
     def succeeded_many(self, lane: Lane, items: list[Item]) -> None:
@@ -152,7 +153,7 @@ class Decisions:
         plain: list[Settle] = []  # nothing to record, no ordering key to hand on: queued together
         for item in items:
             if item.claim is None and (not ordered or item.delivery.message.ordering_key is None):
-                plain.append(Settle(item, Outcome.ACKED, ack=True))
+                plain.append(Settle(item, ACKED, ack=True))
             else:
                 self.succeeded(lane, item, None)
         if plain:

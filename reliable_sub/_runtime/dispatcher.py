@@ -45,8 +45,9 @@ from .current import CURRENT_CLAIM
 from .decisions import DEFER_MIN_DELAY
 from .flow import FlowGate
 from .health import Health
-from .inflight import CancelReason, Stage, cancel_requested
+from .inflight import CancelReason, cancel_requested
 from .lanes import EAGER_TASKS, Config, Item, Lane, Route, RunState, SettleCall, new_task
+from .members import RUNNING, SETTLING
 from .workers import WorkerThreads
 
 logger = logging.getLogger("reliable_sub.subscriber")
@@ -234,7 +235,7 @@ class Dispatcher:
             await self._cancelled(item)
         except Exception:  # a bug of ours must not lose the message
             logger.exception("processing message %s failed unexpectedly", item.message_id)
-            if item.stage is not Stage.SETTLING:
+            if item.stage is not SETTLING:
                 retry = item.lane.route.retry
                 self._settle(item, Outcome.RETRY, ack=False,
                              delay=retry.backoff(1, self._config.rng),
@@ -272,7 +273,7 @@ class Dispatcher:
     async def _attempt(self, lane: Lane, item: Item) -> None:
         """Run the handler once (through the route's middleware) and hand on its decision."""
         message = item.delivery.message
-        item.stage = Stage.RUNNING
+        item.stage = RUNNING
         lane.lease.started(item)
         claim_token = CURRENT_CLAIM.set(item.claim)
         try:

@@ -35,6 +35,9 @@ class Stage(enum.IntEnum):
     """Settled; nothing of it is kept."""
 
 
+_WAITING = Stage.WAITING  # read for every delivery: see members.py
+
+
 class CancelReason(str, enum.Enum):
     """Why the Subscriber cancelled a delivery's task (a handler's own CancelledError has none)."""
 
@@ -78,7 +81,7 @@ class InFlight(Generic[LaneT]):
     def __init__(self, delivery: Delivery, lane: LaneT) -> None:
         self.delivery = delivery
         self.lane = lane
-        self.stage = Stage.WAITING
+        self.stage = _WAITING
         self.claim: Claimed | None = None
         self.failures = 0  # handler failures recorded for this message, this one included
         self.error: BaseException | None = None  # what the last attempt failed with

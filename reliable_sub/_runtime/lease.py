@@ -45,7 +45,7 @@ from ..ports import Adapter
 from .claim_renewal import ClaimRenewal, ClaimRenewer
 from .health import Health
 from .histogram import SlidingHistogram
-from .inflight import InFlight, Stage
+from .inflight import InFlight
 from .lease_basics import (
     BATCH_FRACTION,
     MIN_CALL_BOUND,
@@ -54,6 +54,7 @@ from .lease_basics import (
     due_at,
     margin,
 )
+from .members import RUNNING
 
 # The name this module's records always had (it was public): logging set-ups name it.
 logger = logging.getLogger("reliable_sub.runtime.lease")
@@ -284,7 +285,7 @@ class LeaseManager:
                             expired.append(item)
                         else:
                             to_extend.append(item)
-                elif item.stage is Stage.RUNNING and item.expires_at <= now:
+                elif item.stage is RUNNING and item.expires_at <= now:
                     expired.append(item)  # a handler that runs on: another max_lease_duration
             if (item.claim_active and item.renew_after <= now
                     and item.claim_deadline <= now + margin(item.claim_length)

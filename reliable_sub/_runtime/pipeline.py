@@ -46,9 +46,9 @@ from .decisions import Decisions
 from .dispatcher import Dispatcher
 from .flow import FlowGate
 from .health import Health
-from .inflight import Stage
 from .lanes import Config, Item, Lane, Route, RunState, close_gates
 from .lease import LeaseManager
+from .members import ACK_REFUSED, DONE
 from .receiver import Receiver
 from .settler import Settle, Settler
 from .shutdown import Shutdown, release_connections
@@ -253,14 +253,14 @@ class Runtime:
         telemetry, config = self.telemetry, self.config
         for settle in settles:
             item: Item = settle.item
-            item.stage = Stage.DONE
+            item.stage = DONE
             lane = item.lane
             lane.lease.drop(item)
             items.discard(item)
             flow.settled()
             if lane.flow is not None:
                 lane.flow.settled()
-            outcome = (Outcome.ACK_REFUSED if refused and item.delivery.ack_id in refused
+            outcome = (ACK_REFUSED if refused and item.delivery.ack_id in refused
                        else settle.outcome)
             outcomes[outcome] += 1
             if telemetry is not None:

@@ -37,8 +37,9 @@ from .claims import CLAIM_CALL, MIN_STORE_CALL_BOUND, Claims
 from .decisions import DEFER_MIN_DELAY
 from .flow import FlowGate
 from .health import Health
-from .inflight import InFlight, Stage
+from .inflight import InFlight
 from .lanes import Config, Item, Lane, RunState, SettleCall
+from .members import DUPLICATE, WAITING
 from .workers import WorkerThreads
 
 logger = logging.getLogger("reliable_sub.subscriber")
@@ -224,13 +225,13 @@ class Receiver:
             self._health.failed(CLAIM_CALL, error)
             delay = self._defer_delay(self.config.retry.backoff(1, self.config.rng))
             for item in good:
-                if item.stage is Stage.WAITING:  # not given back meanwhile (max_lease_duration)
+                if item.stage is WAITING:  # not given back meanwhile (max_lease_duration)
                     settle(item, Outcome.RETRY, ack=False, delay=delay)
             return
         self._health.ok(CLAIM_CALL)
         blocked: set[str] = set()  # ordering keys with a message that must not be overtaken
         for item, verdict in zip(good, verdicts, strict=True):
-            if item.stage is not Stage.WAITING:
+            if item.stage is not WAITING:
                 # given back while the claim call ran (it outlasted max_lease_duration): not
                 # to be run now; a claim it took is ended, so the redelivery need not wait
                 if isinstance(verdict, Claimed):
@@ -243,7 +244,7 @@ class Receiver:
                 settle(item, Outcome.REQUEUED, ack=False, delay=DEFER_MIN_DELAY,
                        release=claims.release(item))
             elif isinstance(verdict, Completed):
-                settle(item, Outcome.DUPLICATE, ack=True)
+                settle(item, DUPLICATE, ack=True)
             elif isinstance(verdict, InProgress):
                 if key is not None:
                     blocked.add(key)

@@ -34,6 +34,7 @@ from ..ports import AcksWithCompletions, Adapter, Claimed, Completion
 from .claims import Claims
 from .health import Health
 from .inflight import InFlight, Stage
+from .members import SETTLING
 
 # The name this module's records always had (it was public): logging set-ups name it.
 logger = logging.getLogger("reliable_sub.runtime.settler")
@@ -207,7 +208,7 @@ class Settler:
     def add(self, settle: Settle) -> None:
         """Queue ``settle``: a result to record goes out at once (with those already
         waiting), the rest with the next batch."""
-        settle.item.stage = Stage.SETTLING
+        settle.item.stage = SETTLING
         if settle.completion is not None and settle.release is None:
             self._recording.add(settle)
         else:
@@ -216,7 +217,7 @@ class Settler:
     def add_many(self, settles: list[Settle]) -> None:
         """Queue ``settles``, none of which has a result to record, for the next batch."""
         for settle in settles:
-            settle.item.stage = Stage.SETTLING
+            settle.item.stage = SETTLING
         self._settling.extend(settles)
 
     async def drain(self, give_up_at: float) -> None:

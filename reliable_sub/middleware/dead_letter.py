@@ -35,6 +35,8 @@ UNREADABLE = "unreadable"  # a broker entry that cannot be read as a message
 RUNNING_TOO_LONG = "running-too-long"  # still running on a peer, period after period
 PUBLISHER_ATTRIBUTE_PREFIX = "publisher-"
 
+_FAILED = Verdict.FAILED  # read for every message: see reliable_sub/_runtime/members.py
+
 
 class DeadLetterOrBackoff:
     """Turns a failed attempt into a decision: the failure is counted; below
@@ -63,7 +65,7 @@ class DeadLetterOrBackoff:
 
     async def __call__(self, context: Context, call_next: CallNext) -> Decision:
         decision = await call_next(context)
-        if decision.verdict is not Verdict.FAILED or decision.error is None:
+        if decision.verdict is not _FAILED or decision.error is None:
             return decision
         return await self.after_failure(context.message, context.failures, decision.error)
 

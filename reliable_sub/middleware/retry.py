@@ -17,6 +17,8 @@ from ..clock import Clock
 from ..policy import RetryPolicy
 from . import CallNext, Context, Decision, Verdict
 
+_FAILED = Verdict.FAILED  # read for every message: see reliable_sub/_runtime/members.py
+
 
 class InProcessRetry:
     """Calls the rest of the chain again while it fails with an exception in
@@ -39,7 +41,7 @@ class InProcessRetry:
     def _transient(self, decision: Decision) -> bool:
         error = decision.error
         policy = self._policy
-        return (decision.verdict is Verdict.FAILED and isinstance(error, policy.retry_on)
+        return (decision.verdict is _FAILED and isinstance(error, policy.retry_on)
                 and not policy.is_permanent(error))
 
     async def __call__(self, context: Context, call_next: CallNext) -> Decision:

@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 
 # Outcomes that end a span with status ERROR: the handler failed.
 _FAILED = frozenset({Outcome.RETRY, Outcome.DEAD_LETTERED})
+# read for every message: see reliable_sub/_runtime/members.py
+_ACKED, _DUPLICATE = Outcome.ACKED, Outcome.DUPLICATE
 # Outcomes that give the message back to the broker, with a redelivery delay.
 _NACKED = frozenset({Outcome.RETRY, Outcome.DEFERRED, Outcome.REQUEUED, Outcome.STOPPED})
 
@@ -265,16 +267,16 @@ class DeliveryTelemetry:
             instruments = tallies.instruments
             if item.duration is not None:
                 instruments.duration.record(item.duration, route.outcome_attributes(outcome, kind))
-            if outcome is Outcome.ACKED:
+            if outcome is _ACKED:
                 route.succeeded_on(tallies, item.delivery.message.delivery_attempt).value += 1
-            elif outcome is Outcome.DUPLICATE:
+            elif outcome is _DUPLICATE:
                 tallies.duplicates.value += 1
         span = item.span
         if span is None:
             return
         item.span = None
         if type(span) is DeferredSpan:
-            if outcome is Outcome.ACKED or self.tracer is None:
+            if outcome is _ACKED or self.tracer is None:
                 return  # a first attempt that succeeded, and the ratio left out
             span = self._made_late(route, item, span)
         if span.is_recording():
