@@ -274,7 +274,7 @@ class MemoryAdapter(InstrumentedPublishing):
         self, subscription: str, max_messages: int, timeout: float
     ) -> list[Delivery]:
         if max_messages < 1:
-            raise ValueError(f"receive: max_messages must be >= 1, got {max_messages}")
+            raise ConfigurationError(f"receive: max_messages must be >= 1, got {max_messages}")
         give_up_at = self._clock.now() + max(0.0, timeout)
         loop = asyncio.get_running_loop()
         closings = self._closings

@@ -691,7 +691,7 @@ class NatsJetStreamAdapter(InstrumentedPublishing):
         self, subscription: str, max_messages: int, timeout: float
     ) -> list[Delivery]:
         if max_messages < 1:
-            raise ValueError(f"receive: max_messages must be >= 1, got {max_messages}")
+            raise ConfigurationError(f"receive: max_messages must be >= 1, got {max_messages}")
         sub = await self._subscription(subscription)
         connection = self._connections.get()
         async with connection.fetch_lock(sub.name), connection.pull(sub) as pull:

@@ -497,7 +497,7 @@ class PubSubAdapter(InstrumentedPublishing):
         self, subscription: str, max_messages: int, timeout: float
     ) -> list[Delivery]:
         if max_messages < 1:
-            raise ValueError(f"receive: max_messages must be >= 1, got {max_messages}")
+            raise ConfigurationError(f"receive: max_messages must be >= 1, got {max_messages}")
         path = self.subscription_path(subscription)
         await self.subscription_ack_deadline(subscription)
         client = self._client()

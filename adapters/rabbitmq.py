@@ -369,7 +369,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
     async def receive(self, subscription: str, max_messages: int, timeout: float
                       ) -> list[Delivery]:
         if max_messages < 1:
-            raise ValueError(f"receive: max_messages must be >= 1, got {max_messages}")
+            raise ConfigurationError(f"receive: max_messages must be >= 1, got {max_messages}")
         settings = await self._subscription(subscription)
         loop = asyncio.get_running_loop()
         asked_at = loop.time()

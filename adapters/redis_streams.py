@@ -569,7 +569,7 @@ class RedisStreamsAdapter(InstrumentedPublishing):
         self, subscription: str, max_messages: int, timeout: float
     ) -> list[Delivery]:
         if max_messages < 1:
-            raise ValueError(f"receive: max_messages must be >= 1, got {max_messages}")
+            raise ConfigurationError(f"receive: max_messages must be >= 1, got {max_messages}")
         sub = await self._subscription(subscription)
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + max(0.0, timeout)

@@ -16,6 +16,8 @@ import time
 from collections.abc import Awaitable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from .errors import ConfigurationError
+
 T = TypeVar("T")
 
 
@@ -91,7 +93,7 @@ class ManualClock:
     def advance(self, seconds: float) -> None:
         """Move time forward and wake every sleeper whose time has come."""
         if seconds < 0:
-            raise ValueError(f"ManualClock.advance: seconds must be >= 0, got {seconds}")
+            raise ConfigurationError(f"ManualClock.advance: seconds must be >= 0, got {seconds}")
         self.set(self._now + seconds)
 
     def set(self, when: float) -> None:

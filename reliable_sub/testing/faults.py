@@ -39,6 +39,7 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from typing import Any
 
+from reliable_sub.errors import ConfigurationError
 from reliable_sub.message import Delivery
 from reliable_sub.middleware import CallNext, Context, Decision, Verdict
 from reliable_sub.ports import (
@@ -84,7 +85,8 @@ class Faults:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not (isinstance(value, int | float) and math.isfinite(value) and 0 <= value <= 1):
-                raise ValueError(f"Faults.{field.name} must be a chance in [0, 1], got {value!r}")
+                raise ConfigurationError(
+                    f"Faults.{field.name} must be a chance in [0, 1], got {value!r}")
 
 
 DUPLICATE_DELIVERY = Faults(duplicate=1.0)
