@@ -101,9 +101,8 @@ def incoming(raw: AbstractIncomingMessage, subscription: str) -> tuple[Message, 
         ordering_key = None
     attempt = _count(headers.get(DELIVERY_COUNT_HEADER)) + _count(
         headers.get(EARLIER_DELIVERIES_HEADER)) + 1
-    return Message(id=message_id(raw), data=bytes(raw.body), attributes=attributes,
-                   delivery_attempt=attempt, publish_time=_utc(raw.timestamp),
-                   ordering_key=ordering_key or None, subscription=subscription), problem
+    return Message.received(message_id(raw), bytes(raw.body), attributes, attempt,
+                            _utc(raw.timestamp), ordering_key or None, subscription), problem
 
 
 def _count(value: object) -> int:

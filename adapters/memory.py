@@ -542,15 +542,9 @@ class MemoryAdapter(InstrumentedPublishing):
         return batch
 
     def _message(self, sub: _Subscription, entry: _Entry) -> Message:
-        return Message(
-            id=entry.id,
-            data=entry.data,
-            attributes=dict(entry.attributes),
-            delivery_attempt=max(1, entry.attempts),
-            publish_time=entry.publish_time,
-            ordering_key=entry.ordering_key,
-            subscription=sub.name,
-        )
+        return Message.received(entry.id, entry.data, dict(entry.attributes),
+                                max(1, entry.attempts), entry.publish_time, entry.ordering_key,
+                                sub.name)
 
     def _next_due(self, sub: _Subscription) -> float:
         due = float("inf")

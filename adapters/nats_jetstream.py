@@ -734,15 +734,9 @@ class NatsJetStreamAdapter(InstrumentedPublishing):
             if not isinstance(ordering_key, str):
                 ordering_key = None
                 problem = f"{ORDERING_KEY_HEADER} header is not a JSON string: {raw_key[:100]!r}"
-        message = Message(
-            id=str(metadata.sequence.stream),
-            data=msg.data,
-            attributes=attributes,
-            delivery_attempt=metadata.num_delivered,
-            publish_time=metadata.timestamp,
-            ordering_key=ordering_key,
-            subscription=sub.name,
-        )
+        message = Message.received(str(metadata.sequence.stream), msg.data, attributes,
+                                   metadata.num_delivered, metadata.timestamp, ordering_key,
+                                   sub.name)
         if problem is not None:
             return self._malformed(sub, message, msg.reply, problem)
         return Delivery(message, msg.reply)

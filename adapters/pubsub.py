@@ -537,16 +537,14 @@ class PubSubAdapter(InstrumentedPublishing):
             attempt = self._count_attempt(path, message.message_id)
         stamp = message.publish_time
         return Delivery(
-            Message(
-                id=message.message_id,
-                data=message.data,
-                attributes=dict(message.attributes),
-                delivery_attempt=attempt,
-                publish_time=datetime.fromtimestamp(
-                    stamp.seconds + stamp.nanos / 1e9, tz=timezone.utc
-                ),
-                ordering_key=message.ordering_key or None,
-                subscription=subscription,
+            Message.received(
+                message.message_id,
+                message.data,
+                dict(message.attributes),
+                attempt,
+                datetime.fromtimestamp(stamp.seconds + stamp.nanos / 1e9, tz=timezone.utc),
+                message.ordering_key or None,
+                subscription,
             ),
             received.ack_id,
         )

@@ -653,15 +653,8 @@ class RedisStreamsAdapter(InstrumentedPublishing):
         if data is None:
             names = sorted(name.decode("utf-8", "replace") for name in fields)
             problem = f"no data field (fields: {names})"
-        message = Message(
-            id=entry_id,
-            data=data or b"",
-            attributes=attributes,
-            delivery_attempt=attempt,
-            publish_time=_publish_time(entry_id),
-            ordering_key=ordering_key,
-            subscription=sub.name,
-        )
+        message = Message.received(entry_id, data or b"", attributes, attempt,
+                                   _publish_time(entry_id), ordering_key, sub.name)
         if problem is not None:
             return self._malformed(sub, message, attempt, problem)
         return Delivery(message, f"{entry_id}/{attempt}")
