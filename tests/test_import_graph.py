@@ -142,3 +142,10 @@ def test_the_check_sees_a_cycle_under_type_checking_and_relative_imports() -> No
     module = ast.parse(source)
     guarded = [n for n in ast.walk(module) if isinstance(n, ast.ImportFrom) and n.level == 1]
     assert guarded, "an import under TYPE_CHECKING is found by the walk"
+
+
+def test_no_module_of_the_delivery_path_is_over_400_lines() -> None:
+    # #25: the runtime is split by job; a module that grows past this is doing two
+    sizes = {path.name: len(path.read_text().splitlines())
+             for path in (ROOT / "_runtime").glob("*.py")}
+    assert sizes and max(sizes.values()) <= 400, {n: s for n, s in sizes.items() if s > 400}

@@ -1,20 +1,16 @@
 """Settles deliveries in batches: the dedup store write first, then one broker call.
 
-A handler's result is recorded as soon as it returns: completions go out in a lane of their
-own, batched only with the completions already waiting, never behind acks, nacks or releases
-in flight -- the time between a handler's effect and its durable record is the window in which
-a crash makes the redelivery run it again, so it is kept as short as one store call. Once
-recorded, they are acked with the rest. (The Redis fast path writes the completions inside its
-ack script, so there the completion lane acks too.) Everything else settled since the last call
+A handler's result is recorded as soon as it returns, in a lane of its own, never behind acks,
+nacks or releases in flight: between a handler's effect and its durable record a crash makes the
+redelivery run it again, so that window is one store call. Recorded, it is acked with the rest
+(the Redis fast path records inside its ack script). Everything else settled since the last call
 goes out together: releases in one store call, acks in one broker call, nacks in one call per
-delay. Up to ``MAX_CALLS_IN_FLIGHT`` calls of each lane travel at once, so one slow or failing
-call does not hold up those behind it.
+delay; up to ``MAX_CALLS_IN_FLIGHT`` calls of each lane at once.
 
-A failed call is retried with backoff until it succeeds: a message whose result is not yet
-recorded must not be acked (its redelivery would run the handler again), and its lease and claim
-stay alive meanwhile (the lease manager keeps both until the settle is confirmed). Only when the
-Subscriber stops, and its stop deadline has passed, does a batch give up: then its messages come
-back after their ack deadline, and a completion that was never written is logged at ERROR.
+A failed call is retried with backoff until it succeeds: a message whose result is not recorded
+must not be acked, and its lease and claim stay alive meanwhile. Only when a stop's deadline has
+passed does a batch give up: its messages come back after their ack deadline, and a completion
+never written is logged at ERROR.
 """
 
 from __future__ import annotations
@@ -46,10 +42,9 @@ RETRY_WAIT_MIN = 0.1
 RETRY_WAIT_MAX = 5.0
 # Batches sent at once; more wait and grow meanwhile.
 MAX_CALLS_IN_FLIGHT = 4
-# Seconds one store or broker call of a batch may take before it counts as failed and is tried
-# again (on a fresh connection, for clients that drop a cancelled one): a connection that hangs
-# instead of refusing must not hold a batch, its leases and flow slots for ever. Generous: a
-# batch of hundreds of completions on a loaded database is slow, not hung.
+# Seconds one call of a batch may take before it counts as failed and is tried again: a hung
+# connection must not hold a batch, its leases and flow slots for ever (generous: hundreds of
+# completions on a loaded database are slow, not hung).
 CALL_BOUND = 30.0
 # Delays below this are not rounded (10 ** (exponent - 1) would underflow for subnormals).
 MIN_QUANTIZED = 1e-6
