@@ -38,6 +38,7 @@ import redis.asyncio as aioredis
 
 from benchmarks import memory_pipeline as memory
 from benchmarks import redis_streams as redis_bench
+from benchmarks._brokers import wait_drained
 from benchmarks._common import GcTimer, Rates, positive_int, verdict, write_section
 from benchmarks._telemetry_floor import (
     API,
@@ -171,18 +172,18 @@ async def run_faststream(control: aioredis.Redis, url: str, template: str, telem
         tracer_provider=options["tracer_provider"],
         meter_provider=options["meter_provider"])] if telemetry else []
     tally = redis_bench.Tally()
-    consumer = redis_bench.FastStreamConsumer(url, keys, tally, batch=False,
-                                              middlewares=middlewares)
+    consumer = redis_bench.RedisFastStream(redis_bench.RedisRun(control, url, keys), tally,
+                                           messages, batch=False, middlewares=middlewares)
     try:
-        await consumer.prepare(control, None)
+        await consumer.prepare()
         gc.collect()
         started = time.perf_counter()
         await consumer.start()
-        drained = await redis_bench.wait_drained(control, consumer, messages,
-                                                 started + redis_bench.RUN_DEADLINE)
+        drained = await wait_drained(consumer, redis_bench.no_pending(control, keys),
+                                     started + redis_bench.RUN_DEADLINE)
         await consumer.stop()
         await redis_bench.verify_group(control, keys, messages)
-        consumer.check(messages)
+        consumer.check()
     finally:
         await consumer.close()
         await redis_bench.delete_keys(control, f"{keys.base}:*")
