@@ -99,18 +99,35 @@ async def interleaved(run_once: Callable[[str, int], Awaitable[Any]], variants: 
                       warmup: int) -> dict[str, ThroughputT]:
     """Warm every variant up, then time them round-robin so drift hits all of them alike;
     each run's rate to stderr."""
-    import sys
-
     for variant in variants:
         await run_once(variant, warmup)
     results = {variant: make(variant) for variant in variants}
     for repetition in range(1, repetitions + 1):
         for variant in variants:
             run = await run_once(variant, messages)
-            results[variant].runs.append(run)
-            print(f"  run {repetition}/{repetitions}  {variant:<62} "
-                  f"{messages / run.seconds:>9,.0f} msg/s", file=sys.stderr)
+            _ran(results[variant], run, repetition, repetitions)
     return results
+
+
+def interleaved_sync(run_once: Callable[[str, int], Any], variants: Sequence[str],
+                     make: Callable[[str], ThroughputT], messages: int, repetitions: int,
+                     warmup: int) -> dict[str, ThroughputT]:
+    """:func:`interleaved`, for a ``run_once`` that is no coroutine function."""
+    for variant in variants:
+        run_once(variant, warmup)
+    results = {variant: make(variant) for variant in variants}
+    for repetition in range(1, repetitions + 1):
+        for variant in variants:
+            _ran(results[variant], run_once(variant, messages), repetition, repetitions)
+    return results
+
+
+def _ran(result: Throughput[Any], run: Any, repetition: int, repetitions: int) -> None:
+    import sys
+
+    result.runs.append(run)
+    print(f"  run {repetition}/{repetitions}  {result.variant:<62} "
+          f"{result.messages / run.seconds:>9,.0f} msg/s", file=sys.stderr)
 
 
 def paired_goal(name: str, ours: Throughput[Any], theirs: Throughput[Any],
