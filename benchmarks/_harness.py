@@ -159,6 +159,19 @@ def broker_table(results: Mapping[str, CpuThroughput], base: str,
     ])
 
 
+def rates_table(rows: Iterable[Any], unit: str,
+                ratios: Sequence[tuple[str, Callable[[Any], Any]]]) -> list[str]:
+    """A table of :class:`~benchmarks._common.Rates`: median and range of ``unit``/s, µs each,
+    and the ratio to each ``(name, row → its baseline row)``."""
+    return table(rows, [
+        (f"median {unit}/s", lambda r: f"{r.median:,.0f}"),
+        ("min – max", lambda r: f"{min(r.rates):,.0f} – {max(r.rates):,.0f}"),
+        ("µs each", lambda r: f"{MICROS / r.median:,.0f}"),
+        *((f"ratio to {name}", lambda r, base=base: f"{r.median / base(r).median:.2f}×")
+          for name, base in ratios),
+    ])
+
+
 def stage_table(profiles: Mapping[str, StageProfile], stages: Sequence[str], *, reference: str,
                 scaled: str, scale: float, total: float, unscaled: Iterable[str] = (),
                 rows: Sequence[tuple[str, float]] = ()) -> list[str]:
