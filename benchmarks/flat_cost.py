@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import os
 import statistics
 import sys
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 
 from benchmarks import memory_pipeline as memory
 from benchmarks._common import positive_int, verdict
-from benchmarks._harness import Clock, command_line, measured_on, publish
+from benchmarks._harness import command_line, measured_on, publish
 from reliable_sub import FlowControl, Message, Subscriber
 
 DEFAULT_IN_FLIGHT = (100, 1_000, 10_000)
@@ -101,19 +100,7 @@ async def run_once(messages: int, max_messages: int | None) -> tuple[float, floa
     handler = (HeldInWaves(max_messages, messages).handle if max_messages is not None
                else memory.noop_handler)
     subscriber.handler(memory.SUBSCRIPTION)(handler)
-    gc.collect()
-    gc.freeze()
-    consumer: asyncio.Task[None] | None = None
-    try:
-        with Clock() as clock:
-            consumer = asyncio.create_task(subscriber.serve())
-            clock.stop(await memory.wait_drained(adapter, consumer))
-    finally:
-        await subscriber.shutdown(memory.SHUTDOWN_TIMEOUT)
-        if consumer is not None:
-            await consumer
-        gc.unfreeze()
-    run = clock.run()
+    run = await memory.drain(adapter, subscriber, cpu=True)
     return (run.seconds / messages * 1e6, run.cpu_seconds / messages * 1e6,
             run.gc_seconds / messages * 1e6)
 

@@ -47,6 +47,8 @@ import asyncio
 import cProfile
 import gc
 import time
+from collections.abc import Coroutine
+from typing import Any
 
 from benchmarks._common import README, StageProfile, Throughput, interleaved, rule
 from benchmarks._harness import (
@@ -149,35 +151,43 @@ async def wait_drained(adapter: MemoryAdapter, consumer: asyncio.Task[None]) -> 
         await asyncio.sleep(POLL_INTERVAL)
 
 
-async def run_once(variant: str, messages: int, profiler: cProfile.Profile | None = None) -> Run:
-    """Consume ``messages`` pre-published messages with ``variant`` (wall and GC time only)."""
-    adapter = fresh_adapter(messages)
-    subscriber: Subscriber | None = None
-    if variant in (SUB_NO_DEDUP, SUB_DEDUP):
-        dedup = MemoryDedupStore() if variant == SUB_DEDUP else None
-        subscriber = Subscriber(adapter, dedup=dedup)
-        subscriber.handler(SUBSCRIPTION)(noop_handler)
-    bare = bare_task_per_message if variant == BARE_TASKS else bare_loop
-    # Keep the published backlog out of the collector's way (the clock collects first): with a
-    # real broker it would not be in the consumer's heap at all.
+async def drain(adapter: MemoryAdapter, consumer: Subscriber | Coroutine[Any, Any, None],
+                profiler: cProfile.Profile | None = None, *, cpu: bool = False) -> Run:
+    """Time ``consumer`` (a Subscriber, served, or a bare loop) draining ``adapter``; stop it
+    after the clock.
+
+    The published backlog is kept out of the collector's way: with a real broker it would not
+    be in the consumer's heap at all.
+    """
+    subscriber = consumer if isinstance(consumer, Subscriber) else None
     gc.collect()
     gc.freeze()
-    consumer: asyncio.Task[None] | None = None
+    task: asyncio.Task[None] | None = None
     try:
-        with Clock(profiler, cpu=False) as clock:
-            consumer = asyncio.create_task(
-                bare(adapter, messages) if subscriber is None else subscriber.serve()
-            )
-            clock.stop(await wait_drained(adapter, consumer))
+        with Clock(profiler, cpu=cpu) as clock:
+            task = asyncio.create_task(consumer.serve() if subscriber is not None else consumer)
+            clock.stop(await wait_drained(adapter, task))
     finally:  # stopping is not timed
         if subscriber is not None:
             await subscriber.shutdown(SHUTDOWN_TIMEOUT)
-        if consumer is not None:
-            await consumer
+        if task is not None:
+            await task
         gc.unfreeze()
-    if subscriber is not None and sum(subscriber.stats.outcomes.values()) != messages:
-        raise RuntimeError(f"{variant}: outcomes {dict(subscriber.stats.outcomes)}")
     return clock.run()
+
+
+async def run_once(variant: str, messages: int, profiler: cProfile.Profile | None = None) -> Run:
+    """Consume ``messages`` pre-published messages with ``variant`` (wall and GC time only)."""
+    adapter = fresh_adapter(messages)
+    if variant not in (SUB_NO_DEDUP, SUB_DEDUP):
+        bare = bare_task_per_message if variant == BARE_TASKS else bare_loop
+        return await drain(adapter, bare(adapter, messages), profiler)
+    subscriber = Subscriber(adapter, dedup=MemoryDedupStore() if variant == SUB_DEDUP else None)
+    subscriber.handler(SUBSCRIPTION)(noop_handler)
+    run = await drain(adapter, subscriber, profiler)
+    if sum(subscriber.stats.outcomes.values()) != messages:
+        raise RuntimeError(f"{variant}: outcomes {dict(subscriber.stats.outcomes)}")
+    return run
 
 
 async def measure(messages: int, repetitions: int) -> dict[str, Throughput[Run]]:

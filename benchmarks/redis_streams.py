@@ -349,17 +349,18 @@ class RedisFastStream(_brokers.FastStreamConsumer):
 
 class RedisSubscriber(SubscriberConsumer):
     """``(c)``/``(d)``/``(e)``: our Subscriber on the RedisStreamsAdapter, with or without
-    dedup, with a handler of one message or a batch handler."""
+    dedup, with a handler of one message or a batch handler (and the Subscriber's other
+    ``options``: ``benchmarks.telemetry``'s providers)."""
 
     def __init__(self, run: RedisRun, tally: Tally, total: int, *, dedup: bool,
-                 batch: bool = False) -> None:
+                 batch: bool = False, **options: Any) -> None:
         keys = run.keys
         self.run = run
         self.adapter = RedisStreamsAdapter(run.url, consumer=keys.consumer,
                                            key_prefix=keys.adapter_prefix)
         self.store = (RedisDedupStore(self.adapter.client, prefix=keys.dedup_prefix)
                       if dedup else None)
-        super().__init__(tally, total, Subscriber(self.adapter, dedup=self.store),
+        super().__init__(tally, total, Subscriber(self.adapter, dedup=self.store, **options),
                          SHUTDOWN_TIMEOUT)
         count_in(self.subscriber, keys.group, tally, batch=batch)
 

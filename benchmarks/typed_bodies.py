@@ -25,13 +25,11 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
-import gc
 import json
 import os
 import platform
 import statistics
 import sys
-import time
 import timeit
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +39,7 @@ import pydantic
 
 from benchmarks._common import MICROS, README
 from benchmarks._harness import add_runs, check_main, command_line, publish
-from benchmarks.memory_pipeline import SHUTDOWN_TIMEOUT, SUBSCRIPTION, TOPIC, wait_drained
+from benchmarks.memory_pipeline import SUBSCRIPTION, TOPIC, drain
 from reliable_sub import Message, Subscriber
 from reliable_sub.adapters.memory import MemoryAdapter
 
@@ -135,20 +133,11 @@ async def run_once(handler: Callable[..., Any], messages: int) -> float:
         adapter.publish_sync(TOPIC, BODY)
     subscriber = Subscriber(adapter)
     subscriber.handler(SUBSCRIPTION)(handler)
-    gc.collect()
-    gc.freeze()
-    try:
-        started = time.perf_counter()
-        consumer = asyncio.create_task(subscriber.serve())
-        drained = await wait_drained(adapter, consumer)
-        await subscriber.shutdown(SHUTDOWN_TIMEOUT)
-        await consumer
-    finally:
-        gc.unfreeze()
+    drained = await drain(adapter, subscriber)
     acked = subscriber.stats["acked"]
     if acked != messages:
         raise RuntimeError(f"{handler.__name__}: {acked} of {messages} acked")
-    return (drained - started) / messages * MICROS
+    return drained.seconds / messages * MICROS
 
 
 async def measure_pipeline(messages: int, repetitions: int) -> dict[str, float]:
