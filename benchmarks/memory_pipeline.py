@@ -50,7 +50,14 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-from benchmarks._common import README, StageProfile, Throughput, interleaved, rule
+from benchmarks._common import (
+    README,
+    StageProfile,
+    Throughput,
+    interleaved,
+    pipeline_rules,
+    rule,
+)
 from benchmarks._harness import (
     RATE_COLUMNS,
     Clock,
@@ -212,40 +219,17 @@ STAGES = (RECEIVE, LEASE, DEDUP, TASK, SETTLE, FLOW, LOOP, HARNESS)
 
 # The first matching rule wins. Everything unmatched takes the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE, "reliable_sub/_runtime/receiver.py", "_receive", "loop"),
+    *pipeline_rules(receive=RECEIVE, lease=LEASE, task=TASK, settle=SETTLE, flow=FLOW,
+                    loop=LOOP),
     rule(RECEIVE, "adapters/memory.py", "receive", "_take", "_promote", "_message", "_next_due"),
-    rule(LEASE, "reliable_sub/_runtime/lease.py"),
-    rule(LEASE, "reliable_sub/_runtime/lease_basics.py"),
-    rule(LEASE, "reliable_sub/_runtime/claim_renewal.py"),
-    rule(LEASE, "reliable_sub/_runtime/histogram.py"),
     rule(DEDUP, "reliable_sub/dedup/_memory.py"),
     rule(DEDUP, "reliable_sub/dedup/_store_base.py"),
     rule(DEDUP, "reliable_sub/_runtime/claims.py"),
     rule(DEDUP, "reliable_sub/message.py", "idempotency_key"),
-    rule(TASK, "reliable_sub/_runtime/receiver.py", "_admit"),
-    rule(TASK, "reliable_sub/_runtime/dispatcher.py", "dispatch", "_start", "_run", "_attempt",
-         "_call_handler", "_call"),
-    rule(TASK, "reliable_sub/_runtime/lanes.py", "new_task"),
     rule(TASK, "reliable_sub/_runtime/decisions.py", "encode"),
-    rule(TASK, "reliable_sub/_runtime/inflight.py"),
-    rule(TASK, "reliable_sub/middleware/__init__.py"),
-    rule(
-        TASK,
-        "benchmarks/memory_pipeline.py",
-        "noop_handler",
-        "bare_loop",
-        "bare_task_per_message",
-        "<genexpr>",
-    ),
-    rule(SETTLE, "reliable_sub/_runtime/decisions.py", "settle", "succeeded", "apply"),
-    rule(SETTLE, "reliable_sub/_runtime/dispatcher.py", "key_decided"),
-    rule(SETTLE, "reliable_sub/_runtime/pipeline.py", "_on_settled"),
-    rule(SETTLE, "reliable_sub/_runtime/settler.py"),
+    rule(TASK, "benchmarks/memory_pipeline.py", "noop_handler", "bare_loop",
+         "bare_task_per_message", "<genexpr>"),
     rule(SETTLE, "adapters/memory.py", "ack", "_release_key", "_prune_acked"),
-    rule(FLOW, "reliable_sub/_runtime/flow.py"),
-    rule(FLOW, "reliable_sub/message.py", "size"),
-    rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
-    rule(LOOP, "asyncio/events.py", "_run"),
     rule(HARNESS, "benchmarks/memory_pipeline.py", "wait_drained"),
 )
 

@@ -94,12 +94,14 @@ from google.pubsub_v1.services.subscriber.transports import (
 )
 
 from benchmarks._common import (
+    EPOLL_WAIT,
     MICROS,
     README,
     FunctionKey,
     GcTimer,
     StageProfile,
     interleaved_sync,
+    pipeline_rules,
     rule,
 )
 from benchmarks._common import Throughput as _common_throughput
@@ -680,7 +682,6 @@ STAGES = (RECEIVE_CALL, RECEIVE_CONVERT, LEASE, TASK, SETTLE, FLOW, GRPC, LOOP, 
 CPU_STAGES = tuple(stage for stage in STAGES if stage != IO_WAIT)
 GC_ROW = "cyclic GC (timed runs; off while profiling)"
 OTHER_THREADS_ROW = "other threads: gRPC C-core I/O (timed runs: process − event loop thread CPU)"
-EPOLL_WAIT = "<method 'poll' of 'select.epoll' objects>"
 # The profile's hottest functions listed under the stage table.
 HOTTEST_FUNCTIONS = 8
 
@@ -697,37 +698,19 @@ ADAPTER_FILE = "adapters/pubsub.py"
 # dataclass __init__s, builtins, helpers shared by two stages such as subscription_path) takes
 # the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE_CALL, "reliable_sub/_runtime/receiver.py", "_receive", "loop"),
+    *pipeline_rules(receive=RECEIVE_CALL, lease=LEASE, task=TASK, settle=SETTLE, flow=FLOW,
+                    loop=LOOP, io_wait=IO_WAIT),
     rule(RECEIVE_CONVERT, ADAPTER_FILE, "_delivery", "_count_attempt", "_unreadable"),
     # read_each walks the proto-plus response into _delivery (one guard per message)
     rule(RECEIVE_CONVERT, "reliable_sub/entries.py", "read_each"),
     rule(RECEIVE_CONVERT, ADAPTER_FILE, "<lambda>", lines=lines_of(PubSubAdapter.receive)),
     rule(RECEIVE_CALL, ADAPTER_FILE, "receive", "subscription_ack_deadline"),
     rule(RECEIVE_CALL, "google/pubsub_v1/services/subscriber/async_client.py", "pull"),
-    rule(LEASE, "reliable_sub/_runtime/lease.py"),
-    rule(LEASE, "reliable_sub/_runtime/lease_basics.py"),
-    rule(LEASE, "reliable_sub/_runtime/claim_renewal.py"),
-    rule(LEASE, "reliable_sub/_runtime/histogram.py"),
-    rule(TASK, "reliable_sub/_runtime/receiver.py", "_admit"),
-    rule(TASK, "reliable_sub/_runtime/dispatcher.py", "dispatch", "_start", "_run", "_attempt",
-         "_call_handler", "_call"),
-    rule(TASK, "reliable_sub/_runtime/lanes.py", "new_task"),
-    rule(TASK, "reliable_sub/_runtime/inflight.py"),
-    rule(TASK, "reliable_sub/middleware/__init__.py"),
     rule(TASK, THIS_FILE, "handle"),
-    rule(SETTLE, "reliable_sub/_runtime/decisions.py", "settle", "succeeded", "apply"),
-    rule(SETTLE, "reliable_sub/_runtime/dispatcher.py", "key_decided"),
-    rule(SETTLE, "reliable_sub/_runtime/pipeline.py", "_on_settled"),
-    rule(SETTLE, "reliable_sub/_runtime/settler.py"),
     rule(SETTLE, ADAPTER_FILE, "ack", "_acknowledge", "_in_chunks", "_by_subscription", "_chunks"),
     rule(SETTLE, "google/pubsub_v1/services/subscriber/async_client.py", "acknowledge"),
-    rule(FLOW, "reliable_sub/_runtime/flow.py"),
-    rule(FLOW, "reliable_sub/message.py", "size"),
     rule(GRPC, "grpc/aio/_call.py"),
     rule(GRPC, "grpc/aio/_channel.py"),
-    rule(IO_WAIT, "~", EPOLL_WAIT),
-    rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
-    rule(LOOP, "asyncio/events.py", "_run"),
     rule(HARNESS, THIS_FILE, "serve_subscriber", "counting_ack", "add_acked", "complete"),
 )
 

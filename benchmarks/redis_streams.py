@@ -86,7 +86,7 @@ from benchmarks._brokers import (
     drain,
     faststream_handler,
 )
-from benchmarks._common import README, StageProfile, interleaved, rule
+from benchmarks._common import README, StageProfile, interleaved, pipeline_rules, rule
 from benchmarks._harness import (
     CpuThroughput,
     Run,
@@ -473,7 +473,6 @@ STAGES = (RECEIVE, LEASE, DEDUP_CLAIM, TASK, SETTLE, FLOW, SOCKET, LOOP, IO_WAIT
 CPU_STAGES = tuple(stage for stage in STAGES if stage != IO_WAIT)
 GC_ROW = "cyclic GC (timed runs; off while profiling)"
 IDLE_ROW = "idle: waiting for Redis (timed runs: wall − process CPU)"
-EPOLL_WAIT = "<method 'poll' of 'select.epoll' objects>"
 
 
 THIS_FILE = "benchmarks/redis_streams.py"
@@ -482,47 +481,30 @@ ADAPTER_FILE = "adapters/redis_streams.py"
 # The first matching rule wins. Everything unmatched (redis-py, asyncio streams, tenacity,
 # dataclass __init__s, builtins, helpers shared by two stages) takes the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE, "reliable_sub/_runtime/receiver.py", "_receive", "loop"),
+    *pipeline_rules(receive=RECEIVE, lease=LEASE, task=TASK, settle=SETTLE, flow=FLOW,
+                    loop=LOOP, io_wait=IO_WAIT),
     rule(RECEIVE, ADAPTER_FILE, "receive", "_read_new", "_reclaim_due", "_delivery", "_unreadable",
          "_malformed", "<lambda>", "_entries_of", "_field_map", "_text", "_subscription"),
     rule(RECEIVE, "reliable_sub/entries.py", "read_each"),
     rule(RECEIVE, THIS_FILE, "raw_read"),
-    rule(LEASE, "reliable_sub/_runtime/lease.py"),
-    rule(LEASE, "reliable_sub/_runtime/lease_basics.py"),
-    rule(LEASE, "reliable_sub/_runtime/claim_renewal.py"),
-    rule(LEASE, "reliable_sub/_runtime/histogram.py"),
     rule(DEDUP_CLAIM, "reliable_sub/_runtime/claims.py", "claim", "refresh", "key_of"),
     rule(DEDUP_CLAIM, "reliable_sub/dedup/_redis.py", "claim_many", "redis_key", "_key_part",
          "_namespace_tag", "_remaining"),
     rule(DEDUP_CLAIM, "reliable_sub/dedup/_store_base.py", "next", "__init__", "claim"),
     rule(DEDUP_CLAIM, "reliable_sub/message.py", "idempotency_key"),
-    rule(TASK, "reliable_sub/_runtime/receiver.py", "_admit"),
-    rule(TASK, "reliable_sub/_runtime/dispatcher.py", "dispatch", "_start", "_run", "_attempt",
-         "_call_handler", "_call"),
-    rule(TASK, "reliable_sub/_runtime/lanes.py", "new_task"),
-    rule(TASK, "reliable_sub/_runtime/inflight.py"),
     rule(TASK, "reliable_sub/_runtime/batches.py"),
-    rule(TASK, "reliable_sub/middleware/__init__.py"),
     rule(TASK, THIS_FILE, "loop", "handle_entry"),
     rule(TASK, BROKERS_FILE, "handle_message", "handle_batch"),
-    rule(SETTLE, "reliable_sub/_runtime/decisions.py", "settle", "succeeded", "apply", "encode"),
-    rule(SETTLE, "reliable_sub/_runtime/dispatcher.py", "key_decided"),
-    rule(SETTLE, "reliable_sub/_runtime/pipeline.py", "_on_settled"),
+    rule(SETTLE, "reliable_sub/_runtime/decisions.py", "encode"),
     rule(SETTLE, "reliable_sub/_runtime/claims.py", "completion", "release", "forget"),
-    rule(SETTLE, "reliable_sub/_runtime/settler.py"),
     rule(SETTLE, "reliable_sub/_results.py", "encode_result", "checked_result_json"),
     rule(SETTLE, "reliable_sub/dedup/_redis.py", "complete_many", "completion_records",
          "same_server"),
     rule(SETTLE, "reliable_sub/_redis_clients.py", "same_server"),
     rule(SETTLE, ADAPTER_FILE, "ack", "ack_with_completions", "shares_store", "_by_subscription"),
     rule(SETTLE, THIS_FILE, "raw_ack"),
-    rule(FLOW, "reliable_sub/_runtime/flow.py"),
-    rule(FLOW, "reliable_sub/message.py", "size"),
     rule(SOCKET, "asyncio/selector_events.py", "_read_ready", "_read_ready__get_buffer",
          "_read_ready__data_received"),
-    rule(IO_WAIT, "~", EPOLL_WAIT),
-    rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
-    rule(LOOP, "asyncio/events.py", "_run"),
     rule(HARNESS, BROKERS_FILE, "wait_drained"),
 )
 
