@@ -50,6 +50,14 @@ PG = "@idempotent async, SqlDedupStore on PostgreSQL"
 RAW_PG = "raw psycopg loop, the store's two statements (PostgreSQL floor)"
 
 
+async def drop_stores(*stores: Any) -> None:
+    """Drop the benchmark's tables of each SQL dedup store, and close it."""
+    for store in stores:
+        async with store.engine.begin() as connection:
+            await connection.run_sync(store.metadata.drop_all)
+        await store.close()
+
+
 async def timed(operations: int, work: Callable[[], Awaitable[None]]) -> float:
     """Operations per second of one ``work()`` run."""
     start = time.perf_counter()
@@ -185,10 +193,7 @@ async def bench_idempotent(args: argparse.Namespace) -> list[IdempotentVariant]:
         await _delete_redis_keys(args.redis, ["bench-pt-*", f"{redis_store.prefix}*"])
         await redis_store.close()
         await raw_pg.close()
-        for store in (sql_pg, sql_lite):
-            async with store.engine.begin() as connection:
-                await connection.run_sync(store.metadata.drop_all)
-            await store.close()
+        await drop_stores(sql_pg, sql_lite)
     return variants
 
 
@@ -244,10 +249,7 @@ async def bench_claims(args: argparse.Namespace) -> list[Rates]:
         await _delete_redis_keys(args.redis, [f"{prefix}*"])
         await client.aclose()
         await redis_store.close()
-        for store in (sql_pg, sql_lite):
-            async with store.engine.begin() as connection:
-                await connection.run_sync(store.metadata.drop_all)
-            await store.close()
+        await drop_stores(sql_pg, sql_lite)
     return [row for row, _ in variants]
 
 
@@ -309,9 +311,7 @@ async def bench_transactional(args: argparse.Namespace) -> list[Rates]:
             plain.rates.append(await one_run(False))
             tx.rates.append(await one_run(True))
     finally:
-        async with store.engine.begin() as connection:
-            await connection.run_sync(store.metadata.drop_all)
-        await store.close()
+        await drop_stores(store)
     return [plain, tx]
 
 

@@ -14,13 +14,13 @@ of 64 bytes, published with ``publish_async`` before the clock starts, and a fre
 consumer on it (explicit ack, ``AckWait`` ``ACK_DEADLINE``, deliver all, the server's default
 ``MaxAckPending`` of 1,000); both are deleted right after the run.
 
-The clock runs from the moment the consumer starts until every message was handled *and
-acked*: a poller in the same event loop waits until the handler has been called for every
-message (a counter in this process), then until the consumer's info (asked on a control
-connection of the benchmark's own) shows nothing pending and nothing awaiting an ack. After the
-clock stops the consumer's info must show every message delivered and acked, none redelivered,
-and the handler must have seen each message exactly once. The handler is a no-op coroutine
-function apart from that counter, so the numbers are the consumer's own overhead per message.
+The clock runs from the moment the consumer starts until every message was handled *and acked*
+(``benchmarks._brokers.drain``): the handler's counter reaches the backlog, then the consumer's
+info (asked on a control connection of the benchmark's own) shows nothing pending and nothing
+awaiting an ack. After the clock stops the consumer's info must show every message delivered and
+acked, none redelivered, and the handler must have seen each message exactly once. The handler
+is a no-op coroutine function apart from that counter, so the numbers are the consumer's own
+overhead per message.
 
 Variants, each run in the benchmark's one event loop, interleaved over the repetitions:
 

@@ -11,10 +11,10 @@ Every run gets a fresh durable quorum queue (bound to a fresh fanout exchange, a
 lays a subscription out) holding ``--messages`` messages of 64 bytes, published with publisher
 confirms before the clock starts; it is deleted right after the run. The clock runs from the
 moment the consumer starts until the handler has seen every message and the consumer has sent
-its acks (the raw loop its last ``basic.ack``; the Subscriber its acked outcomes; FastStream
-acks after each handler returns). After the clock, the consumer's connection is closed (an
-unacked message would go back to the queue) and the queue must hold nothing: every message
-acked, none twice (the handler must have seen each exactly once).
+its acks (``benchmarks._brokers.drain``; the raw loop its last ``basic.ack``, the Subscriber its
+acked outcomes, FastStream acks after each handler returns). After the clock, the consumer's
+connection is closed (an unacked message would go back to the queue) and the queue must hold
+nothing: every message acked, none twice (the handler must have seen each exactly once).
 
 Variants, each in the benchmark's one event loop, interleaved over the repetitions:
 

@@ -69,10 +69,7 @@ async def stores_and_floor(args: argparse.Namespace,
         yield stores, floor
     finally:
         await floor.close()
-        for store in stores:
-            async with store.engine.begin() as connection:
-                await connection.run_sync(store.metadata.drop_all)
-            await store.close()
+        await dedup.drop_stores(*stores)
 
 
 async def bench_claims(args: argparse.Namespace) -> list[Rates]:
