@@ -800,6 +800,22 @@ class RpcLog:
             self.acked.update(ack_ids)
             self.ack_sends.append((sent_at, tuple(ack_ids)))
 
+    def sending(self, details: Any, request: Any) -> tuple[str, float]:
+        """A unary call about to be sent: its method, and when (a modack is logged now)."""
+        method = method_name(details)
+        self.call(method)
+        if method == "ModifyAckDeadline":
+            ids = list(request.ack_ids)
+            self.modack(method, ids, [request.ack_deadline_seconds] * len(ids))
+        return method, time.monotonic()
+
+    def answered(self, method: str, request: Any, response: Any, sent_at: float) -> None:
+        """A unary call sent at ``sent_at`` succeeded: its acks, or the ack ids it pulled."""
+        if method == "Acknowledge":
+            self.ack(list(request.ack_ids), sent_at)
+        elif method == "Pull":
+            self.received((r.ack_id for r in response.received_messages), streamed=False)
+
     def stream_request(self, request: Any) -> None:
         """A StreamingPull request: its acks and deadline changes count like unary calls."""
         self.call("StreamingPull request")
@@ -845,19 +861,10 @@ class SyncInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientI
         self.log = log
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        method = method_name(details)
-        self.log.call(method)
-        if method == "ModifyAckDeadline":
-            ids = list(request.ack_ids)
-            self.log.modack(method, ids, [request.ack_deadline_seconds] * len(ids))
-        sent_at = time.monotonic()
+        method, sent_at = self.log.sending(details, request)
         outcome = continuation(details, request)
         if outcome.exception() is None:
-            if method == "Acknowledge":
-                self.log.ack(list(request.ack_ids), sent_at)
-            elif method == "Pull":
-                received = outcome.result().received_messages
-                self.log.received((r.ack_id for r in received), streamed=False)
+            self.log.answered(method, request, outcome.result(), sent_at)
         return outcome
 
     def intercept_stream_stream(
@@ -881,21 +888,13 @@ class AioInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         self.log = log
 
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        method = method_name(details)
-        self.log.call(method)
-        if method == "ModifyAckDeadline":
-            ids = list(request.ack_ids)
-            self.log.modack(method, ids, [request.ack_deadline_seconds] * len(ids))
-        sent_at = time.monotonic()
+        method, sent_at = self.log.sending(details, request)
         call = await continuation(details, request)
         try:
             response = await call
         except grpc.RpcError:
             return call  # the caller awaits the call and sees the error
-        if method == "Acknowledge":
-            self.log.ack(list(request.ack_ids), sent_at)
-        elif method == "Pull":
-            self.log.received((r.ack_id for r in response.received_messages), streamed=False)
+        self.log.answered(method, request, response, sent_at)
         return call
 
 
