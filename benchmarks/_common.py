@@ -2,7 +2,8 @@
 
 * :class:`Rule`, :func:`rule`, :func:`stage_of` and :func:`stage_seconds` split a profile's time
   over a benchmark's pipeline stages. Each benchmark keeps its own stages and rule list and
-  passes them in.
+  passes them in; :func:`pipeline_rules` are the rules for the Subscriber's own runtime, which
+  every profiled benchmark shares.
 * :class:`GcTimer` adds up the time the cyclic garbage collector runs.
 * :func:`section_markers`, :func:`has_section` and :func:`write_section` find and rewrite one
   benchmark's section of ``benchmarks/README.md``, between ``<!-- NAME:start -->`` and
@@ -13,7 +14,9 @@
   (a rename would otherwise move time to the wrong stage without a word).
 * :class:`Throughput` holds one variant's timed repetitions and their medians; a benchmark whose
   runs record more (CPU, emulator time) subclasses it. :class:`Rates` is the simpler form: a
-  variant's rates per repetition. :func:`verdict` is a goal's line in a report.
+  variant's rates per repetition. :func:`interleaved` (and :func:`interleaved_sync`) warm every
+  variant up, then time them round-robin over the repetitions. :func:`verdict` and
+  :func:`paired_goal` are a goal's line in a report.
 """
 
 from __future__ import annotations
@@ -99,18 +102,35 @@ async def interleaved(run_once: Callable[[str, int], Awaitable[Any]], variants: 
                       warmup: int) -> dict[str, ThroughputT]:
     """Warm every variant up, then time them round-robin so drift hits all of them alike;
     each run's rate to stderr."""
-    import sys
-
     for variant in variants:
         await run_once(variant, warmup)
     results = {variant: make(variant) for variant in variants}
     for repetition in range(1, repetitions + 1):
         for variant in variants:
             run = await run_once(variant, messages)
-            results[variant].runs.append(run)
-            print(f"  run {repetition}/{repetitions}  {variant:<62} "
-                  f"{messages / run.seconds:>9,.0f} msg/s", file=sys.stderr)
+            _ran(results[variant], run, repetition, repetitions)
     return results
+
+
+def interleaved_sync(run_once: Callable[[str, int], Any], variants: Sequence[str],
+                     make: Callable[[str], ThroughputT], messages: int, repetitions: int,
+                     warmup: int) -> dict[str, ThroughputT]:
+    """:func:`interleaved`, for a ``run_once`` that is no coroutine function."""
+    for variant in variants:
+        run_once(variant, warmup)
+    results = {variant: make(variant) for variant in variants}
+    for repetition in range(1, repetitions + 1):
+        for variant in variants:
+            _ran(results[variant], run_once(variant, messages), repetition, repetitions)
+    return results
+
+
+def _ran(result: Throughput[Any], run: Any, repetition: int, repetitions: int) -> None:
+    import sys
+
+    result.runs.append(run)
+    print(f"  run {repetition}/{repetitions}  {result.variant:<62} "
+          f"{result.messages / run.seconds:>9,.0f} msg/s", file=sys.stderr)
 
 
 def paired_goal(name: str, ours: Throughput[Any], theirs: Throughput[Any],
@@ -158,6 +178,37 @@ class Rule:
 def rule(stage: str, path: str, *names: str, lines: range | None = None) -> Rule:
     """A :class:`Rule`; no ``names`` means every function in the file."""
     return Rule(stage, path, frozenset(names) if names else None, lines)
+
+
+RUNTIME = "reliable_sub/_runtime"
+EPOLL_WAIT = "<method 'poll' of 'select.epoll' objects>"
+
+
+def pipeline_rules(*, receive: str, lease: str, task: str, settle: str, flow: str, loop: str,
+                   io_wait: str | None = None) -> list[Rule]:
+    """The rules every profiled Subscriber shares: its own receive loop, leases, dispatch,
+    settling and flow control, the event loop (and the time it sits in ``epoll``). They match
+    disjoint functions, so a benchmark adds its own (adapter, dedup, its loops) in any order."""
+    return [
+        rule(receive, f"{RUNTIME}/receiver.py", "_receive", "loop"),
+        *(rule(lease, f"{RUNTIME}/{name}.py")
+          for name in ("lease", "lease_basics", "claim_renewal", "histogram")),
+        rule(task, f"{RUNTIME}/receiver.py", "_admit"),
+        rule(task, f"{RUNTIME}/dispatcher.py", "dispatch", "_start", "_run", "_attempt",
+             "_call_handler", "_call"),
+        rule(task, f"{RUNTIME}/lanes.py", "new_task"),
+        rule(task, f"{RUNTIME}/inflight.py"),
+        rule(task, "reliable_sub/middleware/__init__.py"),
+        rule(settle, f"{RUNTIME}/decisions.py", "settle", "succeeded", "apply"),
+        rule(settle, f"{RUNTIME}/dispatcher.py", "key_decided"),
+        rule(settle, f"{RUNTIME}/pipeline.py", "_on_settled"),
+        rule(settle, f"{RUNTIME}/settler.py"),
+        rule(flow, f"{RUNTIME}/flow.py"),
+        rule(flow, "reliable_sub/message.py", "size"),
+        *([rule(io_wait, "~", EPOLL_WAIT)] if io_wait is not None else []),
+        rule(loop, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
+        rule(loop, "asyncio/events.py", "_run"),
+    ]
 
 
 # Names cProfile gives code that is no function of the source.

@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import os
-import platform
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks._common import Rates, positive_int, verdict, write_section
+from benchmarks._common import Rates, positive_int, verdict
 from benchmarks._dedup_sql_floor import LEASE, TTL, RawIdempotent, captured_statements
+from benchmarks._harness import add_runs, measured_on, publish, rates_table
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
@@ -50,6 +48,14 @@ SECTION_NAME = "dedup"
 COMMAND = "python -m benchmarks.dedup --write"
 PG = "@idempotent async, SqlDedupStore on PostgreSQL"
 RAW_PG = "raw psycopg loop, the store's two statements (PostgreSQL floor)"
+
+
+async def drop_stores(*stores: Any) -> None:
+    """Drop the benchmark's tables of each SQL dedup store, and close it."""
+    for store in stores:
+        async with store.engine.begin() as connection:
+            await connection.run_sync(store.metadata.drop_all)
+        await store.close()
 
 
 async def timed(operations: int, work: Callable[[], Awaitable[None]]) -> float:
@@ -187,10 +193,7 @@ async def bench_idempotent(args: argparse.Namespace) -> list[IdempotentVariant]:
         await _delete_redis_keys(args.redis, ["bench-pt-*", f"{redis_store.prefix}*"])
         await redis_store.close()
         await raw_pg.close()
-        for store in (sql_pg, sql_lite):
-            async with store.engine.begin() as connection:
-                await connection.run_sync(store.metadata.drop_all)
-            await store.close()
+        await drop_stores(sql_pg, sql_lite)
     return variants
 
 
@@ -246,10 +249,7 @@ async def bench_claims(args: argparse.Namespace) -> list[Rates]:
         await _delete_redis_keys(args.redis, [f"{prefix}*"])
         await client.aclose()
         await redis_store.close()
-        for store in (sql_pg, sql_lite):
-            async with store.engine.begin() as connection:
-                await connection.run_sync(store.metadata.drop_all)
-            await store.close()
+        await drop_stores(sql_pg, sql_lite)
     return [row for row, _ in variants]
 
 
@@ -311,9 +311,7 @@ async def bench_transactional(args: argparse.Namespace) -> list[Rates]:
             plain.rates.append(await one_run(False))
             tx.rates.append(await one_run(True))
     finally:
-        async with store.engine.begin() as connection:
-            await connection.run_sync(store.metadata.drop_all)
-        await store.close()
+        await drop_stores(store)
     return [plain, tx]
 
 
@@ -333,18 +331,6 @@ async def _delete_redis_keys(url: str, patterns: list[str]) -> None:
         await client.aclose()
 
 
-def _table(rows: list[Rates], baseline: Rates, unit: str, micros: bool = True) -> list[str]:
-    lines = [f"| Variant | median {unit}/s | min – max | µs each | ratio to baseline |",
-             "|---|---:|---:|---:|---:|"]
-    for row in rows:
-        lines.append(
-            f"| {row.variant} | {row.median:,.0f} | {min(row.rates):,.0f} – "
-            f"{max(row.rates):,.0f} | {1e6 / row.median:,.0f} | "
-            f"{row.median / baseline.median:.2f}× |"
-        )
-    return lines
-
-
 def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list[Rates],
            tx: list[Rates]) -> str:
     powertools = idem[0]
@@ -352,24 +338,17 @@ def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list
     lines = [
         "## Dedup: @idempotent vs Powertools, batched claims vs SET NX, transactional handlers",
         "",
-        f"Command (from the repository root): `{COMMAND}`; measured "
-        f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs; Redis and "
+        f"{measured_on(COMMAND)}; Redis and "
         f"PostgreSQL on loopback; {args.repetitions} runs per variant, interleaved; medians.",
         "",
         f"**1. Idempotent functions** ({args.calls:,} sequential calls per run; first calls use "
         "fresh keys, replays repeat them). Ratios to Powertools on the same Redis.",
         "",
     ]
-    lines += ["| Variant | median calls/s | min – max | µs each | ratio to Powertools |",
-              "|---|---:|---:|---:|---:|"]
-    for variant in idem:
-        for row, base in ((variant.first, powertools.first), (variant.replay, powertools.replay)):
-            lines.append(
-                f"| {row.variant} | {row.median:,.0f} | {min(row.rates):,.0f} – "
-                f"{max(row.rates):,.0f} | {1e6 / row.median:,.0f} | "
-                f"{row.median / base.median:.2f}× |"
-            )
+    baseline = {id(r): base for v in idem
+                for r, base in ((v.first, powertools.first), (v.replay, powertools.replay))}
+    lines += rates_table([r for v in idem for r in (v.first, v.replay)], "calls",
+                         [("Powertools", lambda r: baseline[id(r)])])
     by_name = {variant.name: variant for variant in idem}
     pg, raw_pg = by_name[PG], by_name[RAW_PG]
     best_first = max(ours_sync.first.median, ours_async.first.median)
@@ -391,7 +370,7 @@ def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list
         f"**2. Batched claims** ({args.batches} batches of {BATCH} fresh keys per run). "
         "Ratios to raw pipelined SET NX PX.",
         "",
-        *_table(claims, claims[0], "claims"),
+        *rates_table(claims, "claims", [("baseline", lambda _: claims[0])]),
         "",
         verdict("RedisDedupStore.claim_many vs pipelined SET NX",
                  claims[1].median / claims[0].median, 0.5),
@@ -399,7 +378,7 @@ def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list
         f"**3. Transactional handler on PostgreSQL** ({args.messages:,} messages per run through "
         "a Subscriber on the in-memory broker; the handler inserts one row).",
         "",
-        *_table(tx, tx[0], "msgs"),
+        *rates_table(tx, "msgs", [("baseline", lambda _: tx[0])]),
         "",
         verdict("time per message, transactional vs plain insert",
                  tx[0].median / tx[1].median, 1.5, at_most=True),
@@ -436,14 +415,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--postgres", default=DEFAULT_POSTGRES)
     parser.add_argument("--calls", type=positive_int, default=DEFAULT_CALLS)
     parser.add_argument("--batches", type=positive_int, default=DEFAULT_BATCHES)
-    parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES)
-    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
+    add_runs(parser, DEFAULT_MESSAGES, DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help="rewrite the README section")
     args = parser.parse_args(argv)
-    section = asyncio.run(amain(args))
-    print(section)
-    if args.write:
-        write_section(SECTION_NAME, section, append=True)
+    publish(SECTION_NAME, asyncio.run(amain(args)), write=args.write, append=True)
 
 
 if __name__ == "__main__":

@@ -23,18 +23,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
-import gc
 import os
-import platform
-import shlex
 import statistics
 import sys
-import time
 from dataclasses import dataclass, field
 
 from benchmarks import memory_pipeline as memory
-from benchmarks._common import GcTimer, positive_int, verdict, write_section
+from benchmarks._common import positive_int, verdict
+from benchmarks._harness import command_line, measured_on, publish
 from reliable_sub import FlowControl, Message, Subscriber
 
 DEFAULT_IN_FLIGHT = (100, 1_000, 10_000)
@@ -104,23 +100,9 @@ async def run_once(messages: int, max_messages: int | None) -> tuple[float, floa
     handler = (HeldInWaves(max_messages, messages).handle if max_messages is not None
                else memory.noop_handler)
     subscriber.handler(memory.SUBSCRIPTION)(handler)
-    gc.collect()
-    gc.freeze()
-    try:
-        with GcTimer() as collector:
-            started, cpu_started = time.perf_counter(), time.process_time()
-            consumer = asyncio.create_task(subscriber.serve())
-            try:
-                drained = await memory.wait_drained(adapter, consumer)
-                cpu = time.process_time() - cpu_started
-                gc_seconds = collector.seconds
-            finally:
-                await subscriber.shutdown(memory.SHUTDOWN_TIMEOUT)
-                await consumer
-    finally:
-        gc.unfreeze()
-    return ((drained - started) / messages * 1e6, cpu / messages * 1e6,
-            gc_seconds / messages * 1e6)
+    run = await memory.drain(adapter, subscriber, cpu=True)
+    return (run.seconds / messages * 1e6, run.cpu_seconds / messages * 1e6,
+            run.gc_seconds / messages * 1e6)
 
 
 async def measure(args: argparse.Namespace) -> tuple[list[Series], list[Series]]:
@@ -159,11 +141,8 @@ def report(args: argparse.Namespace, in_flight: list[Series], drained: list[Seri
         "## Flat cost: time per message against messages in flight and backlog drained "
         "(MemoryAdapter)",
         "",
-        f"Command (from the repository root): `{command}`; measured "
-        f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs; 1-minute load "
-        f"average {load:.2f} at the start; {args.repetitions} runs per size, interleaved; "
-        "medians.",
+        f"{measured_on(command)}; 1-minute load average {load:.2f} at the start; "
+        f"{args.repetitions} runs per size, interleaved; medians.",
         "",
         f"**In flight**: {args.in_flight_messages:,} messages, each held by the handler until "
         "the flow-control limit of them are held, then all let go at once (their wall time is "
@@ -208,14 +187,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help="rewrite the README section")
     args = parser.parse_args(argv)
-    command = shlex.join(
-        ["python", "-m", "benchmarks.flat_cost", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("flat_cost", argv)
     load = os.getloadavg()[0]
     in_flight, drained = asyncio.run(measure(args))
-    section = report(args, in_flight, drained, command, load)
-    print(section)
-    if args.write:
-        write_section(SECTION_NAME, section, append=True)
+    publish(SECTION_NAME, report(args, in_flight, drained, command, load), write=args.write,
+            append=True)
 
 
 if __name__ == "__main__":

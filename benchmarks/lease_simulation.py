@@ -46,15 +46,14 @@ import datetime
 import heapq
 import math
 import random
-import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from statistics import NormalDist
 from typing import cast
 
+from benchmarks._harness import check_main, command_line, publish
 from reliable_sub._runtime.inflight import InFlight, Stage
 from reliable_sub._runtime.lease import BATCH_FRACTION, LeaseManager
 from reliable_sub.adapters.base import Adapter, Capabilities
@@ -118,7 +117,6 @@ SWEEP_RATES = (0.25, 0.5, 1.0, 2.0, 4.0, 16.0)
 
 # Loop turns allowed while the event loop settles at one instant; more means something spins.
 SETTLE_TURN_LIMIT = 10_000
-README = Path(__file__).with_name("README.md")
 SECTION = "lease_simulation"
 
 
@@ -799,19 +797,11 @@ def section_text(
     ])
 
 
-def rewrite_readme(text: str) -> None:
-    start, end = f"<!-- {SECTION}:start -->", f"<!-- {SECTION}:end -->"
-    readme = README.read_text()
-    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
-    if not pattern.search(readme):
-        raise SystemExit(f"{README} has no {start} ... {end} markers")
-    README.write_text(pattern.sub(lambda _: f"{start}\n{text}\n{end}", readme, count=1))
-
-
 # == main =========================================================================================
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
                         help="random seed (default: %(default)s)")
@@ -819,24 +809,17 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                         help="Poisson arrivals per second (default: %(default)s)")
     parser.add_argument("--write", action="store_true",
                         help="rewrite the lease_simulation section of benchmarks/README.md")
-    return parser.parse_args(argv)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(argv)
+    args = parser.parse_args(argv)
+    check_main(parser, args, SECTION)
     started = time.perf_counter()
     heavy = compare(heavy_tail_workload(args.seed, args.rate), args.seed)
     shifting = compare(shifting_workload(args.seed, args.rate), args.seed)
     sweep = [(rate, compare(heavy_tail_workload(args.seed, rate), args.seed))
              for rate in SWEEP_RATES]
     elapsed = time.perf_counter() - started
-    command = " ".join(["python -m benchmarks.lease_simulation", *argv])
-    text = section_text(command, args, elapsed, heavy, shifting, sweep)
-    print(text)
-    if args.write:
-        rewrite_readme(text)
-        print(f"\nwrote {README}")
+    command = command_line("lease_simulation", argv)
+    publish(SECTION, section_text(command, args, elapsed, heavy, shifting, sweep),
+            write=args.write)
 
 
 if __name__ == "__main__":

@@ -45,31 +45,31 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import datetime
 import gc
-import os
-import platform
-import pstats
-import shlex
-import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Coroutine
+from typing import Any
 
 from benchmarks._common import (
-    MICROS,
     README,
-    GcTimer,
     StageProfile,
-    has_section,
-    positive_int,
+    Throughput,
+    interleaved,
+    pipeline_rules,
     rule,
-    section_markers,
-    stage_seconds,
-    unknown_rule_names,
-    write_section,
 )
-from benchmarks._common import (
-    Throughput as _common_throughput,
+from benchmarks._harness import (
+    RATE_COLUMNS,
+    Clock,
+    Run,
+    add_runs,
+    check_main,
+    command_line,
+    measured_on,
+    profile_stages,
+    publish,
+    stage_table,
+    table,
 )
 from reliable_sub import MemoryDedupStore, Message, Subscriber
 from reliable_sub.adapters.memory import MemoryAdapter
@@ -158,74 +158,49 @@ async def wait_drained(adapter: MemoryAdapter, consumer: asyncio.Task[None]) -> 
         await asyncio.sleep(POLL_INTERVAL)
 
 
-@dataclass(frozen=True)
-class Run:
-    """One timed run: wall seconds until drained, and the GC seconds within them."""
+async def drain(adapter: MemoryAdapter, consumer: Subscriber | Coroutine[Any, Any, None],
+                profiler: cProfile.Profile | None = None, *, cpu: bool = False) -> Run:
+    """Time ``consumer`` (a Subscriber, served, or a bare loop) draining ``adapter``; stop it
+    after the clock.
 
-    seconds: float
-    gc_seconds: float
+    The published backlog is kept out of the collector's way: with a real broker it would not
+    be in the consumer's heap at all.
+    """
+    subscriber = consumer if isinstance(consumer, Subscriber) else None
+    gc.collect()
+    gc.freeze()
+    task: asyncio.Task[None] | None = None
+    try:
+        with Clock(profiler, cpu=cpu) as clock:
+            task = asyncio.create_task(consumer.serve() if subscriber is not None else consumer)
+            clock.stop(await wait_drained(adapter, task))
+    finally:  # stopping is not timed
+        if subscriber is not None:
+            await subscriber.shutdown(SHUTDOWN_TIMEOUT)
+        if task is not None:
+            await task
+        gc.unfreeze()
+    return clock.run()
 
 
 async def run_once(variant: str, messages: int, profiler: cProfile.Profile | None = None) -> Run:
-    """Consume ``messages`` pre-published messages with ``variant``."""
+    """Consume ``messages`` pre-published messages with ``variant`` (wall and GC time only)."""
     adapter = fresh_adapter(messages)
-    subscriber: Subscriber | None = None
-    if variant in (SUB_NO_DEDUP, SUB_DEDUP):
-        dedup = MemoryDedupStore() if variant == SUB_DEDUP else None
-        subscriber = Subscriber(adapter, dedup=dedup)
-        subscriber.handler(SUBSCRIPTION)(noop_handler)
-    bare = bare_task_per_message if variant == BARE_TASKS else bare_loop
-    # Start every run from the same heap, outside the clock, and keep the published backlog out
-    # of the collector's way: with a real broker it would not be in the consumer's heap at all.
-    gc.collect()
-    gc.freeze()
-    try:
-        with GcTimer() as gc_timer:
-            if profiler is not None:
-                gc.disable()  # a collection would be charged to whatever happened to allocate
-                profiler.enable()
-            started = time.perf_counter()
-            consumer = asyncio.create_task(
-                bare(adapter, messages) if subscriber is None else subscriber.serve()
-            )
-            try:
-                drained = await wait_drained(adapter, consumer)
-            finally:
-                if profiler is not None:
-                    profiler.disable()
-                    gc.enable()
-                gc_seconds = gc_timer.seconds
-                if subscriber is not None:
-                    await subscriber.shutdown(SHUTDOWN_TIMEOUT)
-                await consumer
-    finally:
-        gc.unfreeze()
-    if subscriber is not None and sum(subscriber.stats.outcomes.values()) != messages:
+    if variant not in (SUB_NO_DEDUP, SUB_DEDUP):
+        bare = bare_task_per_message if variant == BARE_TASKS else bare_loop
+        return await drain(adapter, bare(adapter, messages), profiler)
+    subscriber = Subscriber(adapter, dedup=MemoryDedupStore() if variant == SUB_DEDUP else None)
+    subscriber.handler(SUBSCRIPTION)(noop_handler)
+    run = await drain(adapter, subscriber, profiler)
+    if sum(subscriber.stats.outcomes.values()) != messages:
         raise RuntimeError(f"{variant}: outcomes {dict(subscriber.stats.outcomes)}")
-    return Run(drained - started, gc_seconds)
+    return run
 
 
-# -- throughput --------------------------------------------------------------------------------
-
-
-Throughput = _common_throughput[Run]
-
-
-async def measure(messages: int, repetitions: int) -> dict[str, Throughput]:
+async def measure(messages: int, repetitions: int) -> dict[str, Throughput[Run]]:
     """Warm every variant up, then time them round-robin so drift hits all of them alike."""
-    for variant in VARIANTS:
-        await run_once(variant, WARMUP_MESSAGES)
-    results = {variant: Throughput(variant, messages) for variant in VARIANTS}
-    for repetition in range(1, repetitions + 1):
-        for variant in VARIANTS:
-            run = await run_once(variant, messages)
-            results[variant].runs.append(run)
-            print(
-                f"  run {repetition}/{repetitions}  {variant:<42} "
-                f"{messages / run.seconds:>9,.0f} msg/s",
-                file=sys.stderr,
-            )
-    return results
+    return await interleaved(run_once, VARIANTS, lambda v: Throughput(v, messages), messages,
+                             repetitions, WARMUP_MESSAGES)
 
 
 # -- profile -----------------------------------------------------------------------------------
@@ -244,40 +219,17 @@ STAGES = (RECEIVE, LEASE, DEDUP, TASK, SETTLE, FLOW, LOOP, HARNESS)
 
 # The first matching rule wins. Everything unmatched takes the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE, "reliable_sub/_runtime/receiver.py", "_receive", "loop"),
+    *pipeline_rules(receive=RECEIVE, lease=LEASE, task=TASK, settle=SETTLE, flow=FLOW,
+                    loop=LOOP),
     rule(RECEIVE, "adapters/memory.py", "receive", "_take", "_promote", "_message", "_next_due"),
-    rule(LEASE, "reliable_sub/_runtime/lease.py"),
-    rule(LEASE, "reliable_sub/_runtime/lease_basics.py"),
-    rule(LEASE, "reliable_sub/_runtime/claim_renewal.py"),
-    rule(LEASE, "reliable_sub/_runtime/histogram.py"),
     rule(DEDUP, "reliable_sub/dedup/_memory.py"),
     rule(DEDUP, "reliable_sub/dedup/_store_base.py"),
     rule(DEDUP, "reliable_sub/_runtime/claims.py"),
     rule(DEDUP, "reliable_sub/message.py", "idempotency_key"),
-    rule(TASK, "reliable_sub/_runtime/receiver.py", "_admit"),
-    rule(TASK, "reliable_sub/_runtime/dispatcher.py", "dispatch", "_start", "_run", "_attempt",
-         "_call_handler", "_call"),
-    rule(TASK, "reliable_sub/_runtime/lanes.py", "new_task"),
     rule(TASK, "reliable_sub/_runtime/decisions.py", "encode"),
-    rule(TASK, "reliable_sub/_runtime/inflight.py"),
-    rule(TASK, "reliable_sub/middleware/__init__.py"),
-    rule(
-        TASK,
-        "benchmarks/memory_pipeline.py",
-        "noop_handler",
-        "bare_loop",
-        "bare_task_per_message",
-        "<genexpr>",
-    ),
-    rule(SETTLE, "reliable_sub/_runtime/decisions.py", "settle", "succeeded", "apply"),
-    rule(SETTLE, "reliable_sub/_runtime/dispatcher.py", "key_decided"),
-    rule(SETTLE, "reliable_sub/_runtime/pipeline.py", "_on_settled"),
-    rule(SETTLE, "reliable_sub/_runtime/settler.py"),
+    rule(TASK, "benchmarks/memory_pipeline.py", "noop_handler", "bare_loop",
+         "bare_task_per_message", "<genexpr>"),
     rule(SETTLE, "adapters/memory.py", "ack", "_release_key", "_prune_acked"),
-    rule(FLOW, "reliable_sub/_runtime/flow.py"),
-    rule(FLOW, "reliable_sub/message.py", "size"),
-    rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
-    rule(LOOP, "asyncio/events.py", "_run"),
     rule(HARNESS, "benchmarks/memory_pipeline.py", "wait_drained"),
 )
 
@@ -287,33 +239,25 @@ async def profile(messages: int) -> dict[str, StageProfile]:
     for variant in VARIANTS:
         profiler = cProfile.Profile()
         await run_once(variant, messages, profiler)
-        seconds = stage_seconds(pstats.Stats(profiler), STAGE_RULES, STAGES, LOOP)
-        profiles[variant] = StageProfile(
-            variant, {stage: spent * MICROS / messages for stage, spent in seconds.items()}
-        )
+        profiles[variant] = profile_stages(profiler, variant, messages, STAGE_RULES, STAGES, LOOP)
     return profiles
 
 
 # -- report ------------------------------------------------------------------------------------
 
 
-def throughput_table(results: dict[str, Throughput]) -> list[str]:
+def throughput_table(results: dict[str, Throughput[Run]]) -> list[str]:
     bare = results[BARE].median
-    lines = [
-        "| Variant | median msgs/s | min – max msgs/s | µs/msg | of which GC µs/msg "
-        "| ratio to bare loop |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for result in results.values():
-        lines.append(
-            f"| {result.variant} | {result.median:,.0f} | {min(result.rates):,.0f} – "
-            f"{max(result.rates):,.0f} | {result.micros_per_message:.1f} | "
-            f"{result.gc_micros_per_message:.1f} | {result.median / bare:.2f}× |"
-        )
-    return lines
+    return table(results.values(), [
+        *RATE_COLUMNS,
+        ("µs/msg", lambda r: f"{r.micros_per_message:.1f}"),
+        ("of which GC µs/msg", lambda r: f"{r.gc_micros_per_message:.1f}"),
+        ("ratio to bare loop", lambda r: f"{r.median / bare:.2f}×"),
+    ])
 
 
-def profile_table(profiles: dict[str, StageProfile], results: dict[str, Throughput]) -> list[str]:
+def profile_table(profiles: dict[str, StageProfile],
+                  results: dict[str, Throughput[Run]]) -> list[str]:
     """µs/msg per stage under cProfile, and the full pipeline's scaled to its unprofiled cost.
 
     The profiled runs have GC disabled; the scaled column spreads the unprofiled µs/msg minus the
@@ -321,26 +265,13 @@ def profile_table(profiles: dict[str, StageProfile], results: dict[str, Throughp
     """
     full, timed = profiles[SUB_DEDUP], results[SUB_DEDUP]
     unprofiled = timed.micros_per_message
-    scale = (unprofiled - timed.gc_micros_per_message) / full.total
-    dashes = " | ".join("–" for _ in profiles)
-    lines = [
-        "| Stage | " + " | ".join(profiles) + " | full pipeline, scaled to unprofiled | share |",
-        "|---" + "|---:" * (len(profiles) + 2) + "|",
-    ]
-    for stage in STAGES:
-        cells = " | ".join(f"{p.micros[stage]:.2f}" for p in profiles.values())
-        scaled = full.micros[stage] * scale
-        lines.append(f"| {stage} | {cells} | {scaled:.2f} | {scaled / unprofiled:.0%} |")
-    lines.append(
-        f"| {GC_ROW} | {dashes} | {timed.gc_micros_per_message:.2f} | "
-        f"{timed.gc_micros_per_message / unprofiled:.0%} |"
-    )
-    totals = " | ".join(f"**{p.total:.2f}**" for p in profiles.values())
-    lines.append(f"| **total** | {totals} | **{unprofiled:.2f}** | 100% |")
-    return lines
+    return stage_table(profiles, STAGES, reference=SUB_DEDUP,
+                       scaled="full pipeline, scaled to unprofiled",
+                       scale=(unprofiled - timed.gc_micros_per_message) / full.total,
+                       total=unprofiled, rows=[(GC_ROW, timed.gc_micros_per_message)])
 
 
-def reference_note(results: dict[str, Throughput]) -> str:
+def reference_note(results: dict[str, Throughput[Run]]) -> str:
     """The aim as a budget of µs per message, and what the task-per-message row uses of it."""
     bare, tasks = results[BARE], results[BARE_TASKS]
     budget = bare.micros_per_message * (1 / TARGET_RATIO - 1)
@@ -353,7 +284,7 @@ def reference_note(results: dict[str, Throughput]) -> str:
 
 
 def report(
-    results: dict[str, Throughput],
+    results: dict[str, Throughput[Run]],
     profiles: dict[str, StageProfile],
     command: str,
     messages: int,
@@ -365,11 +296,8 @@ def report(
     lines = [
         "## Memory pipeline: Subscriber vs. a bare loop (MemoryAdapter, no-op async handler)",
         "",
-        f"Command (from the repository root): `{command}`; "
-        f"measured {datetime.date.today().isoformat()} with CPython {platform.python_version()} "
-        f"on {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs; "
-        f"{messages:,} messages per run, {repetitions} timed runs per variant (interleaved); "
-        "median shown.",
+        f"{measured_on(command)}; {messages:,} messages per run, {repetitions} timed runs per "
+        "variant (interleaved); median shown.",
         "",
         *throughput_table(results),
         "",
@@ -416,29 +344,19 @@ def report(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES)
-    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
+    add_runs(parser, DEFAULT_MESSAGES, DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help=f"rewrite the section in {README}")
     args = parser.parse_args(argv)
-    stale = unknown_rule_names(STAGE_RULES)
-    if stale:
-        parser.error(f"stage rules name functions that no longer exist: {stale}")
-    if args.write and not has_section(SECTION_NAME):
-        start, end = section_markers(SECTION_NAME)
-        parser.error(f"{README}: markers {start} / {end} not found")
-    command = shlex.join(
-        ["python", "-m", "benchmarks.memory_pipeline", *(sys.argv[1:] if argv is None else argv)]
-    )  # never the interpreter's path: nothing of this machine goes into the README
+    check_main(parser, args, SECTION_NAME, STAGE_RULES)
+    command = command_line("memory_pipeline", argv)
 
-    async def measure_then_profile() -> tuple[dict[str, Throughput], dict[str, StageProfile]]:
+    async def measure_then_profile() -> tuple[dict[str, Throughput[Run]],
+                                              dict[str, StageProfile]]:
         return await measure(args.messages, args.repetitions), await profile(args.messages)
 
     results, profiles = asyncio.run(measure_then_profile())
-    section = report(results, profiles, command, args.messages, args.repetitions)
-    print(section)
-    if args.write:
-        write_section(SECTION_NAME, section)
-        print(f"\nwrote {README}", file=sys.stderr)
+    publish(SECTION_NAME, report(results, profiles, command, args.messages, args.repetitions),
+            write=args.write)
 
 
 if __name__ == "__main__":

@@ -14,13 +14,13 @@ of 64 bytes, published with ``publish_async`` before the clock starts, and a fre
 consumer on it (explicit ack, ``AckWait`` ``ACK_DEADLINE``, deliver all, the server's default
 ``MaxAckPending`` of 1,000); both are deleted right after the run.
 
-The clock runs from the moment the consumer starts until every message was handled *and
-acked*: a poller in the same event loop waits until the handler has been called for every
-message (a counter in this process), then until the consumer's info (asked on a control
-connection of the benchmark's own) shows nothing pending and nothing awaiting an ack. After the
-clock stops the consumer's info must show every message delivered and acked, none redelivered,
-and the handler must have seen each message exactly once. The handler is a no-op coroutine
-function apart from that counter, so the numbers are the consumer's own overhead per message.
+The clock runs from the moment the consumer starts until every message was handled *and acked*
+(``benchmarks._brokers.drain``): the handler's counter reaches the backlog, then the consumer's
+info (asked on a control connection of the benchmark's own) shows nothing pending and nothing
+awaiting an ack. After the clock stops the consumer's info must show every message delivered and
+acked, none redelivered, and the handler must have seen each message exactly once. The handler
+is a no-op coroutine function apart from that counter, so the numbers are the consumer's own
+overhead per message.
 
 Variants, each run in the benchmark's one event loop, interleaved over the repetitions:
 
@@ -50,13 +50,9 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
-import datetime
-import gc
 import json
 import os
-import platform
 import pstats
-import shlex
 import shutil
 import statistics
 import sys
@@ -65,8 +61,8 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -78,27 +74,46 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, StorageType, StreamConfig
 
-from benchmarks._common import GcTimer, interleaved, paired_goal, positive_int, write_section
-from benchmarks._common import Throughput as _CommonThroughput
-from benchmarks.redis_streams import RoundTrips, Tally, count_in, delete_keys
+from benchmarks._brokers import (
+    POLL_INTERVAL,
+    Consumer,
+    FastStreamConsumer,
+    LoopConsumer,
+    SubscriberConsumer,
+    Tally,
+    count_in,
+    delete_keys,
+    drain,
+    faststream_handler,
+)
+from benchmarks._common import interleaved, paired_goal
+from benchmarks._harness import (
+    CpuThroughput,
+    Run,
+    add_runs,
+    apply_quick,
+    broker_table,
+    command_line,
+    measured_on,
+    publish,
+    versions,
+)
+from benchmarks.redis_streams import RoundTrips
 from reliable_sub import Subscriber
 from reliable_sub.adapters.nats_jetstream import NatsJetStreamAdapter
 from reliable_sub.dedup import RedisDedupStore
-from reliable_sub.outcome import Outcome
 from reliable_sub.subscriber import RECEIVE_BATCH
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_MESSAGES = 20_000
 DEFAULT_REPETITIONS = 5
 WARMUP_MESSAGES = 2_000
-QUICK_MESSAGES, QUICK_REPETITIONS, QUICK_WARMUP = 2_000, 2, 200
+QUICK = (2_000, 2, 200)  # --quick: messages, repetitions, warm-up messages
 PAYLOAD = b"x" * 64
 PUBLISH_CHUNK = 1_000  # publish_async futures awaited together while publishing (not timed)
 READ_COUNT = RECEIVE_BATCH  # messages per fetch for every variant: the Subscriber's batch
 FETCH_TIMEOUT = 1.0  # (a)/(b)'s fetch timeout; a run never waits on it (all is published)
 ACK_DEADLINE = 30.0
-POLL_INTERVAL = 0.001
-RUN_DEADLINE = 120.0
 # The Subscriber's stop timeout. Nothing is in flight when it is asked to stop, but the adapter's
 # receive is not cancel-safe, so a stop waits up to this long for the idle fetch in flight
 # (receive_timeout, 5 s) before it cancels it: outside the clock, but 5 s per run otherwise.
@@ -157,10 +172,6 @@ class Names:
         return f"{self.stream}_consumer"
 
     @property
-    def connection(self) -> str:
-        return self.base
-
-    @property
     def dedup_prefix(self) -> str:
         return f"{self.base}-dedup"
 
@@ -174,53 +185,30 @@ def next_names(variant: str) -> Names:
     return Names(f"bench-nats-{RUN_ID}-{slug}-{_run_numbers[slug]}")
 
 
-def consumer_config(names: Names) -> ConsumerConfig:
-    """The consumer (a) and (b) read: the one ``ensure_subscription`` makes for (c) and (d)."""
-    return ConsumerConfig(
-        durable_name=names.consumer, ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_DEADLINE,
-        deliver_policy=DeliverPolicy.ALL, filter_subject=names.stream, max_deliver=-1,
-    )
-
-
-class Consumer:
-    """One variant's consumer for one run: prepared (untimed), started, stopped, closed."""
-
-    def __init__(self, bench: Bench, names: Names, tally: Tally) -> None:
-        self.bench, self.names, self.tally = bench, names, tally
-
-    async def prepare(self) -> None:
-        await self.bench.js.add_consumer(self.names.stream, consumer_config(self.names))
-
-    async def start(self) -> None:
-        raise NotImplementedError
-
-    def check_alive(self) -> None:
-        """Raise if the consumer died before the backlog was drained."""
-
-    async def stop(self) -> None:
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        """Release connections (after stop, or after a failed prepare)."""
-
-    def check(self, total: int) -> None:
-        if self.tally.handled != total:
-            raise RuntimeError(f"the handler saw {self.tally.handled} messages, not {total}")
-
-
-class RawConsumer(Consumer):
-    """(a): fetch(100) → await the handler and ``msg.ack()`` for each → a flush at the end."""
+class NatsConsumer(Consumer):
+    """A consumer of one run: the bench, the run's names; its connection is named ``base``."""
 
     def __init__(self, bench: Bench, names: Names, tally: Tally, total: int) -> None:
-        super().__init__(bench, names, tally)
-        self.total = total
-        self.client: NatsClient | None = None
-        self.pull: JetStreamContext.PullSubscription | None = None
-        self.task: asyncio.Task[None] | None = None
+        super().__init__(tally, total)
+        self.bench, self.names = bench, names
+
+    async def add_consumer(self) -> None:
+        """The consumer (a) and (b) read: the one ``ensure_subscription`` makes for (c)/(d)."""
+        await self.bench.js.add_consumer(self.names.stream, ConsumerConfig(
+            durable_name=self.names.consumer, ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ACK_DEADLINE, deliver_policy=DeliverPolicy.ALL,
+            filter_subject=self.names.stream, max_deliver=-1))
+
+
+class RawConsumer(NatsConsumer, LoopConsumer):
+    """(a): fetch(100) → await the handler and ``msg.ack()`` for each → a flush at the end."""
+
+    client: NatsClient | None = None
+    pull: JetStreamContext.PullSubscription | None = None
 
     async def prepare(self) -> None:
-        await super().prepare()
-        self.client = await nats.connect(self.bench.url, name=self.names.connection)
+        await self.add_consumer()
+        self.client = await nats.connect(self.bench.url, name=self.names.base)
         self.pull = await self.client.jetstream().pull_subscribe_bind(
             durable=self.names.consumer, stream=self.names.stream)
 
@@ -242,76 +230,44 @@ class RawConsumer(Consumer):
             handled += len(msgs)
         await self.client.flush()
 
-    async def start(self) -> None:
-        self.task = asyncio.create_task(self.loop())
-
-    def check_alive(self) -> None:
-        if self.task is not None and self.task.done():
-            self.task.result()
-            if self.tally.handled < self.total:
-                raise RuntimeError("the raw loop stopped before the backlog drained")
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            await self.task
-
     async def close(self) -> None:
         if self.client is not None:
             await self.client.close()
 
 
-class FastStreamConsumer(Consumer):
+class NatsFastStream(NatsConsumer, FastStreamConsumer):
     """(b1)/(b2): FastStream's pull subscriber, bound to the run's durable consumer."""
 
-    def __init__(self, bench: Bench, names: Names, tally: Tally, *, batch: bool) -> None:
-        super().__init__(bench, names, tally)
+    def __init__(self, bench: Bench, names: Names, tally: Tally, total: int, *,
+                 batch: bool) -> None:
+        super().__init__(bench, names, tally, total)
         # logger=None turns FastStream's per-message logging off
-        self.broker = NatsBroker(bench.url, name=names.connection, logger=None)
-
-        async def handle_one(body: Any) -> None:
-            """The handler under test: does nothing but count."""
-            tally.handled += 1
-
-        async def handle_batch(body: list[Any]) -> None:
-            """The handler under test (a list of bodies): does nothing but count."""
-            tally.handled += len(body)
-
+        self.broker = NatsBroker(bench.url, name=names.base, logger=None)
         self.broker.subscriber(
             names.stream,
             stream=JStream(names.stream, declare=False),  # the benchmark made it
             durable=names.consumer,
             pull_sub=PullSub(batch_size=READ_COUNT, timeout=FETCH_TIMEOUT, batch=batch),
-        )(handle_batch if batch else handle_one)
+        )(faststream_handler(tally, batch=batch))
 
     async def prepare(self) -> None:
-        await super().prepare()
+        await self.add_consumer()
         await self.broker.connect()
 
-    async def start(self) -> None:
-        await self.broker.start()
 
-    async def stop(self) -> None:
-        await self.broker.stop()
-
-    async def close(self) -> None:
-        await self.broker.stop()  # again after stop: does nothing
-
-
-class SubscriberConsumer(Consumer):
+class NatsSubscriber(SubscriberConsumer):
     """(c)/(d)/(e): our Subscriber on the NatsJetStreamAdapter, with or without dedup, with a
     handler of one message or a batch handler."""
 
-    def __init__(self, bench: Bench, names: Names, tally: Tally, *, dedup: bool,
+    def __init__(self, bench: Bench, names: Names, tally: Tally, total: int, *, dedup: bool,
                  batch: bool = False) -> None:
-        super().__init__(bench, names, tally)
-        self.adapter = NatsJetStreamAdapter(bench.url, prefix=ADAPTER_PREFIX,
-                                            name=names.connection)
+        self.bench, self.names = bench, names
+        self.adapter = NatsJetStreamAdapter(bench.url, prefix=ADAPTER_PREFIX, name=names.base)
         self.store = (RedisDedupStore(bench.redis_url, prefix=names.dedup_prefix)
                       if dedup else None)
-        self.subscriber = Subscriber(self.adapter, dedup=self.store)
-
+        super().__init__(tally, total, Subscriber(self.adapter, dedup=self.store),
+                         SHUTDOWN_TIMEOUT)
         count_in(self.subscriber, names.consumer, tally, batch=batch)
-        self.task: asyncio.Task[None] | None = None
 
     async def prepare(self) -> None:
         await self.adapter.ensure_subscription(
@@ -319,41 +275,17 @@ class SubscriberConsumer(Consumer):
         if self.store is not None:
             await self.store.client.ping()
 
-    async def start(self) -> None:
-        self.task = asyncio.create_task(self.subscriber.serve())
-
-    def check_alive(self) -> None:
-        if self.task is not None and self.task.done():
-            self.task.result()
-            raise RuntimeError("the Subscriber stopped before the backlog drained")
-
-    async def stop(self) -> None:
-        await self.subscriber.shutdown(SHUTDOWN_TIMEOUT)
-        if self.task is not None:
-            await self.task
-
-    async def close(self) -> None:
-        if self.subscriber.running:
-            await self.subscriber.shutdown(SHUTDOWN_TIMEOUT)
+    async def release(self) -> None:
         await self.adapter.close()
         if self.store is not None:
             await self.store.close()
             await delete_keys(self.bench.redis, f"{self.names.dedup_prefix}:*")
 
-    def check(self, total: int) -> None:
-        super().check(total)
-        outcomes = dict(self.subscriber.stats.outcomes)
-        if outcomes != {Outcome.ACKED: total}:
-            raise RuntimeError(f"outcomes {outcomes}, expected {total} acked")
-
 
 @dataclass(frozen=True)
-class Run:
-    """One timed run: wall, CPU and GC seconds; the consumer connection's messages in and out."""
+class NatsRun(Run):
+    """A timed run, and the consumer connection's messages in and out while the clock ran."""
 
-    seconds: float
-    cpu_seconds: float
-    gc_seconds: float
     msgs_in: int
     msgs_out: int
 
@@ -373,9 +305,9 @@ class Bench:
         if variant == RAW:
             return RawConsumer(self, names, tally, total)
         if variant in (FS_ONE, FS_BATCH):
-            return FastStreamConsumer(self, names, tally, batch=variant == FS_BATCH)
-        return SubscriberConsumer(self, names, tally, dedup=variant == SUB_DEDUP,
-                                  batch=variant == SUB_BATCH)
+            return NatsFastStream(self, names, tally, total, batch=variant == FS_BATCH)
+        return NatsSubscriber(self, names, tally, total, dedup=variant == SUB_DEDUP,
+                              batch=variant == SUB_BATCH)
 
     async def publish_backlog(self, names: Names, total: int) -> None:
         await self.js.add_stream(StreamConfig(
@@ -388,23 +320,14 @@ class Bench:
         if stored != total:
             raise RuntimeError(f"stream {names.stream} holds {stored} messages, not {total}")
 
-    async def wait_drained(self, consumer: Consumer, total: int, give_up_at: float) -> float:
-        """Poll until every message was handled and acked; ``time.perf_counter()`` then."""
-        while consumer.tally.handled < total:
-            consumer.check_alive()  # a consumer that died would otherwise look like a slow one
-            if time.perf_counter() > give_up_at:
-                raise TimeoutError(f"{consumer.tally.handled} of {total} handled in time")
-            await asyncio.sleep(POLL_INTERVAL)
-        names = consumer.names
-        while True:
+    def acked(self, names: Names) -> Callable[[], Awaitable[bool]]:
+        """Whether the consumer's info shows nothing pending and nothing awaiting an ack."""
+
+        async def settled() -> bool:
             info = await self.js.consumer_info(names.stream, names.consumer)
-            now = time.perf_counter()
-            if info.num_pending == 0 and info.num_ack_pending == 0:
-                return now
-            consumer.check_alive()
-            if now > give_up_at:
-                raise TimeoutError(f"{info.num_ack_pending} messages still unacked")
-            await asyncio.sleep(POLL_INTERVAL)
+            return info.num_pending == 0 and info.num_ack_pending == 0
+
+        return settled
 
     async def verify(self, names: Names, total: int) -> None:
         """The server's view after the clock: all delivered once and acked."""
@@ -418,49 +341,34 @@ class Bench:
 
     async def run_once(self, variant: str, total: int, *,
                        profiler: cProfile.Profile | None = None,
-                       counter: RoundTrips | None = None) -> Run:
+                       counter: RoundTrips | None = None) -> NatsRun:
         """Consume a fresh ``total``-message backlog with ``variant``."""
         names, tally = next_names(variant), Tally()
         await self.publish_backlog(names, total)
         consumer = self.consumer(variant, names, tally, total)
         try:
             await consumer.prepare()
-            if counter is not None and isinstance(consumer, SubscriberConsumer):
+            if counter is not None and isinstance(consumer, NatsSubscriber):
                 assert consumer.store is not None
                 client = consumer.store.client
                 assert isinstance(client, aioredis.Redis)  # a URL of one server, not a cluster
                 counter.install(client)
                 counter.name_scripts(consumer.store)
-            msgs_in, msgs_out = connection_msgs(self.monitor_port, names.connection)
-            gc.collect()  # every run starts from the same heap, outside the clock
-            with GcTimer() as gc_timer:
-                if profiler is not None:
-                    profiler.enable()
-                started, cpu_started = time.perf_counter(), time.process_time()
-                try:
-                    await consumer.start()
-                    drained = await self.wait_drained(consumer, total, started + RUN_DEADLINE)
-                    cpu_seconds = time.process_time() - cpu_started
-                finally:
-                    if profiler is not None:
-                        profiler.disable()
-            sent, received = connection_msgs(self.monitor_port, names.connection)
+            msgs_in, msgs_out = connection_msgs(self.monitor_port, names.base)
+            run = await drain(consumer, self.acked(names), profiler, gc_off=False)
+            sent, received = connection_msgs(self.monitor_port, names.base)
             await consumer.stop()
             await self.verify(names, total)
-            consumer.check(total)
+            consumer.check()
         finally:
             await consumer.close()
             await self.js.delete_stream(names.stream)
-        return Run(drained - started, cpu_seconds, gc_timer.seconds,
-                   sent - msgs_in, received - msgs_out)
+        return NatsRun(run.seconds, run.cpu_seconds, run.gc_seconds, sent - msgs_in,
+                       received - msgs_out)
 
 
-class Throughput(_CommonThroughput[Run]):
+class Throughput(CpuThroughput):
     """One variant's timed runs, with CPU time and the broker's message counts."""
-
-    @property
-    def cpu_micros_per_message(self) -> float:
-        return self.median_micros(run.cpu_seconds for run in self.runs)
 
     @property
     def in_per_message(self) -> float:
@@ -490,21 +398,10 @@ async def profile_subscriber(bench: Bench, messages: int) -> None:
 
 
 def table(results: dict[str, Throughput]) -> list[str]:
-    raw = results[RAW].median
-    lines = [
-        "| Variant | median msgs/s | min – max msgs/s | µs/msg | client CPU µs/msg "
-        "| of which GC µs/msg | client→server msgs / msg | server→client msgs / msg "
-        "| ratio to (a) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results.values():
-        lines.append(
-            f"| {r.variant} | {r.median:,.0f} | {min(r.rates):,.0f} – {max(r.rates):,.0f} | "
-            f"{r.micros_per_message:.1f} | {r.cpu_micros_per_message:.1f} | "
-            f"{r.gc_micros_per_message:.1f} | {r.in_per_message:.3f} | "
-            f"{r.out_per_message:.3f} | {r.median / raw:.2f}× |"
-        )
-    return lines
+    return broker_table(results, RAW, [
+        ("client→server msgs / msg", lambda r: f"{r.in_per_message:.3f}"),
+        ("server→client msgs / msg", lambda r: f"{r.out_per_message:.3f}"),
+    ])
 
 
 def redis_round_trips(counter: RoundTrips, messages: int) -> str:
@@ -514,12 +411,6 @@ def redis_round_trips(counter: RoundTrips, messages: int) -> str:
             f"(per 1,000 messages: {kinds})")
 
 
-def versions(server: str, redis_server: str) -> str:
-    names = ("nats-py", "faststream", "redis")
-    found = ", ".join(f"{name} {metadata.version(name)}" for name in names)
-    return f"nats-server {server}, Redis {redis_server}; {found}"
-
-
 def report(results: dict[str, Throughput], counter: RoundTrips, command: str, messages: int,
            repetitions: int, server_versions: str, load: float) -> str:
     raw, sub, full = results[RAW], results[SUB], results[SUB_DEDUP]
@@ -527,9 +418,7 @@ def report(results: dict[str, Throughput], counter: RoundTrips, command: str, me
         "## NATS JetStream: Subscriber vs. a raw nats-py pull loop and FastStream "
         "(no-op async handler)",
         "",
-        f"Command (from the repository root): `{command}`; measured "
-        f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, against a private "
+        f"{measured_on(command)}, against a private "
         f"`nats-server -js` (file store) and Redis on the same machine (localhost TCP); "
         f"{server_versions}; 1-minute load average {load:.2f} at the start. {messages:,} "
         f"messages per run, {repetitions} timed runs per variant (interleaved); median shown.",
@@ -617,7 +506,8 @@ async def everything(args: argparse.Namespace, url: str, monitor_port: int) -> s
         if args.profile:
             await profile_subscriber(bench, args.messages)
         return report(results, counter, args.command, args.messages, args.repetitions,
-                      versions(server, redis_server), load)
+                      f"nats-server {server}, Redis {redis_server}; "
+                      f"{versions('nats-py', 'faststream', 'redis')}", load)
     finally:
         with contextlib.suppress(nats.errors.Error):  # gone with the server's store anyway
             await control.jetstream().delete_key_value(f"{ADAPTER_PREFIX}-subscriptions")
@@ -629,28 +519,19 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--redis", default=DEFAULT_REDIS,
                         help=f"Redis URL for (d) (default {DEFAULT_REDIS})")
-    parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES,
-                        help="messages per run, a multiple of 100")
-    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke test: {QUICK_MESSAGES:,} messages, "
-                             f"{QUICK_REPETITIONS} repetitions")
+    add_runs(parser, DEFAULT_MESSAGES, DEFAULT_REPETITIONS, quick=QUICK,
+             messages_help="messages per run, a multiple of 100")
     parser.add_argument("--profile", action="store_true",
                         help="also profile (c) once and print its hottest functions")
     parser.add_argument("--write", action="store_true", help="write the README section")
     args = parser.parse_args(argv)
-    args.warmup = WARMUP_MESSAGES
-    if args.quick:
-        args.messages, args.repetitions, args.warmup = (
-            QUICK_MESSAGES, QUICK_REPETITIONS, QUICK_WARMUP)
+    apply_quick(args, WARMUP_MESSAGES, QUICK)
     if args.messages % READ_COUNT:
         # (b2) would wait out its batch timeout for the last, short batch
         parser.error(f"--messages must be a multiple of {READ_COUNT}")
     if shutil.which("nats-server") is None:
         parser.error("nats-server is not on PATH (Debian package nats-server)")
-    args.command = shlex.join(
-        ["python", "-m", "benchmarks.nats", *(sys.argv[1:] if argv is None else argv)]
-    )  # never the interpreter's path: nothing of this machine goes into the README
+    args.command = command_line("nats", argv)
 
     from tests.nats_processes import NatsServer
 
@@ -662,11 +543,7 @@ def main(argv: list[str] | None = None) -> None:
             section = asyncio.run(everything(args, server.url, server.monitor_port))
         finally:
             server.kill()
-    print(section)
-    print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    if args.write:
-        write_section(SECTION_NAME, section, append=True)
-        print("wrote benchmarks/README.md", file=sys.stderr)
+    publish(SECTION_NAME, section, write=args.write, append=True, started=started)
 
 
 if __name__ == "__main__":

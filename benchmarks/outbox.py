@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
-import os
-import platform
 import random
 import subprocess
 import sys
@@ -32,7 +29,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from benchmarks._common import Rates, positive_int, verdict, write_section
+from benchmarks._common import Rates, positive_int, verdict
+from benchmarks._harness import measured_on, publish, table
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
@@ -305,22 +303,19 @@ def report(args: argparse.Namespace, rows: list[Rates], latencies: dict[bool, li
     lines = [
         "## Outbox relay: PostgreSQL → Redis Streams",
         "",
-        f"Command (from the repository root): `{COMMAND}`; measured "
-        f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs; PostgreSQL and Redis "
-        f"on loopback.",
+        f"{measured_on(COMMAND)}; PostgreSQL and Redis on loopback.",
         "",
         f"**Throughput**: {args.rows:,} committed rows ({len(PAYLOAD)}-byte payloads) drained "
         f"into one stream by worker processes started together; {args.repetitions} runs per "
         "variant, interleaved; medians. Ratios to the raw loop.",
         "",
-        "| Variant | median rows/s | min – max | ratio to raw loop | ratio to 1 relay |",
-        "|---|---:|---:|---:|---:|",
+        *table(rows, [
+            ("median rows/s", lambda r: f"{r.median:,.0f}"),
+            ("min – max", lambda r: f"{min(r.rates):,.0f} – {max(r.rates):,.0f}"),
+            ("ratio to raw loop", lambda r: f"{r.median / raw.median:.2f}×"),
+            ("ratio to 1 relay", lambda r: f"{r.median / one.median:.2f}×"),
+        ]),
     ]
-    for row in rows:
-        lines.append(f"| {row.variant} | {row.median:,.0f} | {min(row.rates):,.0f} – "
-                     f"{max(row.rates):,.0f} | {row.median / raw.median:.2f}× | "
-                     f"{row.median / one.median:.2f}× |")
     notify, poll = latencies[True], latencies[False]
     lines += [
         "",
@@ -373,10 +368,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         worker_main(args)
         return
-    section = asyncio.run(Bench(args).run())
-    print(section)
-    if args.write:
-        write_section(SECTION_NAME, section, append=True)
+    publish(SECTION_NAME, asyncio.run(Bench(args).run()), write=args.write, append=True)
 
 
 if __name__ == "__main__":

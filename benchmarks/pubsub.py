@@ -61,16 +61,14 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
-import datetime
+import dataclasses
 import gc
 import inspect
 import math
 import os
-import platform
 import pstats
 import random
 import resource
-import shlex
 import statistics
 import subprocess
 import sys
@@ -81,7 +79,6 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -97,19 +94,29 @@ from google.pubsub_v1.services.subscriber.transports import (
 )
 
 from benchmarks._common import (
+    EPOLL_WAIT,
     MICROS,
     README,
     FunctionKey,
     GcTimer,
     StageProfile,
-    positive_int,
+    interleaved_sync,
+    pipeline_rules,
     rule,
-    stage_seconds,
-    unknown_rule_names,
-    write_section,
 )
-from benchmarks._common import (
-    Throughput as _common_throughput,
+from benchmarks._common import Throughput as _common_throughput
+from benchmarks._harness import (
+    RATE_COLUMNS,
+    add_runs,
+    check_main,
+    command_line,
+    measured_on,
+    paired,
+    profile_stages,
+    publish,
+    stage_table,
+    table,
+    versions,
 )
 from reliable_sub import LeaseManager, Message, Subscriber
 from reliable_sub.adapters.pubsub import PubSubAdapter
@@ -651,21 +658,9 @@ class Throughput(_common_throughput[Run]):
 
 
 def measure(bench: Bench, messages: int, repetitions: int) -> dict[str, Throughput]:
-    """Warm every variant up, then time them round-robin so drift hits all of them alike."""
-    for variant in VARIANTS:
-        run_once(bench, variant, WARMUP_MESSAGES)
-    results = {variant: Throughput(variant, messages) for variant in VARIANTS}
-    for repetition in range(1, repetitions + 1):
-        for variant in VARIANTS:
-            run = run_once(bench, variant, messages)
-            results[variant].runs.append(run)
-            print(
-                f"  run {repetition}/{repetitions}  {SHORT[variant]} "
-                f"{messages / run.seconds:>8,.0f} msg/s  "
-                f"{run.cpu_seconds * MICROS / messages:6.1f} µs CPU/msg",
-                file=sys.stderr,
-            )
-    return results
+    return interleaved_sync(lambda variant, count: run_once(bench, variant, count), VARIANTS,
+                            lambda variant: Throughput(variant, messages), messages, repetitions,
+                            WARMUP_MESSAGES)
 
 
 # -- workload 1: profile of (c) ------------------------------------------------------------------
@@ -687,7 +682,6 @@ STAGES = (RECEIVE_CALL, RECEIVE_CONVERT, LEASE, TASK, SETTLE, FLOW, GRPC, LOOP, 
 CPU_STAGES = tuple(stage for stage in STAGES if stage != IO_WAIT)
 GC_ROW = "cyclic GC (timed runs; off while profiling)"
 OTHER_THREADS_ROW = "other threads: gRPC C-core I/O (timed runs: process − event loop thread CPU)"
-EPOLL_WAIT = "<method 'poll' of 'select.epoll' objects>"
 # The profile's hottest functions listed under the stage table.
 HOTTEST_FUNCTIONS = 8
 
@@ -704,37 +698,19 @@ ADAPTER_FILE = "adapters/pubsub.py"
 # dataclass __init__s, builtins, helpers shared by two stages such as subscription_path) takes
 # the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE_CALL, "reliable_sub/_runtime/receiver.py", "_receive", "loop"),
+    *pipeline_rules(receive=RECEIVE_CALL, lease=LEASE, task=TASK, settle=SETTLE, flow=FLOW,
+                    loop=LOOP, io_wait=IO_WAIT),
     rule(RECEIVE_CONVERT, ADAPTER_FILE, "_delivery", "_count_attempt", "_unreadable"),
     # read_each walks the proto-plus response into _delivery (one guard per message)
     rule(RECEIVE_CONVERT, "reliable_sub/entries.py", "read_each"),
     rule(RECEIVE_CONVERT, ADAPTER_FILE, "<lambda>", lines=lines_of(PubSubAdapter.receive)),
     rule(RECEIVE_CALL, ADAPTER_FILE, "receive", "subscription_ack_deadline"),
     rule(RECEIVE_CALL, "google/pubsub_v1/services/subscriber/async_client.py", "pull"),
-    rule(LEASE, "reliable_sub/_runtime/lease.py"),
-    rule(LEASE, "reliable_sub/_runtime/lease_basics.py"),
-    rule(LEASE, "reliable_sub/_runtime/claim_renewal.py"),
-    rule(LEASE, "reliable_sub/_runtime/histogram.py"),
-    rule(TASK, "reliable_sub/_runtime/receiver.py", "_admit"),
-    rule(TASK, "reliable_sub/_runtime/dispatcher.py", "dispatch", "_start", "_run", "_attempt",
-         "_call_handler", "_call"),
-    rule(TASK, "reliable_sub/_runtime/lanes.py", "new_task"),
-    rule(TASK, "reliable_sub/_runtime/inflight.py"),
-    rule(TASK, "reliable_sub/middleware/__init__.py"),
     rule(TASK, THIS_FILE, "handle"),
-    rule(SETTLE, "reliable_sub/_runtime/decisions.py", "settle", "succeeded", "apply"),
-    rule(SETTLE, "reliable_sub/_runtime/dispatcher.py", "key_decided"),
-    rule(SETTLE, "reliable_sub/_runtime/pipeline.py", "_on_settled"),
-    rule(SETTLE, "reliable_sub/_runtime/settler.py"),
     rule(SETTLE, ADAPTER_FILE, "ack", "_acknowledge", "_in_chunks", "_by_subscription", "_chunks"),
     rule(SETTLE, "google/pubsub_v1/services/subscriber/async_client.py", "acknowledge"),
-    rule(FLOW, "reliable_sub/_runtime/flow.py"),
-    rule(FLOW, "reliable_sub/message.py", "size"),
     rule(GRPC, "grpc/aio/_call.py"),
     rule(GRPC, "grpc/aio/_channel.py"),
-    rule(IO_WAIT, "~", EPOLL_WAIT),
-    rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
-    rule(LOOP, "asyncio/events.py", "_run"),
     rule(HARNESS, THIS_FILE, "serve_subscriber", "counting_ack", "add_acked", "complete"),
 )
 
@@ -758,17 +734,14 @@ def describe(key: FunctionKey) -> str:
 def profile(bench: Bench, messages: int) -> StageProfile:
     profiler = cProfile.Profile()
     run_once(bench, SUB, messages, profiler)
-    stats = pstats.Stats(profiler)
-    seconds = stage_seconds(stats, STAGE_RULES, STAGES, LOOP)
-    raw: dict[FunctionKey, Any] = stats.stats  # type: ignore[attr-defined]
+    raw: dict[FunctionKey, Any] = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     hottest = sorted(
         ((describe(key), timing[2]) for key, timing in raw.items() if key[2] != EPOLL_WAIT),
         key=lambda item: -item[1],
     )[:HOTTEST_FUNCTIONS]
-    return StageProfile(
-        "(c)", {stage: spent * MICROS / messages for stage, spent in seconds.items()},
-        [(name, spent * MICROS / messages) for name, spent in hottest],
-    )
+    return dataclasses.replace(
+        profile_stages(profiler, "(c)", messages, STAGE_RULES, STAGES, LOOP),
+        hottest=[(name, spent * MICROS / messages) for name, spent in hottest])
 
 
 # -- workload 2: what each side's channel carried ------------------------------------------------
@@ -827,6 +800,22 @@ class RpcLog:
             self.acked.update(ack_ids)
             self.ack_sends.append((sent_at, tuple(ack_ids)))
 
+    def sending(self, details: Any, request: Any) -> tuple[str, float]:
+        """A unary call about to be sent: its method, and when (a modack is logged now)."""
+        method = method_name(details)
+        self.call(method)
+        if method == "ModifyAckDeadline":
+            ids = list(request.ack_ids)
+            self.modack(method, ids, [request.ack_deadline_seconds] * len(ids))
+        return method, time.monotonic()
+
+    def answered(self, method: str, request: Any, response: Any, sent_at: float) -> None:
+        """A unary call sent at ``sent_at`` succeeded: its acks, or the ack ids it pulled."""
+        if method == "Acknowledge":
+            self.ack(list(request.ack_ids), sent_at)
+        elif method == "Pull":
+            self.received((r.ack_id for r in response.received_messages), streamed=False)
+
     def stream_request(self, request: Any) -> None:
         """A StreamingPull request: its acks and deadline changes count like unary calls."""
         self.call("StreamingPull request")
@@ -872,19 +861,10 @@ class SyncInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientI
         self.log = log
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        method = method_name(details)
-        self.log.call(method)
-        if method == "ModifyAckDeadline":
-            ids = list(request.ack_ids)
-            self.log.modack(method, ids, [request.ack_deadline_seconds] * len(ids))
-        sent_at = time.monotonic()
+        method, sent_at = self.log.sending(details, request)
         outcome = continuation(details, request)
         if outcome.exception() is None:
-            if method == "Acknowledge":
-                self.log.ack(list(request.ack_ids), sent_at)
-            elif method == "Pull":
-                received = outcome.result().received_messages
-                self.log.received((r.ack_id for r in received), streamed=False)
+            self.log.answered(method, request, outcome.result(), sent_at)
         return outcome
 
     def intercept_stream_stream(
@@ -908,21 +888,13 @@ class AioInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
         self.log = log
 
     async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        method = method_name(details)
-        self.log.call(method)
-        if method == "ModifyAckDeadline":
-            ids = list(request.ack_ids)
-            self.log.modack(method, ids, [request.ack_deadline_seconds] * len(ids))
-        sent_at = time.monotonic()
+        method, sent_at = self.log.sending(details, request)
         call = await continuation(details, request)
         try:
             response = await call
         except grpc.RpcError:
             return call  # the caller awaits the call and sees the error
-        if method == "Acknowledge":
-            self.log.ack(list(request.ack_ids), sent_at)
-        elif method == "Pull":
-            self.log.received((r.ack_id for r in response.received_messages), streamed=False)
+        self.log.answered(method, request, response, sent_at)
         return call
 
 
@@ -1217,51 +1189,42 @@ def ratio(value: float, base: float) -> str:
 
 def throughput_table(results: dict[str, Throughput]) -> list[str]:
     base = results[STREAMING]
-    lines = [
-        "| Variant | median msgs/s | min – max msgs/s | msgs/s ratio to (a) | client CPU µs/msg "
-        "| min – max CPU µs/msg | CPU ratio to (a) | of which GC µs/msg | emulator CPU µs/msg |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for result in results.values():
-        emulator = result.emulator_micros_per_message
-        lines.append(
-            f"| {result.variant} | {result.median:,.0f} | {min(result.rates):,.0f} – "
-            f"{max(result.rates):,.0f} | {ratio(result.median, base.median)} | "
-            f"{result.cpu_micros_per_message:.1f} | {min(result.cpus):.1f} – "
-            f"{max(result.cpus):.1f} | "
-            f"{ratio(result.cpu_micros_per_message, base.cpu_micros_per_message)} | "
-            f"{result.gc_micros_per_message:.1f} | "
-            f"{'–' if emulator is None else f'{emulator:.1f}'} |"
-        )
-    return lines
+
+    def emulator(result: Throughput) -> str:
+        micros = result.emulator_micros_per_message
+        return "–" if micros is None else f"{micros:.1f}"
+
+    return table(results.values(), [
+        *RATE_COLUMNS,
+        ("msgs/s ratio to (a)", lambda r: ratio(r.median, base.median)),
+        ("client CPU µs/msg", lambda r: f"{r.cpu_micros_per_message:.1f}"),
+        ("min – max CPU µs/msg", lambda r: f"{min(r.cpus):.1f} – {max(r.cpus):.1f}"),
+        ("CPU ratio to (a)",
+         lambda r: ratio(r.cpu_micros_per_message, base.cpu_micros_per_message)),
+        ("of which GC µs/msg", lambda r: f"{r.gc_micros_per_message:.1f}"),
+        ("emulator CPU µs/msg", emulator),
+    ])
 
 
 def throughput_goals(results: dict[str, Throughput]) -> list[str]:
     ours, theirs = results[SUB], results[STREAMING]
-    rate = ours.median / theirs.median
-    paired_rates = [a / b for a, b in zip(ours.rates, theirs.rates, strict=True)]
-    cpu = ours.cpu_micros_per_message / theirs.cpu_micros_per_message
-    paired_cpu = [a / b for a, b in zip(ours.cpus, theirs.cpus, strict=True)]
-    rate_met = sum(r >= MIN_RATE_RATIO for r in paired_rates)
-    cpu_met = sum(r <= MAX_CPU_RATIO for r in paired_cpu)
 
-    def noise(met: int, total: int) -> str:
-        if 0 < met < total:
-            return (
-                "; the repetitions fall on both sides of the goal, so this verdict is within "
-                "run-to-run noise"
-            )
-        return ""
+    def goal(name: str, value: float, mine: list[float], others: list[float],
+             met: Callable[[float], bool]) -> str:
+        ratios, repetitions = paired(mine, others, met)
+        hits = sum(met(r) for r in ratios)
+        noise = ("; the repetitions fall on both sides of the goal, so this verdict is within "
+                 "run-to-run noise") if 0 < hits < len(ratios) else ""
+        return f"- {'yes' if met(value) else '**no**'}: {name}, {value:.2f}× ({repetitions}{noise})"
 
     return [
-        f"- {'yes' if rate >= MIN_RATE_RATIO else '**no**'}: (c) ≥ {MIN_RATE_RATIO:g}× (a) in "
-        f"msgs/s — {ours.median:,.0f} vs {theirs.median:,.0f} msgs/s, {rate:.2f}× (repetition "
-        f"by repetition {min(paired_rates):.2f}–{max(paired_rates):.2f}×, met in {rate_met} of "
-        f"{len(paired_rates)}{noise(rate_met, len(paired_rates))})",
-        f"- {'yes' if cpu <= MAX_CPU_RATIO else '**no**'}: (c) ≤ (a) in client CPU per message "
-        f"— {ours.cpu_micros_per_message:.1f} vs {theirs.cpu_micros_per_message:.1f} µs/msg, "
-        f"{cpu:.2f}× (repetition by repetition {min(paired_cpu):.2f}–{max(paired_cpu):.2f}×, "
-        f"met in {cpu_met} of {len(paired_cpu)}{noise(cpu_met, len(paired_cpu))})",
+        goal(f"(c) ≥ {MIN_RATE_RATIO:g}× (a) in msgs/s — {ours.median:,.0f} vs "
+             f"{theirs.median:,.0f} msgs/s", ours.median / theirs.median, ours.rates,
+             theirs.rates, lambda r: r >= MIN_RATE_RATIO),
+        goal(f"(c) ≤ (a) in client CPU per message — {ours.cpu_micros_per_message:.1f} vs "
+             f"{theirs.cpu_micros_per_message:.1f} µs/msg",
+             ours.cpu_micros_per_message / theirs.cpu_micros_per_message, ours.cpus,
+             theirs.cpus, lambda r: r <= MAX_CPU_RATIO),
     ]
 
 
@@ -1272,26 +1235,14 @@ def profile_table(prof: StageProfile, timed: Throughput) -> list[str]:
     stages in proportion, and adds GC and the other threads' CPU as rows of their own, so that
     it adds up to the unprofiled client CPU µs/msg.
     """
-    thread = timed.thread_micros_per_message
-    gc_time = timed.gc_micros_per_message
+    thread, gc_time = timed.thread_micros_per_message, timed.gc_micros_per_message
     total = timed.cpu_micros_per_message
-    scale = max(0.0, thread - gc_time) / prof.total_of(CPU_STAGES)
-    lines = [
-        "| Stage | (c) profiled µs/msg | (c) scaled to unprofiled client CPU µs/msg | share |",
-        "|---|---:|---:|---:|",
-    ]
-    for stage in STAGES:
-        if stage == IO_WAIT:
-            lines.append(f"| {stage} | {prof.micros[stage]:.2f} | – | – |")
-            continue
-        scaled = prof.micros[stage] * scale
-        share = scaled / total
-        lines.append(f"| {stage} | {prof.micros[stage]:.2f} | {scaled:.2f} | {share:.0%} |")
-    other = max(0.0, total - thread)
-    lines.append(f"| {GC_ROW} | – | {gc_time:.2f} | {gc_time / total:.0%} |")
-    lines.append(f"| {OTHER_THREADS_ROW} | – | {other:.2f} | {other / total:.0%} |")
-    lines.append(f"| **total** | **{prof.total:.2f}** | **{total:.2f}** | 100% |")
-    return lines
+    return stage_table(
+        {"(c) profiled µs/msg": prof}, STAGES, reference="(c) profiled µs/msg",
+        scaled="(c) scaled to unprofiled client CPU µs/msg",
+        scale=max(0.0, thread - gc_time) / prof.total_of(CPU_STAGES), total=total,
+        unscaled=[IO_WAIT],
+        rows=[(GC_ROW, gc_time), (OTHER_THREADS_ROW, max(0.0, total - thread))])
 
 
 def long_table(long: LongResult) -> list[str]:
@@ -1400,11 +1351,6 @@ def idle_pulls(long: LongResult) -> list[str]:
     return [text]
 
 
-def versions() -> str:
-    names = ("google-cloud-pubsub", "grpcio", "proto-plus", "protobuf")
-    return ", ".join(f"{name} {metadata.version(name)}" for name in names)
-
-
 def report(
     results: dict[str, Throughput],
     prof: StageProfile,
@@ -1426,10 +1372,9 @@ def report(
     lines = [
         "## Pub/Sub emulator: Subscriber vs. google-cloud-pubsub's streaming and unary pull",
         "",
-        f"Command (from the repository root): `{command}`; measured "
-        f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, against the official "
-        f"Pub/Sub emulator (a JVM) on the same machine; {versions()}; 1-minute load average "
+        f"{measured_on(command)}, against the official Pub/Sub emulator (a JVM) on the same "
+        f"machine; {versions('google-cloud-pubsub', 'grpcio', 'proto-plus', 'protobuf')}; "
+        "1-minute load average "
         f"{load:.2f} at the start.",
         "",
         f"### Workload 1: draining a backlog of {messages:,} messages (no-op handler)",
@@ -1552,16 +1497,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--host", default=None, help="host:port of a running emulator (default: start one)"
     )
-    parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES)
-    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
+    add_runs(parser, DEFAULT_MESSAGES, DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help=f"rewrite the section in {README}")
     args = parser.parse_args(argv)
-    stale = unknown_rule_names(STAGE_RULES)
-    if stale:
-        parser.error(f"stage rules name functions that no longer exist: {stale}")
-    command = shlex.join(
-        ["python", "-m", "benchmarks.pubsub", *(sys.argv[1:] if argv is None else argv)]
-    )  # never the interpreter's path: nothing of this machine goes into the README
+    check_main(parser, args, SECTION_NAME, STAGE_RULES, markers=False)
+    command = command_line("pubsub", argv)
     started = time.perf_counter()
     load = os.getloadavg()[0]
     with Emulator(args.host) as emulator:
@@ -1574,12 +1514,9 @@ def main(argv: list[str] | None = None) -> None:
             long = asyncio.run(long_handlers(bench))
         finally:
             bench.close()
-    section = report(results, prof, long, command, args.messages, args.repetitions, load)
-    print(section)
-    print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    if args.write:
-        write_section(SECTION_NAME, section, append=True)
-        print(f"wrote {README}", file=sys.stderr)
+    publish(SECTION_NAME,
+            report(results, prof, long, command, args.messages, args.repetitions, load),
+            write=args.write, append=True, started=started)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,10 @@ Every run gets a fresh durable quorum queue (bound to a fresh fanout exchange, a
 lays a subscription out) holding ``--messages`` messages of 64 bytes, published with publisher
 confirms before the clock starts; it is deleted right after the run. The clock runs from the
 moment the consumer starts until the handler has seen every message and the consumer has sent
-its acks (the raw loop its last ``basic.ack``; the Subscriber its acked outcomes; FastStream
-acks after each handler returns). After the clock, the consumer's connection is closed (an
-unacked message would go back to the queue) and the queue must hold nothing: every message
-acked, none twice (the handler must have seen each exactly once).
+its acks (``benchmarks._brokers.drain``; the raw loop its last ``basic.ack``, the Subscriber its
+acked outcomes, FastStream acks after each handler returns). After the clock, the consumer's
+connection is closed (an unacked message would go back to the queue) and the queue must hold
+nothing: every message acked, none twice (the handler must have seen each exactly once).
 
 Variants, each in the benchmark's one event loop, interleaved over the repetitions:
 
@@ -34,24 +34,38 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
-import gc
 import os
-import platform
-import shlex
-import sys
 import time
 import uuid
 from dataclasses import dataclass
-from importlib import metadata
 from typing import Any
 
 import aio_pika
 import redis.asyncio as aioredis
 from faststream.rabbit import Channel, RabbitBroker, RabbitQueue
 
-from benchmarks._common import GcTimer, interleaved, paired_goal, positive_int, write_section
-from benchmarks.redis_streams import Run, Tally, Throughput, count_in, delete_keys
+from benchmarks._brokers import (
+    Consumer,
+    FastStreamConsumer,
+    SubscriberConsumer,
+    Tally,
+    count_in,
+    delete_keys,
+    drain,
+    faststream_handler,
+)
+from benchmarks._common import interleaved, paired_goal
+from benchmarks._harness import (
+    CpuThroughput,
+    Run,
+    add_runs,
+    apply_quick,
+    broker_table,
+    command_line,
+    measured_on,
+    publish,
+    versions,
+)
 from reliable_sub import LeasePolicy, Subscriber
 from reliable_sub.adapters.rabbitmq import RabbitMQAdapter
 from reliable_sub.dedup import RedisDedupStore
@@ -62,13 +76,11 @@ DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_MESSAGES = 20_000
 DEFAULT_REPETITIONS = 5
 WARMUP_MESSAGES = 2_000
-QUICK_MESSAGES, QUICK_REPETITIONS, QUICK_WARMUP = 2_000, 2, 200
+QUICK = (2_000, 2, 200)  # --quick: messages, repetitions, warm-up messages
 PAYLOAD = b"x" * 64
 PREFETCH = 100  # (a) and (b); the Subscriber's is its flow-control window
 PUBLISH_CHUNK = 1_000
 ACK_DEADLINE = 30.0
-POLL_INTERVAL = 0.001
-RUN_DEADLINE = 120.0
 SHUTDOWN_TIMEOUT = 0.5
 MAX_LEASE = 1200.0
 # Goals from the issue (#29).
@@ -96,27 +108,19 @@ def next_names() -> Names:
     return Names(f"bench-{RUN_ID}-x{n}", f"bench-{RUN_ID}-q{n}", f"bench-{RUN_ID}-d{n}")
 
 
-class Consumer:
-    """One variant's consumer for one run."""
+class RabbitConsumer(Consumer):
+    """A consumer of one run; the run is drained when :meth:`done`."""
 
     def __init__(self, bench: Bench, names: Names, tally: Tally, total: int) -> None:
-        self.bench, self.names, self.tally, self.total = bench, names, tally, total
-
-    async def prepare(self) -> None:
-        """Connect, outside the clock."""
-
-    async def start(self) -> None:
-        raise NotImplementedError
+        super().__init__(tally, total)
+        self.bench, self.names = bench, names
 
     def done(self) -> bool:
         """Every message handled and its ack sent."""
         return self.tally.handled >= self.total
 
-    async def close(self) -> None:
-        raise NotImplementedError
 
-
-class RawConsumer(Consumer):
+class RawConsumer(RabbitConsumer):
     """(a): an async callback that counts, acking every 100th message with ``multiple``."""
 
     connection: Any = None
@@ -141,48 +145,39 @@ class RawConsumer(Consumer):
         return self.acked >= self.total
 
     async def close(self) -> None:
-        await self.connection.close()
+        if self.connection is not None:
+            await self.connection.close()
 
 
-class FastStreamConsumer(Consumer):
+class RabbitFastStream(RabbitConsumer, FastStreamConsumer):
     """(b): FastStream's subscriber, one message per call, acking after each."""
 
     def __init__(self, bench: Bench, names: Names, tally: Tally, total: int) -> None:
         super().__init__(bench, names, tally, total)
         self.broker = RabbitBroker(bench.amqp, logger=None)
-
-        async def handle(body: Any) -> None:
-            """The handler under test: does nothing but count."""
-            tally.handled += 1
-
         # the benchmark made the queue: FastStream consumes it without declaring it
         queue = RabbitQueue(names.queue, declare=False)
-        self.broker.subscriber(queue, channel=Channel(prefetch_count=PREFETCH))(handle)
+        self.broker.subscriber(queue, channel=Channel(prefetch_count=PREFETCH))(
+            faststream_handler(tally, batch=False))
 
     async def prepare(self) -> None:
         await self.broker.connect()
 
-    async def start(self) -> None:
-        await self.broker.start()
 
-    async def close(self) -> None:
-        await self.broker.stop()
-
-
-class SubscriberConsumer(Consumer):
+class RabbitSubscriber(SubscriberConsumer):
     """(c)/(d): our Subscriber on the RabbitMQAdapter, without or with dedup."""
 
     def __init__(self, bench: Bench, names: Names, tally: Tally, total: int, *,
                  dedup: bool) -> None:
-        super().__init__(bench, names, tally, total)
+        self.bench, self.names = bench, names
         self.adapter = RabbitMQAdapter(bench.amqp, prefix=f"bench-{RUN_ID}")
         self.store = (RedisDedupStore(bench.redis_url, prefix=names.dedup_prefix)
                       if dedup else None)
         # leases under the broker's consumer_timeout (30 min), as the adapter's guide says
-        self.subscriber = Subscriber(self.adapter, dedup=self.store,
-                                     lease=LeasePolicy(max_lease_duration=MAX_LEASE))
+        super().__init__(tally, total, Subscriber(self.adapter, dedup=self.store,
+                                                  lease=LeasePolicy(max_lease_duration=MAX_LEASE)),
+                         SHUTDOWN_TIMEOUT)
         count_in(self.subscriber, names.queue, tally, batch=False)
-        self.task: asyncio.Task[None] | None = None
 
     async def prepare(self) -> None:
         # the queue exists: this records the settings the adapter reads (topic, deadline)
@@ -191,19 +186,10 @@ class SubscriberConsumer(Consumer):
         if self.store is not None:
             await self.store.client.ping()
 
-    async def start(self) -> None:
-        self.task = asyncio.create_task(self.subscriber.serve())
-
     def done(self) -> bool:
         return self.subscriber.stats[Outcome.ACKED] >= self.total
 
-    async def close(self) -> None:
-        await self.subscriber.shutdown(SHUTDOWN_TIMEOUT)
-        if self.task is not None:
-            await self.task
-        outcomes = dict(self.subscriber.stats.outcomes)
-        if outcomes != {Outcome.ACKED: self.total}:
-            raise RuntimeError(f"outcomes {outcomes}, expected {self.total} acked")
+    async def release(self) -> None:
         await self.adapter.close()
         if self.store is not None:
             await self.store.close()
@@ -217,12 +203,13 @@ class Bench:
     redis: aioredis.Redis
     control: Any  # an aio_pika connection for setting up and checking
 
-    def consumer(self, variant: str, names: Names, tally: Tally, total: int) -> Consumer:
+    def consumer(self, variant: str, names: Names, tally: Tally,
+                 total: int) -> RabbitConsumer | RabbitSubscriber:
         if variant == RAW:
             return RawConsumer(self, names, tally, total)
         if variant == FASTSTREAM:
-            return FastStreamConsumer(self, names, tally, total)
-        return SubscriberConsumer(self, names, tally, total, dedup=variant == SUB_DEDUP)
+            return RabbitFastStream(self, names, tally, total)
+        return RabbitSubscriber(self, names, tally, total, dedup=variant == SUB_DEDUP)
 
     async def publish_backlog(self, names: Names, total: int) -> None:
         channel = await self.control.channel(publisher_confirms=True)
@@ -259,60 +246,46 @@ class Bench:
         if await self.ready(names) != total:
             raise RuntimeError(f"queue {names.queue} does not hold {total} messages")
         consumer = self.consumer(variant, names, tally, total)
+
+        async def settled() -> bool:
+            return consumer.done()
+
         try:
             await consumer.prepare()
-            gc.collect()
-            with GcTimer() as gc_timer:
-                started, cpu_started = time.perf_counter(), time.process_time()
-                await consumer.start()
-                while not consumer.done():
-                    if time.perf_counter() > started + RUN_DEADLINE:
-                        raise TimeoutError(f"{tally.handled} of {total} handled in time")
-                    await asyncio.sleep(POLL_INTERVAL)
-                drained = time.perf_counter()
-                cpu_seconds = time.process_time() - cpu_started
+            run = await drain(consumer, settled)
+            await consumer.stop()
+            consumer.check()
         finally:
-            await consumer.close()
+            await consumer.close()  # an unacked message would go back to the queue
         try:
             left = await self.ready(names)
-            if left or tally.handled != total:
-                raise RuntimeError(f"{variant}: {left} messages back in the queue, the handler "
-                                   f"saw {tally.handled} of {total}")
+            if left:
+                raise RuntimeError(f"{variant}: {left} messages back in the queue")
         finally:
             await self.remove(names)
-        return Run(drained - started, cpu_seconds, gc_timer.seconds)
+        return run
 
 
 async def measure(bench: Bench, messages: int, repetitions: int,
-                  warmup: int) -> dict[str, Throughput]:
-    return await interleaved(bench.run_once, VARIANTS, lambda v: Throughput(v, messages),
+                  warmup: int) -> dict[str, CpuThroughput]:
+    return await interleaved(bench.run_once, VARIANTS, lambda v: CpuThroughput(v, messages),
                              messages, repetitions, warmup)
 
 
-def report(results: dict[str, Throughput], command: str, messages: int, repetitions: int,
+def report(results: dict[str, CpuThroughput], command: str, messages: int, repetitions: int,
            broker_version: str, load: float) -> str:
     raw = results[RAW]
-    found = ", ".join(f"{name} {metadata.version(name)}"
-                      for name in ("aio-pika", "aiormq", "faststream", "redis"))
     lines = [
         "## RabbitMQ: Subscriber vs. a raw aio-pika consumer and FastStream (no-op handler)",
         "",
-        f"Command (from the repository root): `{command}`; measured "
-        f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, against RabbitMQ "
-        f"{broker_version} and Redis on the same machine (localhost TCP); {found}; 1-minute "
+        f"{measured_on(command)}, against RabbitMQ "
+        f"{broker_version} and Redis on the same machine (localhost TCP); "
+        f"{versions('aio-pika', 'aiormq', 'faststream', 'redis')}; 1-minute "
         f"load average {load:.2f} at the start. {messages:,} messages per run (a fresh quorum "
         f"queue each), {repetitions} timed runs per variant (interleaved); median shown.",
         "",
-        "| Variant | median msgs/s | min – max msgs/s | µs/msg | client CPU µs/msg "
-        "| of which GC µs/msg | ratio to (a) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        *broker_table(results, RAW),
     ]
-    for r in results.values():
-        lines.append(
-            f"| {r.variant} | {r.median:,.0f} | {min(r.rates):,.0f} – {max(r.rates):,.0f} | "
-            f"{r.micros_per_message:.1f} | {r.cpu_micros_per_message:.1f} | "
-            f"{r.gc_micros_per_message:.1f} | {r.median / raw.median:.2f}× |")
     lines += [
         "",
         "Goals from the issue (#29):",
@@ -360,24 +333,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--amqp", default=DEFAULT_AMQP, help=f"default {DEFAULT_AMQP}")
     parser.add_argument("--redis", default=DEFAULT_REDIS, help=f"default {DEFAULT_REDIS}")
-    parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES)
-    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
-    parser.add_argument("--quick", action="store_true")
+    add_runs(parser, DEFAULT_MESSAGES, DEFAULT_REPETITIONS, quick=QUICK)
     parser.add_argument("--write", action="store_true", help="write the README section")
     args = parser.parse_args(argv)
-    args.warmup = WARMUP_MESSAGES
-    if args.quick:
-        args.messages, args.repetitions, args.warmup = (
-            QUICK_MESSAGES, QUICK_REPETITIONS, QUICK_WARMUP)
-    args.command = shlex.join(
-        ["python", "-m", "benchmarks.rabbitmq", *(sys.argv[1:] if argv is None else argv)])
+    apply_quick(args, WARMUP_MESSAGES, QUICK)
+    args.command = command_line("rabbitmq", argv)
     started = time.perf_counter()
-    section = asyncio.run(everything(args))
-    print(section)
-    print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    if args.write:
-        write_section(SECTION_NAME, section, append=True)
-        print("wrote benchmarks/README.md", file=sys.stderr)
+    publish(SECTION_NAME, asyncio.run(everything(args)), write=args.write, append=True,
+            started=started)
 
 
 if __name__ == "__main__":

@@ -20,23 +20,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import redis
 from redis.crc import key_slot
 
-from benchmarks._common import positive_int, write_section
+from benchmarks._harness import add_runs, measured_on, paired, publish, table
 
 COMMAND = "python -m benchmarks.redis_cluster --write"
 SECTION_NAME = "redis_cluster"
@@ -385,53 +382,51 @@ def report(bench: Bench, runs: dict[Variant, list[Run]], repetitions: int) -> st
     lines = [
         "## Redis Cluster: the Subscriber on one node vs. a 3-master cluster",
         "",
-        f"Command (from the repository root): `{COMMAND}`; measured "
-        f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, against Redis "
+        f"{measured_on(COMMAND)}, against Redis "
         f"{version}: a private `redis-server` and a private cluster of 3 masters and 3 replicas "
         f"(no persistence, same machine); redis {redis.__version__}. {bench.messages:,} entries "
         f"per run in {STREAMS} streams, {repetitions} timed runs per variant (interleaved); "
         "median shown.",
         "",
-        "| Variant | median msgs/s | min – max msgs/s | msgs/s per process | "
-        "round trips / msg | client CPU µs/msg | Redis CPU µs/msg: masters + replicas | "
-        "ratio to one node (per process) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for variant in VARIANTS:
-        rates = [rate(run) for run in runs[variant]]
-        per_process = statistics.median(rate(run, variant.processes) for run in runs[variant])
-        trips = statistics.median(run.round_trips / run.handled for run in runs[variant])
+
+    def ratio(variant: Variant) -> str:
+        per_process = median_rate(runs[variant], variant.processes)
         if variant.dedup == "apart":
             combined = median_rate(runs[dataclasses.replace(variant, dedup="dedup")])
-            ratio = f"{per_process / combined:.2f}× the combined call"
-        elif variant.deployment == "cluster":
+            return f"{per_process / combined:.2f}× the combined call"
+        if variant.deployment == "cluster":
             single = median_rate(runs[single_counterpart(variant)], variant.processes)
-            ratio = f"{per_process / single:.2f}×"
-        else:
-            ratio = "1.00×"
-        client = micros(run.client_cpu / run.handled for run in runs[variant])
-        masters = micros(run.master_cpu / run.handled for run in runs[variant])
-        replicas = micros(run.replica_cpu / run.handled for run in runs[variant])
-        lines.append(
-            f"| {variant.label} | {statistics.median(rates):,.0f} | "
-            f"{min(rates):,.0f} – {max(rates):,.0f} | {per_process:,.0f} | {trips:.3f} | "
-            f"{client:.1f} | {masters:.1f} + {replicas:.1f} | {ratio} |"
-        )
+            return f"{per_process / single:.2f}×"
+        return "1.00×"
+
+    def cpu(variant: Variant, seconds: Callable[[Run], float]) -> float:
+        return micros(seconds(run) / run.handled for run in runs[variant])
+
+    lines += table(VARIANTS, [
+        ("median msgs/s", lambda v: f"{median_rate(runs[v]):,.0f}"),
+        ("min – max msgs/s", lambda v: f"{min(rate(r) for r in runs[v]):,.0f} – "
+                                       f"{max(rate(r) for r in runs[v]):,.0f}"),
+        ("msgs/s per process", lambda v: f"{median_rate(runs[v], v.processes):,.0f}"),
+        ("round trips / msg",
+         lambda v: f"{statistics.median(r.round_trips / r.handled for r in runs[v]):.3f}"),
+        ("client CPU µs/msg", lambda v: f"{cpu(v, lambda r: r.client_cpu):.1f}"),
+        ("Redis CPU µs/msg: masters + replicas",
+         lambda v: f"{cpu(v, lambda r: r.master_cpu):.1f} + "
+                   f"{cpu(v, lambda r: r.replica_cpu):.1f}"),
+        ("ratio to one node (per process)", ratio),
+    ], label=lambda v: v.label)
     lines += ["", "Goal from the issue (the cluster with dedup ≥ "
               f"{CLUSTER_DEDUP_MIN_RATIO}× one node with dedup, msgs/s per process):", ""]
     for processes in (1, 3):
         cluster = runs[Variant("cluster", "dedup", processes)]
         single = runs[Variant("single", "dedup", processes)]
-        ratios = [rate(c) / rate(s) for c, s in zip(cluster, single, strict=True)]
-        value = statistics.median(rate(r) for r in cluster) / statistics.median(
-            rate(r) for r in single)
+        value = median_rate(cluster) / median_rate(single)
+        _, repetitions = paired([rate(r) for r in cluster], [rate(r) for r in single],
+                                lambda r: r >= CLUSTER_DEDUP_MIN_RATIO)
         met = "yes" if value >= CLUSTER_DEDUP_MIN_RATIO else "**no**"
-        lines.append(
-            f"- {met}: {processes} process{'es' * (processes > 1)} — {value:.2f}× (repetition "
-            f"by repetition {min(ratios):.2f}–{max(ratios):.2f}×, met in "
-            f"{sum(r >= CLUSTER_DEDUP_MIN_RATIO for r in ratios)} of {len(ratios)})"
-        )
+        lines.append(f"- {met}: {processes} process{'es' * (processes > 1)} — {value:.2f}× "
+                     f"({repetitions})")
     lines += [
         "",
         "Layout: the streams are `<prefix>:{" + "}`, `<prefix>:{".join(bench.tags) + "}` "
@@ -452,8 +447,7 @@ def report(bench: Bench, runs: dict[Variant, list[Run]], repetitions: int) -> st
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES)
-    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
+    add_runs(parser, DEFAULT_MESSAGES, DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help="rewrite the README section")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -469,9 +463,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             section = report(bench, runs, args.repetitions)
         finally:
             deployments.stop()
-    print(section)
-    if args.write:
-        write_section(SECTION_NAME, section, append=True)
+    publish(SECTION_NAME, section, write=args.write, append=True)
 
 
 if __name__ == "__main__":

@@ -11,10 +11,9 @@ so every run sees the same entry ids and the same backlog) with a fresh consumer
 ``0``, under key names unique to this benchmark process and run; every key a run wrote (stream,
 adapter settings, dedup records) is deleted right after it, and the templates at the end.
 
-The clock runs from the moment the consumer starts until every entry was handled *and acked*: a
-polling task in the same event loop waits until the handler has been called for every entry (a
-counter in this process), then until ``XPENDING`` reports no pending entries for the group; it
-polls every ``POLL_INTERVAL`` seconds and gives up after ``RUN_DEADLINE``. After the clock stops,
+The clock runs from the moment the consumer starts until every entry was handled *and acked*
+(``benchmarks._brokers.drain``): the handler's counter reaches the backlog, then ``XPENDING``
+reports no pending entries for the group. After the clock stops,
 ``XINFO GROUPS`` must show every entry read (``entries-read``), no lag and nothing pending, and
 the handler must have seen each entry exactly once. The handler is a no-op coroutine function
 apart from that counter, so the numbers are the consumer's own overhead per message.
@@ -36,9 +35,9 @@ Variants, each run in the benchmark's one event loop, interleaved over the repet
 * ``(e)`` as ``(c)``, with a batch handler (``@sub.handler(group, batch=True)``, default
   ``max_batch=100``, ``max_wait=0``): one call for what one read brought.
 
-Every client connects (one PING) before the clock starts. Cyclic GC stays enabled; the time it
-takes is recorded with ``gc.callbacks``. The process CPU time of each run is recorded too: wall
-time minus CPU time is the time this process sat idle, waiting for Redis (or for a CPU).
+Every client connects (one PING) before the clock starts. Cyclic GC stays enabled and its time
+is recorded, with the process CPU time (``benchmarks._harness.Clock``): wall time minus CPU time
+is the time this process sat idle, waiting for Redis (or for a CPU).
 
 After the timed repetitions:
 
@@ -47,10 +46,8 @@ After the timed repetitions:
   trip, ``len(command_stack)`` commands) are wrapped to count round trips and commands by name,
   scripts by the attribute that holds them; FastStream's ``StreamSub`` deep copies are counted
   by wrapping the ``deepcopy`` its ``stream_sub`` module calls;
-* one run of ``(a)``, ``(c)`` and ``(d)`` under :mod:`cProfile` with GC off. Every function's own
-  time is attributed to a pipeline stage; functions that belong to no stage (redis-py, asyncio
-  streams, tenacity, builtins) are attributed to the stages of their callers, split by the time
-  spent under each caller, so the stages add up to the whole profile. The time the loop sits in
+* one run of ``(a)``, ``(c)``, ``(d)`` and ``(e)`` under :mod:`cProfile` with GC off, its time
+  split over pipeline stages (``benchmarks._common.stage_seconds``); the time the loop sits in
   ``epoll`` waiting for Redis is a stage of its own.
 """
 
@@ -60,19 +57,13 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
-import datetime
-import gc
 import os
-import platform
-import pstats
-import shlex
 import sys
 import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -81,27 +72,41 @@ from faststream.redis import RedisBroker, StreamSub
 from faststream.redis.schemas import stream_sub as faststream_stream_sub
 from redis.commands.core import AsyncScript
 
-from benchmarks._common import (
-    MICROS,
-    README,
-    GcTimer,
-    StageProfile,
-    has_section,
-    positive_int,
-    rule,
-    section_markers,
-    stage_seconds,
-    unknown_rule_names,
-    write_section,
+from benchmarks import _brokers
+from benchmarks._brokers import (
+    POLL_INTERVAL,
+    RUN_DEADLINE,
+    SCAN_COUNT,
+    Consumer,
+    LoopConsumer,
+    SubscriberConsumer,
+    Tally,
+    count_in,
+    delete_keys,
+    drain,
+    faststream_handler,
 )
-from benchmarks._common import (
-    Throughput as _common_throughput,
+from benchmarks._common import README, StageProfile, interleaved, pipeline_rules, rule
+from benchmarks._harness import (
+    CpuThroughput,
+    Run,
+    add_runs,
+    broker_table,
+    check_main,
+    command_line,
+    measured_on,
+    paired,
+    profile_stages,
+    publish,
+    stage_table,
+    versions,
 )
-from reliable_sub import Message, Subscriber
+from reliable_sub import Subscriber
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
 from reliable_sub.dedup import RedisDedupStore
-from reliable_sub.outcome import Outcome
 from reliable_sub.subscriber import RECEIVE_BATCH
+
+__all__ = ["POLL_INTERVAL", "RUN_DEADLINE", "Tally", "count_in", "delete_keys"]  # telemetry's
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 # Enough entries that the raw loop runs for ~0.15 s (start-up and the poll interval are noise);
@@ -115,18 +120,12 @@ WARMUP_MESSAGES = 2_000
 PAYLOAD = b"x" * 64
 # XADDs per pipeline round trip while publishing the template streams (not timed).
 PUBLISH_CHUNK = 1_000
-# Keys per SCAN step and per UNLINK while deleting a run's keys.
-SCAN_COUNT = 1_000
 # Entries per read for every variant: the Subscriber's receive batch.
 READ_COUNT = RECEIVE_BATCH
 # The raw loop blocks this long in an empty XREADGROUP; it never waits in a run (all published).
 RAW_BLOCK_MS = 1_000
 # The subscription's ack deadline for the Subscriber runs (entries idle longer are reclaimed).
 ACK_DEADLINE = 30.0
-# How often the drain poller looks at the counter and then at XPENDING; bounds the timing error.
-POLL_INTERVAL = 0.001
-# A run that has not drained after this many seconds is a hang, not a slow result.
-RUN_DEADLINE = 120.0
 # Seconds the Subscriber gets to stop; nothing is in flight when it is asked to.
 SHUTDOWN_TIMEOUT = 5.0
 
@@ -159,31 +158,6 @@ SECTION_NAME = "redis_streams"
 KEY_PREFIX = f"bench-redis-streams-{uuid.uuid4().hex[:8]}"
 
 
-class Tally:
-    """How many entries the handler has seen in the current run."""
-
-    __slots__ = ("handled",)
-
-    def __init__(self) -> None:
-        self.handled = 0
-
-
-def count_in(subscriber: Subscriber, subscription: str, tally: Tally, *, batch: bool) -> None:
-    """Register the handler under test on ``subscription``: a no-op that counts in ``tally``,
-    one message per call or (``batch``) a batch handler."""
-
-    async def handle_message(message: Message) -> None:
-        tally.handled += 1
-
-    async def handle_batch(messages: list[Message]) -> None:
-        tally.handled += len(messages)
-
-    if batch:
-        subscriber.handler(subscription, batch=True)(handle_batch)
-    else:
-        subscriber.handler(subscription)(handle_message)
-
-
 # -- keys --------------------------------------------------------------------------------------
 
 
@@ -193,25 +167,11 @@ class RunKeys:
 
     base: str
 
-    @property
-    def stream(self) -> str:
-        return f"{self.base}:stream"
-
-    @property
-    def group(self) -> str:
-        return f"{self.base}:group"
-
-    @property
-    def consumer(self) -> str:
-        return f"{self.base}:consumer"
-
-    @property
-    def adapter_prefix(self) -> str:
-        return f"{self.base}:adapter"
-
-    @property
-    def dedup_prefix(self) -> str:
-        return f"{self.base}:dedup"
+    def __getattr__(self, name: str) -> str:
+        """``stream``, ``group``, ``consumer``, ``adapter_prefix``, ``dedup_prefix``."""
+        if name in ("stream", "group", "consumer", "adapter_prefix", "dedup_prefix"):
+            return f"{self.base}:{name.removesuffix('_prefix')}"
+        raise AttributeError(name)
 
 
 _run_numbers: Counter[str] = Counter()
@@ -221,20 +181,6 @@ def next_keys(variant: str) -> RunKeys:
     slug = SLUGS[variant]
     _run_numbers[slug] += 1
     return RunKeys(f"{KEY_PREFIX}:{slug}:{_run_numbers[slug]}")
-
-
-async def delete_keys(control: aioredis.Redis, pattern: str) -> int:
-    """UNLINK every key matching ``pattern``; returns how many there were."""
-    deleted = 0
-    batch: list[bytes] = []
-    async for key in control.scan_iter(match=pattern, count=SCAN_COUNT):
-        batch.append(key)
-        if len(batch) >= SCAN_COUNT:
-            deleted += await control.unlink(*batch)
-            batch = []
-    if batch:
-        deleted += await control.unlink(*batch)
-    return deleted
 
 
 async def publish_template(control: aioredis.Redis, name: str, entries: int) -> None:
@@ -323,67 +269,49 @@ class RoundTrips:
 # -- the consumers -----------------------------------------------------------------------------
 
 
-class Consumer:
-    """One variant's consumer for one run: prepared, started, stopped, closed."""
+class RedisRun:
+    """What a consumer of one run shares: the control client, URL, keys, round-trip counter."""
 
-    def __init__(self, url: str, keys: RunKeys, tally: Tally) -> None:
-        self.url = url
-        self.keys = keys
-        self.tally = tally
+    def __init__(self, control: aioredis.Redis, url: str, keys: RunKeys,
+                 counter: RoundTrips | None = None) -> None:
+        self.control, self.url, self.keys, self.counter = control, url, keys, counter
 
-    async def prepare(self, control: aioredis.Redis, counter: RoundTrips | None) -> None:
-        """Create the group at 0 and connect (untimed)."""
-        await control.xgroup_create(self.keys.stream, self.keys.group, id="0")
+    def count(self, client: aioredis.Redis, *script_owners: object) -> None:
+        if self.counter is not None:
+            self.counter.install(client)
+            for owner in script_owners:
+                self.counter.name_scripts(owner)
 
-    async def start(self) -> None:
-        raise NotImplementedError
-
-    def check_alive(self) -> None:
-        """Raise if the consumer died before the backlog was drained."""
-
-    async def stop(self) -> None:
-        raise NotImplementedError
-
-    async def close(self) -> None:
-        """Release connections (after stop, or after a failed prepare)."""
-
-    def check(self, total: int) -> None:
-        if self.tally.handled != total:
-            raise RuntimeError(f"the handler saw {self.tally.handled} entries, not {total}")
+    async def create_group(self) -> None:
+        await self.control.xgroup_create(self.keys.stream, self.keys.group, id="0")
 
 
-class RawConsumer(Consumer):
+class RawConsumer(LoopConsumer):
     """``(a)``: XREADGROUP COUNT 100 → await the handler for each entry → one XACK."""
 
-    def __init__(self, url: str, keys: RunKeys, tally: Tally, total: int) -> None:
-        super().__init__(url, keys, tally)
-        self.total = total
-        self.client = aioredis.Redis.from_url(url, decode_responses=False)
-        self.task: asyncio.Task[None] | None = None
+    def __init__(self, run: RedisRun, tally: Tally, total: int) -> None:
+        super().__init__(tally, total)
+        self.run, self.keys = run, run.keys
+        self.client = aioredis.Redis.from_url(run.url, decode_responses=False)
 
-    async def prepare(self, control: aioredis.Redis, counter: RoundTrips | None) -> None:
-        await super().prepare(control, counter)
+    async def prepare(self) -> None:
+        await self.run.create_group()
         await self.client.ping()
-        if counter is not None:
-            counter.install(self.client)
+        self.run.count(self.client)
 
     async def handle_entry(self, fields: dict[bytes, bytes]) -> None:
         """The handler under test: does nothing but count."""
         self.tally.handled += 1
 
     async def raw_read(self) -> Any:
-        return await self.client.xreadgroup(
-            self.keys.group,
-            self.keys.consumer,
-            {self.keys.stream: ">"},
-            count=READ_COUNT,
-            block=RAW_BLOCK_MS,
-        )
+        return await self.client.xreadgroup(self.keys.group, self.keys.consumer,
+                                            {self.keys.stream: ">"}, count=READ_COUNT,
+                                            block=RAW_BLOCK_MS)
 
     async def raw_ack(self, ids: list[bytes]) -> None:
         await self.client.xack(self.keys.stream, self.keys.group, *ids)
 
-    async def raw_loop(self) -> None:
+    async def loop(self) -> None:
         handled = 0
         while handled < self.total:
             for _stream, entries in await self.raw_read():
@@ -394,153 +322,78 @@ class RawConsumer(Consumer):
                 await self.raw_ack(ids)
                 handled += len(ids)
 
-    async def start(self) -> None:
-        self.task = asyncio.create_task(self.raw_loop())
-
-    def check_alive(self) -> None:
-        if self.task is not None and self.task.done() and self.tally.handled < self.total:
-            self.task.result()
-            raise RuntimeError("the raw loop stopped before the backlog drained")
-
-    async def stop(self) -> None:
-        if self.task is not None:
-            await self.task
-
     async def close(self) -> None:
         await self.client.aclose()
 
 
-class FastStreamConsumer(Consumer):
+class RedisFastStream(_brokers.FastStreamConsumer):
     """``(b1)``/``(b2)``: FastStream's stream subscriber with a consumer group."""
 
-    def __init__(self, url: str, keys: RunKeys, tally: Tally, *, batch: bool,
+    def __init__(self, run: RedisRun, tally: Tally, total: int, *, batch: bool,
                  middlewares: Sequence[Any] = ()) -> None:
-        super().__init__(url, keys, tally)
+        super().__init__(tally, total)
+        self.run = run
         # logger=None turns FastStream's per-message logging off (its docs' way; not in its types)
-        self.broker = RedisBroker(url, logger=None,  # type: ignore[arg-type]
+        self.broker = RedisBroker(run.url, logger=None,  # type: ignore[arg-type]
                                   middlewares=tuple(middlewares))
-        stream = StreamSub(
-            keys.stream,
-            group=keys.group,
-            consumer=keys.consumer,
-            batch=batch,
-            max_records=READ_COUNT,
-        )
+        stream = StreamSub(run.keys.stream, group=run.keys.group, consumer=run.keys.consumer,
+                           batch=batch, max_records=READ_COUNT)
+        self.broker.subscriber(stream=stream)(faststream_handler(tally, batch=batch))
 
-        async def handle_one(body: Any) -> None:
-            """The handler under test: does nothing but count."""
-            tally.handled += 1
-
-        async def handle_batch(body: Any) -> None:
-            """The handler under test (a list of bodies): does nothing but count."""
-            tally.handled += len(body)
-
-        self.broker.subscriber(stream=stream)(handle_batch if batch else handle_one)
-        self.stopped = False
-
-    async def prepare(self, control: aioredis.Redis, counter: RoundTrips | None) -> None:
-        await super().prepare(control, counter)  # at 0; FastStream would create it at $
+    async def prepare(self) -> None:
+        await self.run.create_group()  # at 0; FastStream would create it at $
         client = await self.broker.connect()
         await client.ping()
-        if counter is not None:
-            counter.install(client)
-
-    async def start(self) -> None:
-        await self.broker.start()
-
-    async def stop(self) -> None:
-        await self.broker.stop()
-        self.stopped = True
-
-    async def close(self) -> None:
-        if not self.stopped:  # connected (and perhaps started), but a run failed
-            await self.broker.stop()
+        self.run.count(client)
 
 
-class SubscriberConsumer(Consumer):
+class RedisSubscriber(SubscriberConsumer):
     """``(c)``/``(d)``/``(e)``: our Subscriber on the RedisStreamsAdapter, with or without
-    dedup, with a handler of one message or a batch handler."""
+    dedup, with a handler of one message or a batch handler (and the Subscriber's other
+    ``options``: ``benchmarks.telemetry``'s providers)."""
 
-    def __init__(self, url: str, keys: RunKeys, tally: Tally, *, dedup: bool,
-                 batch: bool = False) -> None:
-        super().__init__(url, keys, tally)
-        self.adapter = RedisStreamsAdapter(
-            url, consumer=keys.consumer, key_prefix=keys.adapter_prefix
-        )
-        self.store = (
-            RedisDedupStore(self.adapter.client, prefix=keys.dedup_prefix) if dedup else None
-        )
-        self.subscriber = Subscriber(self.adapter, dedup=self.store)
-
+    def __init__(self, run: RedisRun, tally: Tally, total: int, *, dedup: bool,
+                 batch: bool = False, **options: Any) -> None:
+        keys = run.keys
+        self.run = run
+        self.adapter = RedisStreamsAdapter(run.url, consumer=keys.consumer,
+                                           key_prefix=keys.adapter_prefix)
+        self.store = (RedisDedupStore(self.adapter.client, prefix=keys.dedup_prefix)
+                      if dedup else None)
+        super().__init__(tally, total, Subscriber(self.adapter, dedup=self.store, **options),
+                         SHUTDOWN_TIMEOUT)
         count_in(self.subscriber, keys.group, tally, batch=batch)
-        self.task: asyncio.Task[None] | None = None
 
-    async def prepare(self, control: aioredis.Redis, counter: RoundTrips | None) -> None:
-        await self.adapter.ensure_subscription(
-            self.keys.stream, self.keys.group, ack_deadline=ACK_DEADLINE, start="0"
-        )
+    async def prepare(self) -> None:
+        await self.adapter.ensure_subscription(self.run.keys.stream, self.run.keys.group,
+                                               ack_deadline=ACK_DEADLINE, start="0")
         await self.adapter.client.ping()
-        if counter is not None:
-            counter.install(self.adapter.client)
-            counter.name_scripts(self.adapter)
-            if self.store is not None:
-                counter.name_scripts(self.store)
+        self.run.count(self.adapter.client, self.adapter,
+                       *([self.store] if self.store is not None else []))
 
-    async def start(self) -> None:
-        self.task = asyncio.create_task(self.subscriber.serve())
-
-    def check_alive(self) -> None:
-        if self.task is not None and self.task.done():
-            self.task.result()
-            raise RuntimeError("the Subscriber stopped before the backlog drained")
-
-    async def stop(self) -> None:
-        await self.subscriber.shutdown(SHUTDOWN_TIMEOUT)
-        if self.task is not None:
-            await self.task
-
-    async def close(self) -> None:
-        if self.subscriber.running:
-            await self.subscriber.shutdown(SHUTDOWN_TIMEOUT)
+    async def release(self) -> None:
         await self.adapter.close()
 
-    def check(self, total: int) -> None:
-        super().check(total)
-        outcomes = dict(self.subscriber.stats.outcomes)
-        if outcomes != {Outcome.ACKED: total}:
-            raise RuntimeError(f"outcomes {outcomes}, expected {total} acked")
 
-
-def make_consumer(variant: str, url: str, keys: RunKeys, tally: Tally, total: int) -> Consumer:
+def make_consumer(variant: str, run: RedisRun, tally: Tally, total: int) -> Consumer:
     if variant == RAW:
-        return RawConsumer(url, keys, tally, total)
+        return RawConsumer(run, tally, total)
     if variant in (FS_ONE, FS_BATCH):
-        return FastStreamConsumer(url, keys, tally, batch=variant == FS_BATCH)
-    return SubscriberConsumer(url, keys, tally, dedup=variant == SUB_DEDUP,
-                              batch=variant == SUB_BATCH)
+        return RedisFastStream(run, tally, total, batch=variant == FS_BATCH)
+    return RedisSubscriber(run, tally, total, dedup=variant == SUB_DEDUP,
+                           batch=variant == SUB_BATCH)
 
 
 # -- one run -----------------------------------------------------------------------------------
 
 
-async def wait_drained(
-    control: aioredis.Redis, consumer: Consumer, total: int, give_up_at: float
-) -> float:
-    """Poll until every entry was handled and acked; return ``time.perf_counter()`` then."""
-    while consumer.tally.handled < total:
-        consumer.check_alive()  # a consumer that died would otherwise look like a slow one
-        if time.perf_counter() > give_up_at:
-            raise TimeoutError(f"{consumer.tally.handled} of {total} handled after {RUN_DEADLINE}s")
-        await asyncio.sleep(POLL_INTERVAL)
-    while True:
-        summary = await control.xpending(consumer.keys.stream, consumer.keys.group)
-        now = time.perf_counter()
-        if summary["pending"] == 0:
-            return now
-        consumer.check_alive()
-        if now > give_up_at:
-            raise TimeoutError(f"{summary['pending']} entries still pending after {RUN_DEADLINE}s")
-        await asyncio.sleep(POLL_INTERVAL)
+def no_pending(control: aioredis.Redis, keys: RunKeys) -> Callable[[], Awaitable[bool]]:
+    """Whether ``XPENDING`` shows nothing pending for the run's group."""
+
+    async def settled() -> bool:
+        return (await control.xpending(keys.stream, keys.group))["pending"] == 0
+
+    return settled
 
 
 async def verify_group(control: aioredis.Redis, keys: RunKeys, total: int) -> None:
@@ -555,15 +408,6 @@ async def verify_group(control: aioredis.Redis, keys: RunKeys, total: int) -> No
                 )
             return
     raise RuntimeError(f"group {keys.group} not found")
-
-
-@dataclass(frozen=True)
-class Run:
-    """One timed run: wall seconds until drained, this process's CPU and GC seconds within."""
-
-    seconds: float
-    cpu_seconds: float
-    gc_seconds: float
 
 
 @dataclass
@@ -581,89 +425,35 @@ class Bench:
             self.templates[entries] = name
         return self.templates[entries]
 
-
-async def run_once(
-    bench: Bench,
-    variant: str,
-    entries: int,
-    *,
-    profiler: cProfile.Profile | None = None,
-    counter: RoundTrips | None = None,
-) -> Run:
-    """Consume a fresh copy of the ``entries``-entry template with ``variant``."""
-    control, keys, tally = bench.control, next_keys(variant), Tally()
-    if not await control.copy(await bench.template(entries), keys.stream):
-        raise RuntimeError(f"COPY to {keys.stream} failed (key exists?)")
-    consumer = make_consumer(variant, bench.url, keys, tally, entries)
-    try:
-        await consumer.prepare(control, counter)
-        gc.collect()  # every run starts from the same heap, outside the clock
-        with (
-            GcTimer() as gc_timer,
-            counter.counting_deepcopies() if counter is not None else contextlib.nullcontext(),
-        ):
-            if profiler is not None:
-                gc.disable()  # a collection would be charged to whatever happened to allocate
-                profiler.enable()
-            started, cpu_started = time.perf_counter(), time.process_time()
-            try:
-                await consumer.start()
-                drained = await wait_drained(control, consumer, entries, started + RUN_DEADLINE)
-                cpu_seconds = time.process_time() - cpu_started
-            finally:
-                if profiler is not None:
-                    profiler.disable()
-                    gc.enable()
-                gc_seconds = gc_timer.seconds
-            await consumer.stop()
-        await verify_group(control, keys, entries)
-        consumer.check(entries)
-    finally:
-        await consumer.close()
-        await delete_keys(control, f"{keys.base}:*")
-    return Run(drained - started, cpu_seconds, gc_seconds)
-
-
-# -- throughput --------------------------------------------------------------------------------
-
-
-class Throughput(_common_throughput[Run]):
-    """The timed repetitions of one variant, with the process's CPU time."""
-
-    @property
-    def cpu_micros_per_message(self) -> float:
-        return self.median_micros(run.cpu_seconds for run in self.runs)
-
-    @property
-    def idle_micros_per_message(self) -> float:
-        """Wall minus CPU: the time this process waited (for Redis, or for a CPU)."""
-        return max(0.0, self.micros_per_message - self.cpu_micros_per_message)
-
-
-async def measure(bench: Bench, messages: int, repetitions: int) -> dict[str, Throughput]:
-    """Warm every variant up, then time them round-robin so drift hits all of them alike."""
-    for variant in VARIANTS:
-        await run_once(bench, variant, WARMUP_MESSAGES)
-    results = {variant: Throughput(variant, messages) for variant in VARIANTS}
-    for repetition in range(1, repetitions + 1):
-        for variant in VARIANTS:
-            run = await run_once(bench, variant, messages)
-            results[variant].runs.append(run)
-            print(
-                f"  run {repetition}/{repetitions}  {variant:<66} "
-                f"{messages / run.seconds:>9,.0f} msg/s",
-                file=sys.stderr,
-            )
-    return results
+    async def run_once(self, variant: str, entries: int, *,
+                       profiler: cProfile.Profile | None = None,
+                       counter: RoundTrips | None = None) -> Run:
+        """Consume a fresh copy of the ``entries``-entry template with ``variant``."""
+        control, keys, tally = self.control, next_keys(variant), Tally()
+        if not await control.copy(await self.template(entries), keys.stream):
+            raise RuntimeError(f"COPY to {keys.stream} failed (key exists?)")
+        consumer = make_consumer(variant, RedisRun(control, self.url, keys, counter), tally,
+                                 entries)
+        try:
+            await consumer.prepare()
+            with (counter.counting_deepcopies() if counter is not None
+                  else contextlib.nullcontext()):
+                run = await drain(consumer, no_pending(control, keys), profiler)
+                await consumer.stop()
+            await verify_group(control, keys, entries)
+            consumer.check()
+        finally:
+            await consumer.close()
+            await delete_keys(control, f"{keys.base}:*")
+        return run
 
 
 async def count_round_trips(bench: Bench, messages: int) -> dict[str, RoundTrips]:
     """One untimed, instrumented run of every variant."""
     counts = {}
     for variant in VARIANTS:
-        counter = RoundTrips()
-        await run_once(bench, variant, messages, counter=counter)
-        counts[variant] = counter
+        counts[variant] = RoundTrips()
+        await bench.run_once(variant, messages, counter=counts[variant])
     return counts
 
 
@@ -679,107 +469,43 @@ SOCKET = "socket reads (asyncio transport callbacks, StreamReader)"
 LOOP = "event loop: scheduling, task steps, done callbacks"
 IO_WAIT = "idle in epoll: waiting for Redis replies"
 HARNESS = "benchmark drain poller"
-STAGES = (
-    RECEIVE,
-    LEASE,
-    DEDUP_CLAIM,
-    TASK,
-    SETTLE,
-    FLOW,
-    SOCKET,
-    LOOP,
-    IO_WAIT,
-    HARNESS,
-)
+STAGES = (RECEIVE, LEASE, DEDUP_CLAIM, TASK, SETTLE, FLOW, SOCKET, LOOP, IO_WAIT, HARNESS)
 CPU_STAGES = tuple(stage for stage in STAGES if stage != IO_WAIT)
 GC_ROW = "cyclic GC (timed runs; off while profiling)"
 IDLE_ROW = "idle: waiting for Redis (timed runs: wall − process CPU)"
-EPOLL_WAIT = "<method 'poll' of 'select.epoll' objects>"
 
 
 THIS_FILE = "benchmarks/redis_streams.py"
+BROKERS_FILE = "benchmarks/_brokers.py"
 ADAPTER_FILE = "adapters/redis_streams.py"
 # The first matching rule wins. Everything unmatched (redis-py, asyncio streams, tenacity,
 # dataclass __init__s, builtins, helpers shared by two stages) takes the stages of its callers.
 STAGE_RULES = (
-    rule(RECEIVE, "reliable_sub/_runtime/receiver.py", "_receive", "loop"),
-    rule(
-        RECEIVE,
-        ADAPTER_FILE,
-        "receive",
-        "_read_new",
-        "_reclaim_due",
-        "_delivery",
-        "_unreadable",
-        "_malformed",
-        "<lambda>",
-        "_entries_of",
-        "_field_map",
-        "_text",
-        "_subscription",
-    ),
+    *pipeline_rules(receive=RECEIVE, lease=LEASE, task=TASK, settle=SETTLE, flow=FLOW,
+                    loop=LOOP, io_wait=IO_WAIT),
+    rule(RECEIVE, ADAPTER_FILE, "receive", "_read_new", "_reclaim_due", "_delivery", "_unreadable",
+         "_malformed", "<lambda>", "_entries_of", "_field_map", "_text", "_subscription"),
     rule(RECEIVE, "reliable_sub/entries.py", "read_each"),
     rule(RECEIVE, THIS_FILE, "raw_read"),
-    rule(LEASE, "reliable_sub/_runtime/lease.py"),
-    rule(LEASE, "reliable_sub/_runtime/lease_basics.py"),
-    rule(LEASE, "reliable_sub/_runtime/claim_renewal.py"),
-    rule(LEASE, "reliable_sub/_runtime/histogram.py"),
     rule(DEDUP_CLAIM, "reliable_sub/_runtime/claims.py", "claim", "refresh", "key_of"),
-    rule(
-        DEDUP_CLAIM,
-        "reliable_sub/dedup/_redis.py",
-        "claim_many",
-        "redis_key",
-        "_key_part",
-        "_namespace_tag",
-        "_remaining",
-    ),
+    rule(DEDUP_CLAIM, "reliable_sub/dedup/_redis.py", "claim_many", "redis_key", "_key_part",
+         "_namespace_tag", "_remaining"),
     rule(DEDUP_CLAIM, "reliable_sub/dedup/_store_base.py", "next", "__init__", "claim"),
     rule(DEDUP_CLAIM, "reliable_sub/message.py", "idempotency_key"),
-    rule(TASK, "reliable_sub/_runtime/receiver.py", "_admit"),
-    rule(TASK, "reliable_sub/_runtime/dispatcher.py", "dispatch", "_start", "_run", "_attempt",
-         "_call_handler", "_call"),
-    rule(TASK, "reliable_sub/_runtime/lanes.py", "new_task"),
-    rule(TASK, "reliable_sub/_runtime/inflight.py"),
     rule(TASK, "reliable_sub/_runtime/batches.py"),
-    rule(TASK, "reliable_sub/middleware/__init__.py"),
-    rule(TASK, THIS_FILE, "raw_loop", "handle_entry", "handle_message", "handle_batch"),
-    rule(SETTLE, "reliable_sub/_runtime/decisions.py", "settle", "succeeded", "apply", "encode"),
-    rule(SETTLE, "reliable_sub/_runtime/dispatcher.py", "key_decided"),
-    rule(SETTLE, "reliable_sub/_runtime/pipeline.py", "_on_settled"),
+    rule(TASK, THIS_FILE, "loop", "handle_entry"),
+    rule(TASK, BROKERS_FILE, "handle_message", "handle_batch"),
+    rule(SETTLE, "reliable_sub/_runtime/decisions.py", "encode"),
     rule(SETTLE, "reliable_sub/_runtime/claims.py", "completion", "release", "forget"),
-    rule(SETTLE, "reliable_sub/_runtime/settler.py"),
     rule(SETTLE, "reliable_sub/_results.py", "encode_result", "checked_result_json"),
-    rule(
-        SETTLE,
-        "reliable_sub/dedup/_redis.py",
-        "complete_many",
-        "completion_records",
-        "same_server",
-    ),
+    rule(SETTLE, "reliable_sub/dedup/_redis.py", "complete_many", "completion_records",
+         "same_server"),
     rule(SETTLE, "reliable_sub/_redis_clients.py", "same_server"),
-    rule(
-        SETTLE,
-        ADAPTER_FILE,
-        "ack",
-        "ack_with_completions",
-        "shares_store",
-        "_by_subscription",
-    ),
+    rule(SETTLE, ADAPTER_FILE, "ack", "ack_with_completions", "shares_store", "_by_subscription"),
     rule(SETTLE, THIS_FILE, "raw_ack"),
-    rule(FLOW, "reliable_sub/_runtime/flow.py"),
-    rule(FLOW, "reliable_sub/message.py", "size"),
-    rule(
-        SOCKET,
-        "asyncio/selector_events.py",
-        "_read_ready",
-        "_read_ready__get_buffer",
-        "_read_ready__data_received",
-    ),
-    rule(IO_WAIT, "~", EPOLL_WAIT),
-    rule(LOOP, "asyncio/base_events.py", "_run_once", "run_forever", "run_until_complete"),
-    rule(LOOP, "asyncio/events.py", "_run"),
-    rule(HARNESS, THIS_FILE, "wait_drained"),
+    rule(SOCKET, "asyncio/selector_events.py", "_read_ready", "_read_ready__get_buffer",
+         "_read_ready__data_received"),
+    rule(HARNESS, BROKERS_FILE, "wait_drained"),
 )
 
 
@@ -787,80 +513,41 @@ async def profile(bench: Bench, messages: int) -> dict[str, StageProfile]:
     profiles = {}
     for variant in PROFILED:
         profiler = cProfile.Profile()
-        await run_once(bench, variant, messages, profiler=profiler)
-        seconds = stage_seconds(pstats.Stats(profiler), STAGE_RULES, STAGES, LOOP)
-        profiles[variant] = StageProfile(
-            variant, {stage: spent * MICROS / messages for stage, spent in seconds.items()}
-        )
+        await bench.run_once(variant, messages, profiler=profiler)
+        profiles[variant] = profile_stages(profiler, variant, messages, STAGE_RULES, STAGES, LOOP)
     return profiles
 
 
 # -- report ------------------------------------------------------------------------------------
 
-
-def throughput_table(results: dict[str, Throughput]) -> list[str]:
-    raw = results[RAW].median
-    lines = [
-        "| Variant | median msgs/s | min – max msgs/s | µs/msg | client CPU µs/msg "
-        "| of which GC µs/msg | ratio to (a) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for result in results.values():
-        lines.append(
-            f"| {result.variant} | {result.median:,.0f} | {min(result.rates):,.0f} – "
-            f"{max(result.rates):,.0f} | {result.micros_per_message:.1f} | "
-            f"{result.cpu_micros_per_message:.1f} | {result.gc_micros_per_message:.1f} | "
-            f"{result.median / raw:.2f}× |"
-        )
-    return lines
-
-
-@dataclass(frozen=True)
-class Goal:
-    """``variant`` at no less than ``factor`` times ``baseline`` (strictly more when factor 1)."""
-
-    variant: str
-    baseline: str
-    factor: float
-    text: str
-
-    def met(self, ratio: float) -> bool:
-        return ratio > 1.0 if self.factor == 1.0 else ratio >= self.factor
-
-
+# (variant, baseline, factor, text): variant at no less than factor times baseline (strictly
+# more when the factor is 1)
 GOALS = (
-    Goal(SUB, RAW, NO_DEDUP_MIN_RATIO, f"(c) ≥ {NO_DEDUP_MIN_RATIO}× (a)"),
-    Goal(SUB, FS_BATCH, 1.0, "(c) ahead of FastStream with batch=True"),
-    Goal(SUB_DEDUP, RAW, DEDUP_MIN_RATIO, f"(d) ≥ {DEDUP_MIN_RATIO}× (a)"),
-    Goal(
-        SUB_DEDUP,
-        FS_ONE,
-        DEDUP_MIN_FACTOR_OVER_FASTSTREAM,
-        f"(d) ≥ {DEDUP_MIN_FACTOR_OVER_FASTSTREAM:g}× FastStream one message per call",
-    ),
-    Goal(SUB_BATCH, RAW, BATCH_MIN_RATIO, f"(e) ≥ {BATCH_MIN_RATIO}× (a)"),
-    Goal(
-        SUB_BATCH,
-        FS_BATCH,
-        BATCH_MIN_FACTOR_OVER_FASTSTREAM,
-        f"(e) ≥ {BATCH_MIN_FACTOR_OVER_FASTSTREAM:g}× FastStream with batch=True",
-    ),
+    (SUB, RAW, NO_DEDUP_MIN_RATIO, f"(c) ≥ {NO_DEDUP_MIN_RATIO}× (a)"),
+    (SUB, FS_BATCH, 1.0, "(c) ahead of FastStream with batch=True"),
+    (SUB_DEDUP, RAW, DEDUP_MIN_RATIO, f"(d) ≥ {DEDUP_MIN_RATIO}× (a)"),
+    (SUB_DEDUP, FS_ONE, DEDUP_MIN_FACTOR_OVER_FASTSTREAM,
+     f"(d) ≥ {DEDUP_MIN_FACTOR_OVER_FASTSTREAM:g}× FastStream one message per call"),
+    (SUB_BATCH, RAW, BATCH_MIN_RATIO, f"(e) ≥ {BATCH_MIN_RATIO}× (a)"),
+    (SUB_BATCH, FS_BATCH, BATCH_MIN_FACTOR_OVER_FASTSTREAM,
+     f"(e) ≥ {BATCH_MIN_FACTOR_OVER_FASTSTREAM:g}× FastStream with batch=True"),
 )
 
 
-def goal_lines(results: dict[str, Throughput]) -> list[str]:
+def goal_lines(results: dict[str, CpuThroughput]) -> list[str]:
     """Each goal on the medians, and how many interleaved repetitions met it on their own."""
     lines = []
-    for goal in GOALS:
-        ours, theirs = results[goal.variant], results[goal.baseline]
+    for variant, baseline, factor, text in GOALS:
+        ours, theirs = results[variant], results[baseline]
+
+        def met(ratio: float, factor: float = factor) -> bool:
+            return ratio > 1.0 if factor == 1.0 else ratio >= factor
+
         ratio = ours.median / theirs.median
-        paired = [a / b for a, b in zip(ours.rates, theirs.rates, strict=True)]
-        met = sum(goal.met(r) for r in paired)
-        verdict = "yes" if goal.met(ratio) else "**no**"
+        _, repetitions = paired(ours.rates, theirs.rates, met)
         lines.append(
-            f"- {verdict}: {goal.text} — {ours.median:,.0f} vs {theirs.median:,.0f} msgs/s, "
-            f"{ratio:.3f}× (repetition by repetition {min(paired):.2f}–{max(paired):.2f}×, "
-            f"met in {met} of {len(paired)})"
+            f"- {'yes' if met(ratio) else '**no**'}: {text} — {ours.median:,.0f} vs "
+            f"{theirs.median:,.0f} msgs/s, {ratio:.3f}× ({repetitions})"
         )
     return lines
 
@@ -897,7 +584,8 @@ def round_trip_table(counts: dict[str, RoundTrips], messages: int) -> list[str]:
     return lines
 
 
-def profile_table(profiles: dict[str, StageProfile], results: dict[str, Throughput]) -> list[str]:
+def profile_table(profiles: dict[str, StageProfile],
+                  results: dict[str, CpuThroughput]) -> list[str]:
     """µs/msg per stage under cProfile, and (d)'s scaled to its unprofiled cost.
 
     The scaled column spreads (d)'s unprofiled process CPU µs/msg, less its GC time, over the CPU
@@ -905,38 +593,16 @@ def profile_table(profiles: dict[str, StageProfile], results: dict[str, Throughp
     of their own, so it adds up to the unprofiled µs/msg.
     """
     full, timed = profiles[SUB_DEDUP], results[SUB_DEDUP]
-    unprofiled = timed.micros_per_message
     scale = (timed.cpu_micros_per_message - timed.gc_micros_per_message) / full.total_of(CPU_STAGES)
-    dashes = " | ".join("–" for _ in profiles)
-    lines = [
-        "| Stage | " + " | ".join(profiles) + " | (d) scaled to unprofiled µs/msg | share |",
-        "|---" + "|---:" * (len(profiles) + 2) + "|",
-    ]
-    for stage in STAGES:
-        cells = " | ".join(f"{p.micros[stage]:.2f}" for p in profiles.values())
-        if stage == IO_WAIT:
-            lines.append(f"| {stage} | {cells} | – | – |")
-            continue
-        scaled = full.micros[stage] * scale
-        lines.append(f"| {stage} | {cells} | {scaled:.2f} | {scaled / unprofiled:.0%} |")
-    for row, value in (
-        (GC_ROW, timed.gc_micros_per_message),
-        (IDLE_ROW, timed.idle_micros_per_message),
-    ):
-        lines.append(f"| {row} | {dashes} | {value:.2f} | {value / unprofiled:.0%} |")
-    totals = " | ".join(f"**{p.total:.2f}**" for p in profiles.values())
-    lines.append(f"| **total** | {totals} | **{unprofiled:.2f}** | 100% |")
-    return lines
-
-
-def versions() -> str:
-    names = ("redis", "hiredis", "faststream")
-    found = ", ".join(f"{name} {metadata.version(name)}" for name in names)
-    return f"{found} (hiredis parser in use: {redis.utils.HIREDIS_AVAILABLE})"
+    return stage_table(
+        profiles, STAGES, reference=SUB_DEDUP, scaled="(d) scaled to unprofiled µs/msg",
+        scale=scale, total=timed.micros_per_message, unscaled=[IO_WAIT],
+        rows=[(GC_ROW, timed.gc_micros_per_message),
+              (IDLE_ROW, timed.idle_micros_per_message)])
 
 
 def report(
-    results: dict[str, Throughput],
+    results: dict[str, CpuThroughput],
     counts: dict[str, RoundTrips],
     profiles: dict[str, StageProfile],
     command: str,
@@ -949,14 +615,13 @@ def report(
     lines = [
         "## Redis Streams: Subscriber vs. a raw redis-py loop and FastStream (no-op async handler)",
         "",
-        f"Command (from the repository root): `{command}`; "
-        f"measured {datetime.date.today().isoformat()} with CPython {platform.python_version()} "
-        f"on {platform.system()} {platform.machine()}, {os.cpu_count()} CPUs, against Redis "
-        f"{server} on the same machine (localhost TCP); {versions()}; 1-minute load average "
+        f"{measured_on(command)}, against Redis {server} on the same machine (localhost "
+        f"TCP); {versions('redis', 'hiredis', 'faststream')} "
+        f"(hiredis parser in use: {redis.utils.HIREDIS_AVAILABLE}); 1-minute load average "
         f"{load:.2f} at the start. {messages:,} entries per run, {repetitions} timed runs per "
         "variant (interleaved); median shown.",
         "",
-        *throughput_table(results),
+        *broker_table(results, RAW),
         "",
         "Goals from the issue:",
         "",
@@ -1048,24 +713,18 @@ async def with_bench(url: str, work: Callable[[Bench], Awaitable[Any]]) -> Any:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--url", default=DEFAULT_URL, help=f"Redis URL (default {DEFAULT_URL})")
-    parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES)
-    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
+    add_runs(parser, DEFAULT_MESSAGES, DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help=f"rewrite the section in {README}")
     args = parser.parse_args(argv)
-    stale = unknown_rule_names(STAGE_RULES)
-    if stale:
-        parser.error(f"stage rules name functions that no longer exist: {stale}")
-    if args.write and not has_section(SECTION_NAME):
-        start, end = section_markers(SECTION_NAME)
-        parser.error(f"{README}: markers {start} / {end} not found")
-    command = shlex.join(
-        ["python", "-m", "benchmarks.redis_streams", *(sys.argv[1:] if argv is None else argv)]
-    )  # never the interpreter's path: nothing of this machine goes into the README
+    check_main(parser, args, SECTION_NAME, STAGE_RULES)
+    command = command_line("redis_streams", argv)
 
     async def everything(bench: Bench) -> str:
         server = (await bench.control.info("server"))["redis_version"]
         load = os.getloadavg()[0]
-        results = await measure(bench, args.messages, args.repetitions)
+        results = await interleaved(bench.run_once, VARIANTS,
+                                    lambda v: CpuThroughput(v, args.messages), args.messages,
+                                    args.repetitions, WARMUP_MESSAGES)
         counts = await count_round_trips(bench, args.messages)
         profiles = await profile(bench, args.messages)
         return report(
@@ -1073,12 +732,8 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     started = time.perf_counter()
-    section = asyncio.run(with_bench(args.url, everything))
-    print(section)
-    print(f"\n({time.perf_counter() - started:.0f} s)", file=sys.stderr)
-    if args.write:
-        write_section(SECTION_NAME, section)
-        print(f"wrote {README}", file=sys.stderr)
+    publish(SECTION_NAME, asyncio.run(with_bench(args.url, everything)), write=args.write,
+            started=started)
 
 
 if __name__ == "__main__":

@@ -24,17 +24,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
-import os
-import platform
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from benchmarks import dedup, outbox
-from benchmarks._common import Rates, positive_int, verdict, write_section
+from benchmarks._common import Rates, positive_int, verdict
 from benchmarks._dedup_sql_floor import LEASE
+from benchmarks._harness import measured_on, publish, rates_table
 from benchmarks._mariadb_floor import RawMariaDb
 
 DEFAULT_MARIADB = "mariadb://root@127.0.0.1:3306/test"
@@ -71,10 +69,7 @@ async def stores_and_floor(args: argparse.Namespace,
         yield stores, floor
     finally:
         await floor.close()
-        for store in stores:
-            async with store.engine.begin() as connection:
-                await connection.run_sync(store.metadata.drop_all)
-            await store.close()
+        await dedup.drop_stores(*stores)
 
 
 async def bench_claims(args: argparse.Namespace) -> list[Rates]:
@@ -191,15 +186,7 @@ async def bench_relay(args: argparse.Namespace) -> tuple[list[Rates], list[float
 
 
 def _table(rows: list[Rates], unit: str, ratios: list[tuple[str, Rates]]) -> list[str]:
-    lines = [f"| Variant | median {unit}/s | min – max | µs each | "
-             + " | ".join(f"ratio to {name}" for name, _ in ratios) + " |",
-             "|---|---:|---:|---:|" + "---:|" * len(ratios)]
-    for row in rows:
-        lines.append(f"| {row.variant} | {row.median:,.0f} | {min(row.rates):,.0f} – "
-                     f"{max(row.rates):,.0f} | {1e6 / row.median:,.0f} | "
-                     + " | ".join(f"{row.median / base.median:.2f}×" for _, base in ratios)
-                     + " |")
-    return lines
+    return rates_table(rows, unit, [(name, lambda _, base=base: base) for name, base in ratios])
 
 
 def report(args: argparse.Namespace, claims: list[Rates], idem: list[tuple[Rates, Rates]],
@@ -213,9 +200,7 @@ def report(args: argparse.Namespace, claims: list[Rates], idem: list[tuple[Rates
     lines = [
         "## SQL databases: PostgreSQL and MariaDB side by side",
         "",
-        f"Command (from the repository root): `{COMMAND}`; measured "
-        f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs; PostgreSQL 15, "
+        f"{measured_on(COMMAND)}; PostgreSQL 15, "
         f"MariaDB 10.11 and Redis on loopback, each with its distribution's defaults (both "
         f"flush their log at every commit); {args.repetitions} runs per variant, the databases "
         "alternated; medians.",
@@ -310,10 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help="rewrite the README section")
     args = parser.parse_args(argv)
-    section = asyncio.run(amain(args))
-    print(section)
-    if args.write:
-        write_section(SECTION_NAME, section, append=True)
+    publish(SECTION_NAME, asyncio.run(amain(args)), write=args.write, append=True)
 
 
 if __name__ == "__main__":

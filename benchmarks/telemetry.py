@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import gc
-import os
-import platform
 import sys
 import time
 from typing import Any
@@ -38,7 +35,9 @@ import redis.asyncio as aioredis
 
 from benchmarks import memory_pipeline as memory
 from benchmarks import redis_streams as redis_bench
-from benchmarks._common import GcTimer, Rates, positive_int, verdict, write_section
+from benchmarks._brokers import Consumer, wait_drained
+from benchmarks._common import Rates, positive_int, verdict
+from benchmarks._harness import measured_on, publish
 from benchmarks._telemetry_floor import (
     API,
     DASHBOARD,
@@ -52,7 +51,6 @@ from benchmarks._telemetry_floor import (
     providers,
 )
 from reliable_sub import Message, Outcome, Subscriber
-from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
 
 DEFAULT_MESSAGES = 30_000
 DEFAULT_REDIS_MESSAGES = 10_000
@@ -83,78 +81,46 @@ async def run_memory(variant: str, messages: int, work: bool = False) -> float:
     options, owned = providers(variant)
     subscriber = Subscriber(adapter, **options)
     subscriber.handler(memory.SUBSCRIPTION)(working_handler if work else memory.noop_handler)
-    gc.collect()
-    gc.freeze()  # the published backlog lives in this process only because the broker does
     try:
-        with GcTimer():
-            started = time.perf_counter()
-            consumer = asyncio.create_task(subscriber.serve())
-            try:
-                drained = await memory.wait_drained(adapter, consumer)
-            finally:
-                await subscriber.shutdown(memory.SHUTDOWN_TIMEOUT)
-                await consumer
+        run = await memory.drain(adapter, subscriber)
     finally:
-        gc.unfreeze()
         for provider in owned:
             provider.shutdown()
     _check(variant, subscriber, messages)
-    return drained - started
+    return run.seconds
 
 
 async def run_redis(control: aioredis.Redis, url: str, template: str, variant: str,
                     messages: int) -> float:
     """Seconds for a Subscriber with ``variant`` to drain a copy of the template stream."""
     keys = redis_bench.next_keys(redis_bench.SUB)
+    options, owned = providers(variant)
+    consumer = redis_bench.RedisSubscriber(redis_bench.RedisRun(control, url, keys),
+                                           redis_bench.Tally(), messages, dedup=False, **options)
+    return await _timed(control, template, keys, consumer, owned)
+
+
+async def _timed(control: aioredis.Redis, template: str, keys: Any, consumer: Consumer,
+                 owned: list[Any]) -> float:
+    """Seconds for ``consumer`` to drain a copy of ``template`` into the stream of ``keys``."""
     if not await control.copy(template, keys.stream):
         raise RuntimeError(f"COPY to {keys.stream} failed")
-    adapter = RedisStreamsAdapter(url, consumer=keys.consumer, key_prefix=keys.adapter_prefix)
-    options, owned = providers(variant)
-    subscriber = Subscriber(adapter, **options)
-    handled = redis_bench.Tally()
-
-    async def handle(message: Message) -> None:
-        handled.handled += 1
-
-    subscriber.handler(keys.group)(handle)
-    consumer = None
     try:
-        await adapter.ensure_subscription(keys.stream, keys.group,
-                                          ack_deadline=redis_bench.ACK_DEADLINE, start="0")
-        await adapter.client.ping()
+        await consumer.prepare()
         gc.collect()
         started = time.perf_counter()
-        consumer = asyncio.create_task(subscriber.serve())
-        drained = await _redis_drained(control, keys, handled, consumer, messages, started)
-        await subscriber.shutdown(redis_bench.SHUTDOWN_TIMEOUT)
-        await consumer
-        await redis_bench.verify_group(control, keys, messages)
+        await consumer.start()
+        drained = await wait_drained(consumer, redis_bench.no_pending(control, keys),
+                                     started + redis_bench.RUN_DEADLINE)
+        await consumer.stop()
+        await redis_bench.verify_group(control, keys, consumer.total)
+        consumer.check()
     finally:
-        if consumer is not None and not consumer.done():
-            await subscriber.shutdown(redis_bench.SHUTDOWN_TIMEOUT)
-            await consumer
-        await adapter.close()
+        await consumer.close()
         await redis_bench.delete_keys(control, f"{keys.base}:*")
         for provider in owned:
             provider.shutdown()
-    _check(variant, subscriber, messages)
     return drained - started
-
-
-async def _redis_drained(control: aioredis.Redis, keys: Any, handled: Any,
-                         consumer: asyncio.Task[None], total: int, started: float) -> float:
-    give_up_at = started + redis_bench.RUN_DEADLINE
-    while True:
-        if handled.handled >= total:
-            summary = await control.xpending(keys.stream, keys.group)
-            if summary["pending"] == 0:
-                return time.perf_counter()
-        if consumer.done():
-            consumer.result()
-            raise RuntimeError("the Subscriber stopped before the backlog drained")
-        if time.perf_counter() > give_up_at:
-            raise TimeoutError(f"{handled.handled} of {total} handled")
-        await asyncio.sleep(redis_bench.POLL_INTERVAL)
 
 
 async def run_faststream(control: aioredis.Redis, url: str, template: str, telemetry: bool,
@@ -164,31 +130,14 @@ async def run_faststream(control: aioredis.Redis, url: str, template: str, telem
     from faststream.redis.opentelemetry import RedisTelemetryMiddleware
 
     keys = redis_bench.next_keys(redis_bench.FS_ONE)
-    if not await control.copy(template, keys.stream):
-        raise RuntimeError(f"COPY to {keys.stream} failed")
     options, owned = providers(SDK)
     middlewares = [RedisTelemetryMiddleware(
         tracer_provider=options["tracer_provider"],
         meter_provider=options["meter_provider"])] if telemetry else []
-    tally = redis_bench.Tally()
-    consumer = redis_bench.FastStreamConsumer(url, keys, tally, batch=False,
-                                              middlewares=middlewares)
-    try:
-        await consumer.prepare(control, None)
-        gc.collect()
-        started = time.perf_counter()
-        await consumer.start()
-        drained = await redis_bench.wait_drained(control, consumer, messages,
-                                                 started + redis_bench.RUN_DEADLINE)
-        await consumer.stop()
-        await redis_bench.verify_group(control, keys, messages)
-        consumer.check(messages)
-    finally:
-        await consumer.close()
-        await redis_bench.delete_keys(control, f"{keys.base}:*")
-        for provider in owned:
-            provider.shutdown()
-    return drained - started
+    consumer = redis_bench.RedisFastStream(redis_bench.RedisRun(control, url, keys),
+                                           redis_bench.Tally(), messages, batch=False,
+                                           middlewares=middlewares)
+    return await _timed(control, template, keys, consumer, owned)
 
 
 def _check(variant: str, subscriber: Subscriber, messages: int) -> None:
@@ -292,9 +241,7 @@ def report(args: argparse.Namespace, results: dict[str, dict[str, Rates]]) -> st
     lines = [
         "## Telemetry: tracing and metrics on, off, and the API alone",
         "",
-        f"Command (from the repository root): `{COMMAND}`; measured "
-        f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs; Redis on loopback; "
+        f"{measured_on(COMMAND)}; Redis on loopback; "
         f"{args.repetitions} runs per variant, interleaved; medians. A Subscriber (no dedup, a "
         f"no-op async handler) drains {args.messages:,} in-memory messages and "
         f"{args.redis_messages:,} Redis Streams entries; then {args.work_messages:,} in-memory "
@@ -364,10 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help="rewrite the README section")
     args = parser.parse_args(argv)
-    section = report(args, asyncio.run(measure(args)))
-    print(section)
-    if args.write:
-        write_section(SECTION_NAME, section, append=True)
+    publish(SECTION_NAME, report(args, asyncio.run(measure(args))), write=args.write,
+            append=True)
 
 
 if __name__ == "__main__":

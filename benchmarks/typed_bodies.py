@@ -25,14 +25,11 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
-import gc
 import json
 import os
 import platform
-import shlex
 import statistics
 import sys
-import time
 import timeit
 from collections.abc import Callable
 from typing import Any
@@ -40,15 +37,9 @@ from typing import Any
 import msgspec
 import pydantic
 
-from benchmarks._common import (
-    MICROS,
-    README,
-    has_section,
-    positive_int,
-    section_markers,
-    write_section,
-)
-from benchmarks.memory_pipeline import SHUTDOWN_TIMEOUT, SUBSCRIPTION, TOPIC, wait_drained
+from benchmarks._common import MICROS, README
+from benchmarks._harness import add_runs, check_main, command_line, publish
+from benchmarks.memory_pipeline import SUBSCRIPTION, TOPIC, drain
 from reliable_sub import Message, Subscriber
 from reliable_sub.adapters.memory import MemoryAdapter
 
@@ -142,20 +133,11 @@ async def run_once(handler: Callable[..., Any], messages: int) -> float:
         adapter.publish_sync(TOPIC, BODY)
     subscriber = Subscriber(adapter)
     subscriber.handler(SUBSCRIPTION)(handler)
-    gc.collect()
-    gc.freeze()
-    try:
-        started = time.perf_counter()
-        consumer = asyncio.create_task(subscriber.serve())
-        drained = await wait_drained(adapter, consumer)
-        await subscriber.shutdown(SHUTDOWN_TIMEOUT)
-        await consumer
-    finally:
-        gc.unfreeze()
+    drained = await drain(adapter, subscriber)
     acked = subscriber.stats["acked"]
     if acked != messages:
         raise RuntimeError(f"{handler.__name__}: {acked} of {messages} acked")
-    return (drained - started) / messages * MICROS
+    return drained.seconds / messages * MICROS
 
 
 async def measure_pipeline(messages: int, repetitions: int) -> dict[str, float]:
@@ -200,22 +182,15 @@ def report(decoding: dict[str, float], pipeline: dict[str, float], command: str,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--messages", type=positive_int, default=DEFAULT_MESSAGES)
-    parser.add_argument("--repetitions", type=positive_int, default=DEFAULT_REPETITIONS)
+    add_runs(parser, DEFAULT_MESSAGES, DEFAULT_REPETITIONS)
     parser.add_argument("--write", action="store_true", help=f"rewrite the section in {README}")
     args = parser.parse_args(argv)
-    if args.write and not has_section(SECTION_NAME):
-        start, end = section_markers(SECTION_NAME)
-        parser.error(f"{README}: markers {start} / {end} not found")
-    command = shlex.join(
-        ["python", "-m", "benchmarks.typed_bodies", *(sys.argv[1:] if argv is None else argv)])
+    check_main(parser, args, SECTION_NAME)
+    command = command_line("typed_bodies", argv)
     decoding = measure_decoders(args.repetitions)
     pipeline = asyncio.run(measure_pipeline(args.messages, args.repetitions))
-    section = report(decoding, pipeline, command, args.messages, args.repetitions)
-    print(section)
-    if args.write:
-        write_section(SECTION_NAME, section)
-        print(f"\nwrote {README}", file=sys.stderr)
+    publish(SECTION_NAME, report(decoding, pipeline, command, args.messages, args.repetitions),
+            write=args.write)
 
 
 if __name__ == "__main__":
