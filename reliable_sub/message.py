@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 
 IDEMPOTENCY_KEY_ATTRIBUTE = "idempotency-key"
@@ -61,13 +61,10 @@ class Message:
 
 
 _new = object.__new__
-# The slots' own setters: they write past the frozen class's __setattr__, as its __init__ does.
+# The slots' own setters, in field order: they write past the frozen class's __setattr__, as its
+# __init__ does (a field added to Message fails this unpacking at import until `received` has it).
 (_set_id, _set_data, _set_attributes, _set_delivery_attempt, _set_publish_time,
- _set_ordering_key, _set_subscription) = (
-    Message.__dict__[name].__set__
-    for name in ("id", "data", "attributes", "delivery_attempt", "publish_time", "ordering_key",
-                 "subscription")
-)
+ _set_ordering_key, _set_subscription) = (Message.__dict__[f.name].__set__ for f in fields(Message))
 
 
 @dataclass(slots=True, eq=False)

@@ -35,7 +35,8 @@ class Stage(enum.IntEnum):
     """Settled; nothing of it is kept."""
 
 
-_WAITING = Stage.WAITING  # read for every delivery: see members.py
+# The stages as module constants: the delivery path reads them for every message (see members.py)
+WAITING, RUNNING, SETTLING, DONE = Stage.WAITING, Stage.RUNNING, Stage.SETTLING, Stage.DONE
 
 
 class CancelReason(str, enum.Enum):
@@ -81,7 +82,7 @@ class InFlight(Generic[LaneT]):
     def __init__(self, delivery: Delivery, lane: LaneT) -> None:
         self.delivery = delivery
         self.lane = lane
-        self.stage = _WAITING
+        self.stage = WAITING
         self.claim: Claimed | None = None
         self.failures = 0  # handler failures recorded for this message, this one included
         self.error: BaseException | None = None  # what the last attempt failed with

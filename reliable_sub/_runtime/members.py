@@ -9,13 +9,10 @@ them; the modules on that path import them from here instead.
 from __future__ import annotations
 
 from ..outcome import Outcome
-from .inflight import Stage
-
-WAITING = Stage.WAITING
-RUNNING = Stage.RUNNING
-SETTLING = Stage.SETTLING
-DONE = Stage.DONE
+from .inflight import DONE, RUNNING, SETTLING, WAITING
 
 ACKED = Outcome.ACKED
 DUPLICATE = Outcome.DUPLICATE
 ACK_REFUSED = Outcome.ACK_REFUSED
+
+__all__ = ["ACKED", "ACK_REFUSED", "DONE", "DUPLICATE", "RUNNING", "SETTLING", "WAITING"]

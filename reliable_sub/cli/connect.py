@@ -95,13 +95,13 @@ class Connection:
                 "a redis:// or database URL")
         if scheme_of(url) in REDIS_SCHEMES:
             check_url("--dedup-url", url, REDIS_SCHEMES)
-            from ..dedup._redis import RedisDedupStore
+            from ..dedup import RedisDedupStore
 
             return _built("--dedup-url", url,
                           lambda: RedisDedupStore(url, prefix=self.dedup_prefix))
         example = f"redis://host:6379/0 or {SQL_EXAMPLE}"
         check_url("--dedup-url", url, None, example)
-        from ..dedup._sql import SqlDedupStore
+        from ..dedup import SqlDedupStore
 
         return _built("--dedup-url", url, lambda: SqlDedupStore(url, table=self.dedup_table),
                       also="; a Redis store takes one of "

@@ -92,7 +92,7 @@ from .._callables import is_async_callable
 from .._results import encode_result
 from .._text import describe_error, safe_repr
 from ..clock import Clock, SystemClock, sleep_or_event
-from ..dedup._store_base import TokenSource, check_owner
+from ..dedup import TokenSource, check_owner
 from ..errors import (
     ConfigurationError,
     IdempotencyInProgressError,
