@@ -43,11 +43,16 @@ def _evaluate(example: Example) -> None:
     namespace.setdefault("__name__", _module_name(Path(example.path)))
     result = eval(code, namespace)
     if code.co_flags & inspect.CO_COROUTINE:
-        loop = namespace.get(_LOOP)
-        if loop is None:
-            loop = namespace[_LOOP] = asyncio.new_event_loop()
-        loop.run_until_complete(result)
+        _loop_of(namespace).run_until_complete(result)
     namespace.pop("__builtins__", None)
+
+
+def _loop_of(namespace: dict[str, Any]) -> asyncio.AbstractEventLoop:
+    """The file's event loop, made on first use."""
+    loop: asyncio.AbstractEventLoop | None = namespace.get(_LOOP)
+    if loop is None:
+        loop = namespace[_LOOP] = asyncio.new_event_loop()
+    return loop
 
 
 def _module_name(path: Path) -> str:
@@ -63,18 +68,22 @@ def _setup(namespace: dict[str, Any]) -> None:
 
 
 def _teardown(namespace: dict[str, Any]) -> None:
-    loop: asyncio.AbstractEventLoop | None = namespace.get(_LOOP)
-    try:
-        for fn in reversed(namespace[_CLEANUPS]):
+    """Run every cleanup, newest first, even after one failed (the first failure is raised at
+    the end: a service started earlier is still stopped), then close the file's loop."""
+    failure: BaseException | None = None
+    for fn in reversed(namespace[_CLEANUPS]):
+        try:
             outcome = fn()
             if inspect.isawaitable(outcome):
-                if loop is None:
-                    loop = namespace[_LOOP] = asyncio.new_event_loop()
-                loop.run_until_complete(outcome)
-    finally:
-        if loop is not None:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.close()
+                _loop_of(namespace).run_until_complete(outcome)
+        except Exception as error:
+            failure = failure or error
+    loop: asyncio.AbstractEventLoop | None = namespace.get(_LOOP)
+    if loop is not None:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+    if failure is not None:
+        raise failure
 
 
 def sybil_collector(root: Path) -> Callable[..., Any]:
