@@ -839,13 +839,13 @@ def _publish_time(entry_id: str) -> datetime | None:
     """The time an entry id carries (its milliseconds part), or None when it is past what a
     datetime holds (the year 9999): an id given by hand to XADD, and every later entry of its
     stream, since Redis numbers those after it."""
-    return _time_of(int(entry_id.split("-", 1)[0]))
+    return _time_of(entry_id.partition("-")[0])
 
 
 @functools.lru_cache(maxsize=64)  # entries added together share their millisecond
-def _time_of(milliseconds: int) -> datetime | None:
+def _time_of(milliseconds: str) -> datetime | None:
     try:
-        return datetime.fromtimestamp(milliseconds / 1000, tz=timezone.utc)
+        return datetime.fromtimestamp(int(milliseconds) / 1000, tz=timezone.utc)
     except (OverflowError, ValueError, OSError):
         return None
 

@@ -41,8 +41,8 @@ class FlowGate:
     def taken(self, count: int) -> None:
         self._in_flight += count
 
-    def settled(self) -> None:
-        self._in_flight -= 1
+    def settled(self, count: int = 1) -> None:
+        self._in_flight -= count
         if self._waiters:
             self._changed.set()
 

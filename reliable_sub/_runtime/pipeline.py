@@ -249,15 +249,15 @@ class Runtime:
     def _on_settled(self, settles: list[Settle], refused: set[str]) -> None:
         """The settler confirmed ``settles`` (the broker refused the acks of ``refused``): let
         each delivery go and report its outcome."""
-        items, flow, outcomes = self.items, self.flow, self.stats.outcomes
+        items, outcomes = self.items, self.stats.outcomes
         telemetry, config = self.telemetry, self.config
+        self.flow.settled(len(settles))
         for settle in settles:
             item: Item = settle.item
             item.stage = DONE
             lane = item.lane
             lane.lease.drop(item)
             items.discard(item)
-            flow.settled()
             if lane.flow is not None:
                 lane.flow.settled()
             outcome = (ACK_REFUSED if refused and item.delivery.ack_id in refused
