@@ -9,7 +9,8 @@
   variants; :func:`stage_table` the per-stage profile table; :func:`paired` the
   repetition-by-repetition ratios behind a goal's verdict.
 * :func:`measured_on` is the first line of every README section (command, date, interpreter,
-  machine); :func:`versions` the packages measured.
+  machine); :func:`versions` the packages measured; :func:`render` fills a section's prose
+  from its template in ``benchmarks/templates``.
 * :func:`command_line`, :func:`add_runs`, :func:`check_main` and :func:`publish` are the
   pieces of every ``main``: the command as the README shows it, ``--messages``/``--repetitions``,
   the stage-rule and marker checks, printing and ``--write``.
@@ -30,6 +31,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from benchmarks._common import (
@@ -212,6 +214,18 @@ def measured_on(command: str) -> str:
     return (f"Command (from the repository root): `{command}`; measured "
             f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
             f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs")
+
+
+TEMPLATES = Path(__file__).with_name("templates")
+
+
+def render(template: str, /, **values: Any) -> str:
+    """``benchmarks/templates/<template>.md`` filled in with ``str.format_map``: the prose of a
+    README section lives there, the code computes its figures and tables (a list of lines is
+    joined with newlines)."""
+    text = (TEMPLATES / f"{template}.md").read_text().removesuffix("\n")
+    return text.format_map({name: "\n".join(value) if isinstance(value, list) else value
+                            for name, value in values.items()})
 
 
 def versions(*names: str) -> str:

@@ -68,6 +68,7 @@ from benchmarks._harness import (
     measured_on,
     profile_stages,
     publish,
+    render,
     stage_table,
     table,
 )
@@ -293,53 +294,14 @@ def report(
     bare, no_dedup, full = results[BARE], results[SUB_NO_DEDUP], results[SUB_DEDUP]
     ratio = full.median / bare.median
     verdict = "**met**" if ratio >= TARGET_RATIO else "**not met**"
-    lines = [
-        "## Memory pipeline: Subscriber vs. a bare loop (MemoryAdapter, no-op async handler)",
-        "",
-        f"{measured_on(command)}; {messages:,} messages per run, {repetitions} timed runs per "
-        "variant (interleaved); median shown.",
-        "",
-        *throughput_table(results),
-        "",
-        f"Aim from the issue, full pipeline ≥ {TARGET_RATIO}× the bare loop: {verdict} "
-        f"({ratio:.2f}×). By difference of medians, the Subscriber without dedup costs "
-        f"{no_dedup.micros_per_message - bare.micros_per_message:.1f} µs/msg more than the bare "
-        f"loop, and the MemoryDedupStore adds "
-        f"{full.micros_per_message - no_dedup.micros_per_message:.1f} µs/msg on top. "
-        f"{reference_note(results)}",
-        "",
-        "Rows:",
-        "",
-        f"* **{BARE}**: `receive(subscription, {RECEIVE_BATCH})` → `await handler(message)` for "
-        "each delivery → `ack(batch)`, in one task. No lease, dedup, flow control, retries or "
-        "concurrency: the floor any consumer pays on this adapter.",
-        f"* **{BARE_TASKS}**: the same, but each batch's handlers run concurrently, one task "
-        "each (`asyncio.gather`). Not in the issue; shows what running handlers concurrently "
-        "costs in asyncio by itself.",
-        f"* **{SUB_NO_DEDUP}**: `Subscriber(adapter)` with default policies (at most 1000 "
-        "messages in flight, batched acks, lease manager running), run as "
-        "`asyncio.create_task(sub.serve())` in the same loop and stopped with "
-        "`await sub.shutdown()` after the clock stops (not `start()`/`stop()`, which would add a "
-        "second thread the bare loop does not have).",
-        f"* **{SUB_DEDUP}**: the same with `dedup=MemoryDedupStore()`, the full pipeline (claim "
-        "before and complete after every handler).",
-        "* Each run: a fresh `MemoryAdapter`, all messages published before the clock starts; "
-        "the clock stops when `adapter.backlog(subscription) == 0` (every ack reached the "
-        f"broker), polled every {POLL_INTERVAL * 1000:g} ms. µs/msg = 1 / median rate. GC stays "
-        "enabled; *of which GC* is the median time the cyclic collector ran within a run. The "
-        "published backlog is `gc.freeze()`d before the clock starts: it sits in this process "
-        "only because the broker does, and each full collection would otherwise walk it.",
-        "",
-        "Per-stage cost, one profiled run per variant (cProfile with GC off, µs per message). "
-        "Each function's own time goes to its stage; helpers with no stage of their own (asyncio "
-        "`Event`, tenacity, dataclass `__init__`, builtins) go to the stages of their callers. "
-        "cProfile inflates small Python calls more than C code, so compare rows, not totals; the "
-        "scaled column spreads the full pipeline's unprofiled µs/msg, less its GC time, over the "
-        "stages in proportion, and adds the GC time of the timed runs as its own row.",
-        "",
-        *profile_table(profiles, results),
-    ]
-    return "\n".join(lines)
+    return render("memory_pipeline", measured_on=measured_on(command), messages=messages,
+        repetitions=repetitions, throughput_table=throughput_table(results),
+        TARGET_RATIO=TARGET_RATIO, verdict=verdict, ratio=ratio,
+        dedup_cost=no_dedup.micros_per_message - bare.micros_per_message,
+        store_cost=full.micros_per_message - no_dedup.micros_per_message,
+        reference_note=reference_note(results), BARE=BARE, RECEIVE_BATCH=RECEIVE_BATCH,
+        BARE_TASKS=BARE_TASKS, SUB_NO_DEDUP=SUB_NO_DEDUP, SUB_DEDUP=SUB_DEDUP,
+        poll_ms=POLL_INTERVAL * 1000, profile_table=profile_table(profiles, results))
 
 
 def main(argv: list[str] | None = None) -> None:
