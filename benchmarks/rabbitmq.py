@@ -64,6 +64,7 @@ from benchmarks._harness import (
     command_line,
     measured_on,
     publish,
+    render,
     versions,
 )
 from reliable_sub import LeasePolicy, Subscriber
@@ -275,37 +276,14 @@ async def measure(bench: Bench, messages: int, repetitions: int,
 def report(results: dict[str, CpuThroughput], command: str, messages: int, repetitions: int,
            broker_version: str, load: float) -> str:
     raw = results[RAW]
-    lines = [
-        "## RabbitMQ: Subscriber vs. a raw aio-pika consumer and FastStream (no-op handler)",
-        "",
-        f"{measured_on(command)}, against RabbitMQ "
-        f"{broker_version} and Redis on the same machine (localhost TCP); "
-        f"{versions('aio-pika', 'aiormq', 'faststream', 'redis')}; 1-minute "
-        f"load average {load:.2f} at the start. {messages:,} messages per run (a fresh quorum "
-        f"queue each), {repetitions} timed runs per variant (interleaved); median shown.",
-        "",
-        *broker_table(results, RAW),
-    ]
-    lines += [
-        "",
-        "Goals from the issue (#29):",
-        "",
-        paired_goal("(c) / (a)", results[SUB], raw, NO_DEDUP_VS_RAW),
-        paired_goal("(c) / (b) FastStream", results[SUB], results[FASTSTREAM],
-                    NO_DEDUP_VS_FASTSTREAM),
-        paired_goal("(d) / (a)", results[SUB_DEDUP], raw, DEDUP_VS_RAW),
-        "",
-        "The clock starts when the consumer starts (connected before) and stops when the "
-        "handler has seen every message and the consumer sent its acks: (a) its last "
-        "`basic.ack(multiple=True)`, (c)/(d) every outcome `acked` (the adapter acks a settled "
-        "batch with one `basic.ack multiple` for its contiguous run), (b) the last handler call "
-        "(FastStream acks right after each). Then the consumer's connection is closed and the "
-        "queue must be empty: nothing left unacked, and the handler saw each message once. "
-        "*Client CPU* is this process's CPU time over the run; the broker runs on the same "
-        "cores. aiormq hands every delivery to the consumer in a task of its own, in every "
-        "variant.",
-    ]
-    return "\n".join(lines)
+    return render(
+        "rabbitmq", measured_on=measured_on(command), broker_version=broker_version,
+        versions=versions("aio-pika", "aiormq", "faststream", "redis"), load=load,
+        messages=messages, repetitions=repetitions, table=broker_table(results, RAW),
+        goals=[paired_goal("(c) / (a)", results[SUB], raw, NO_DEDUP_VS_RAW),
+               paired_goal("(c) / (b) FastStream", results[SUB], results[FASTSTREAM],
+                           NO_DEDUP_VS_FASTSTREAM),
+               paired_goal("(d) / (a)", results[SUB_DEDUP], raw, DEDUP_VS_RAW)])
 
 
 async def everything(args: argparse.Namespace) -> str:
