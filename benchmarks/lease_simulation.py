@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import cast
 
-from benchmarks._harness import check_main, command_line, publish
+from benchmarks._harness import check_main, command_line, publish, render
 from reliable_sub._runtime.inflight import InFlight, Stage
 from reliable_sub._runtime.lease import BATCH_FRACTION, LeaseManager
 from reliable_sub.adapters.base import Adapter, Capabilities
@@ -728,73 +728,18 @@ def section_text(
 ) -> str:
     today = datetime.date.today().isoformat()
     half = DELIVERIES // 2
-    return "\n".join([
-        "## Lease simulation: LeaseManager vs google-cloud-pubsub's leaser",
-        "",
-        f"Command: `{command}` (from the repository root, in the project's venv); run on "
-        f"{today}, seed {args.seed}, {elapsed:.0f} s of wall time for everything below.",
-        "",
-        f"Virtual time (`ManualClock`). Each workload: {DELIVERIES:,} deliveries arriving as a "
-        f"Poisson stream at {args.rate:g}/s; handlers start on arrival (no flow control); "
-        f"subscription ack deadline {ACK_DEADLINE:g} s; the broker accepts 10–600 s per "
-        "extension. Ours: the real `LeaseManager` with the default `LeasePolicy` (10–600 s, "
-        "p99, max lease 3600 s) against a simulated broker.",
-        "",
-        f"**Heavy tail**: lognormal handler times, p50 {SLOW_P50:g} s, p99 {SLOW_P99:g} s "
-        f"(as drawn: p99 {handler_p99(heavy.workload.jobs):.0f} s), plus {STRAGGLERS} "
-        f"stragglers of {STRAGGLER_MIN / 60:g}–{STRAGGLER_MAX / 60:g} min.",
-        "",
-        *heavy_tail_table(heavy),
-        "",
-        f"**Adaptation**: {half:,} handlers lognormal with p99 {SLOW_P99:g} s (as drawn: "
-        f"{handler_p99(shifting.workload.jobs[:half]):.0f} s, no stragglers), then {half:,} with "
-        f"p50 {FAST_P50:g} s, p99 {FAST_P99:g} s (as drawn: "
-        f"{handler_p99(shifting.workload.jobs[half:]):.1f} s). \"After the shift\" counts from "
-        "the first fast arrival.",
-        "",
-        *shifting_table(shifting),
-        "",
-        f"**Arrival-rate sweep**: the heavy-tail workload at other Poisson rates "
-        f"({DELIVERIES:,} deliveries each).",
-        "",
-        *sweep_table(sweep),
-        "",
-        "What the rows mean:",
-        "",
-        "- *expiries while the handler ran*: times a delivery's broker deadline passed while its "
-        "handler was still running (the broker would redeliver work in progress). Checked "
-        "exactly: against every extend and ack of that ack id, and at every event. No handler "
-        "here runs past `max_lease_duration`, so every expiry counts against the goal.",
-        "- *extend calls*: modifyAckDeadline RPCs that extend leases (ours: `Adapter.extend` "
-        "calls; anchor: its lease loop's modacks); *ack ids extended*: the ack ids they carried. "
-        "Per message: divided by the deliveries; per second: divided by the simulated time from "
-        "start to the last ack.",
-        "- *receipt modacks*: the anchor modacks every streaming-pull response on receipt "
-        "(modelled as one message per response); ours sends none. They are not in the extend "
-        "rows; *all modack RPCs* adds them.",
-        f"- *crash redelivery delay*: a crash every {PROBE_INTERVAL:g} s of the arrival period; "
-        "for each message in flight at that instant, broker deadline − crash time (how long the "
-        "broker waits before redelivering it); mean and p99 over all crash instants pooled.",
-        "- *extension in use*: the extension the next extend would use (ours: "
-        "`LeaseManager.extension()`; anchor: its current `ack_deadline`). *Back to ≤ N s*: "
-        "seconds after the shift from which it stays within "
-        f"{ADAPTED_TOLERANCE:g}× of what the fast half alone needs (its p99, clamped to the "
-        f"10 s minimum), sampled every {PROBE_INTERVAL:g} s.",
-        "- *ours / anchor*: the ratio; below 1× means ours does less (or waits less).",
-        "",
-        "How the anchor is modelled (googleapis/python-pubsub, `subscriber/_protocol/leaser.py`, "
-        "`histogram.py`, `streaming_pull_manager.py`, default `FlowControl`): a lifetime "
-        "histogram of `ceil(ack time − receipt time)` in whole seconds clamped to 10–600; the "
-        "deadline starts at 10 s and is re-read as the histogram's p99 only once the histogram "
-        "has grown past `min(2 × size, size + 100)` since the last read; every loop iteration "
-        "modacks *every* leased message by that deadline (one RPC per 1000 ack ids), drops "
-        "leases older than `max_lease_duration` (1 h), then sleeps `uniform(0.01, 0.9 × "
-        "deadline)`. A received message is modacked to the current deadline at once (receipt "
-        "modack). Same arrivals and handler times as ours; the jitter has its own "
-        "`random.Random(seed)`.",
-        "",
-        *verdict_lines(goal_checks(heavy, shifting, sweep), heavy),
-    ])
+    return render(
+        "lease_simulation", command=command, today=today, args=args, elapsed=elapsed, half=half,
+        DELIVERIES=DELIVERIES, ACK_DEADLINE=ACK_DEADLINE, SLOW_P50=SLOW_P50, SLOW_P99=SLOW_P99,
+        FAST_P50=FAST_P50, FAST_P99=FAST_P99, STRAGGLERS=STRAGGLERS,
+        straggler_min=STRAGGLER_MIN / 60, straggler_max=STRAGGLER_MAX / 60,
+        PROBE_INTERVAL=PROBE_INTERVAL, ADAPTED_TOLERANCE=ADAPTED_TOLERANCE,
+        heavy_p99=handler_p99(heavy.workload.jobs),
+        slow_p99=handler_p99(shifting.workload.jobs[:half]),
+        fast_p99=handler_p99(shifting.workload.jobs[half:]),
+        heavy_tail_table=heavy_tail_table(heavy), shifting_table=shifting_table(shifting),
+        sweep_table=sweep_table(sweep),
+        verdict_lines=verdict_lines(goal_checks(heavy, shifting, sweep), heavy))
 
 
 # == main =========================================================================================

@@ -114,6 +114,7 @@ from benchmarks._harness import (
     paired,
     profile_stages,
     publish,
+    render,
     stage_table,
     table,
     versions,
@@ -1332,11 +1333,12 @@ def long_goals(long: LongResult) -> list[str]:
     ]
 
 
-def idle_pulls(long: LongResult) -> list[str]:
-    """What (c)'s receive loop did while every handler slept."""
+def idle_pulls(long: LongResult) -> str:
+    """What (c)'s receive loop did while every handler slept: a paragraph and a newline, or
+    nothing."""
     ours = long.sides[SUB]
     if ours.seconds is None or ours.thread_cpu_seconds is None:
-        return []
+        return ""
     pulls = ours.log.calls["Pull"]
     (short, short_wait), (long_deadline, long_wait) = sorted(long.empty_pull_waits.items())[:2]
     text = (
@@ -1348,7 +1350,7 @@ def idle_pulls(long: LongResult) -> list[str]:
         "`PubSubAdapter.receive` stops pulling once less than `MIN_PULL_WINDOW` of its timeout "
         "is left instead of firing short empty pulls back to back."
     )
-    return [text]
+    return text + "\n"
 
 
 def report(
@@ -1369,127 +1371,24 @@ def report(
         f"{SHORT[variant]} {sum(run.duplicates for run in result.runs)}"
         for variant, result in results.items()
     )
-    lines = [
-        "## Pub/Sub emulator: Subscriber vs. google-cloud-pubsub's streaming and unary pull",
-        "",
-        f"{measured_on(command)}, against the official Pub/Sub emulator (a JVM) on the same "
-        f"machine; {versions('google-cloud-pubsub', 'grpcio', 'proto-plus', 'protobuf')}; "
-        "1-minute load average "
-        f"{load:.2f} at the start.",
-        "",
-        f"### Workload 1: draining a backlog of {messages:,} messages (no-op handler)",
-        "",
-        f"{repetitions} timed runs per variant (interleaved), median shown; each run on a fresh "
-        f"topic and subscription with the same {messages:,}-message backlog.",
-        "",
-        *throughput_table(results),
-        "",
-        "Goals from the issue:",
-        "",
-        *throughput_goals(results),
-        "",
-        f"On the emulator, streaming pull is capped by the emulator itself (about 100 messages "
-        f"per 50 ms, ≈ 2k msgs/s), so client CPU per message is the fair comparison; for scale "
-        f"the issue measured the Google client at ≈ {ISSUE_STREAMING_CPU} µs/msg streaming and "
-        f"≈ {ISSUE_UNARY_CPU} µs/msg unary on this machine kind. Of (c)'s "
-        f"{ours.cpu_micros_per_message:.1f} µs/msg, "
-        f"{ours.thread_micros_per_message:.1f} are spent on the event loop thread and the rest "
-        f"in gRPC's C-core threads; (c) costs {ours.cpu_micros_per_message - unary.cpu_micros_per_message:.1f} µs/msg "  # noqa: E501
-        f"more than the unary loop (b) and "
-        f"{ours.cpu_micros_per_message - theirs.cpu_micros_per_message:+.1f} µs/msg against (a).",
-        "",
-        "Rows:",
-        "",
-        f"* **(a)**: `SubscriberClient().subscribe(subscription, callback, flow_control="
-        f"FlowControl(max_messages={GOOGLE_MAX_MESSAGES}))`, default scheduler (10 callback "
-        "threads) and lease management (a receipt modack per streamed response, a leaser "
-        "thread, heartbeats); the callback records the message id and calls `message.ack()`. "
-        "Stopped with `future.cancel(); future.result()` after the clock.",
-        f"* **(b)**: a loop of sync `SubscriberClient.pull(subscription, max_messages="
-        f"{GOOGLE_MAX_MESSAGES})` → the handler for each received message → one `acknowledge` "
-        "of the batch, in one thread. No lease, flow control or concurrency: the floor.",
-        f"* **(c)**: `Subscriber(PubSubAdapter(project, subscriber_client=SubscriberAsyncClient("
-        "transport=SubscriberGrpcAsyncIOTransport(channel=grpc.aio.insecure_channel(host)))))` "
-        f"with default policies (at most 1000 messages in flight, receive batch "
-        f"{RECEIVE_BATCH}, batched acks, lease manager running), no dedup; an async handler "
-        "that records the id; run as `asyncio.create_task(sub.serve())` in a fresh event loop "
-        "and stopped with `await sub.shutdown()` after the clock.",
-        f"* Each run: a fresh topic and subscription (ack deadline {ACK_DEADLINE} s) with the "
-        "backlog published before the clock, and the consumer's channel connected by one "
-        "untimed `get_subscription`. The clock starts when the consumer starts and stops when "
-        "every delivery was handled and the acknowledge calls that returned cover all of them "
-        "(counted per call: google-cloud-pubsub's `SubscriberClient.acknowledge`, which its "
-        "streaming pull manager sends every ack through; the loop's own call in (b); "
-        "`PubSubAdapter.ack` wrapped as an instance attribute in (c)); the waiting thread is "
-        "woken by an event, no polling. Then every message must have been handled exactly once "
-        f"and a pull with a {FINAL_PULL_TIMEOUT:g} s deadline must get nothing; topic and "
-        "subscription are deleted. µs/msg = process CPU / messages; *client CPU* is this "
-        "process's `getrusage(RUSAGE_SELF)` user + sys, all threads; *emulator CPU* is the "
-        "emulator JVM's, from `/proc` (10 ms resolution). GC stays enabled; *of which GC* is "
-        "the median time the cyclic collector ran within a run. Duplicate deliveries in the "
-        f"timed runs: {duplicates}.",
-        "",
-        "Where (c)'s CPU goes: one run under cProfile (GC off), the event loop thread only (the "
-        "process's other threads are gRPC's C-core I/O, which cProfile does not see). Each "
-        "function's own time goes to its stage; functions with no stage of their own "
-        "(proto-plus, google-api-core, tenacity, dataclass `__init__`, builtins) go to the "
-        "stages of their callers. cProfile inflates Python calls far more than C code, so "
-        "compare rows, not totals; the scaled column spreads the event loop thread's "
-        "unprofiled CPU µs/msg, less GC, over the stages in proportion, and adds GC and the "
-        "other threads as rows of their own, so it adds up to (c)'s unprofiled client CPU.",
-        "",
-        *profile_table(prof, ours),
-        "",
-        f"Hottest functions of that run by own time (profiled µs/msg): {hottest}.",
-        "",
-        f"### Workload 2: {LONG_MESSAGES} messages with handlers of "
-        f"{LONG_MIN_SECONDS:g}–{LONG_MAX_SECONDS:g} s, subscription ack deadline "
-        f"{LONG_ACK_DEADLINE} s",
-        "",
-        f"Handler times drawn once with seed {LONG_SEED} (uniform, as drawn "
-        f"{min(durations):.1f}–{max(durations):.1f} s, mean "
-        f"{statistics.mean(durations):.1f} s); message *i* carries index *i*, and both sides "
-        "get the same list. (a) and (c) ran at the same time, each on its own topic and "
-        "subscription of the same emulator.",
-        "",
-        *long_table(long),
-        "",
-        "Goals from the issue:",
-        "",
-        *long_goals(long),
-        "",
-        f"Our lease manager's own counters for (c): {lease_text}.",
-        "",
-        *idle_pulls(long),
-        "",
-        "How it was counted:",
-        "",
-        f"* **(a)**: `SubscriberClient(transport=SubscriberGrpcTransport(channel="
-        "grpc.intercept_channel(grpc.insecure_channel(host), interceptor)))`, "
-        f"`subscribe(..., flow_control=FlowControl(max_messages={GOOGLE_MAX_MESSAGES}), "
-        f"scheduler=ThreadScheduler(ThreadPoolExecutor({LONG_MESSAGES})))` so every handler runs "
-        "at once; the callback `time.sleep`s, then `message.ack()`.",
-        "* **(c)**: `PubSubAdapter(project, subscriber_client=SubscriberAsyncClient(transport="
-        "SubscriberGrpcAsyncIOTransport(channel=grpc.aio.insecure_channel(host, "
-        "interceptors=[interceptor]))))` under `Subscriber(adapter)` with default policies "
-        "(FlowControl(max_messages=1000) ≥ the 200 messages); the handler `await "
-        "asyncio.sleep`s.",
-        "* The interceptors see every ModifyAckDeadline call and every StreamingPull request "
-        "(its `modify_deadline_ack_ids` count like a ModifyAckDeadline call), every Acknowledge, "
-        "and the ack ids of every Pull and StreamingPull response with the time they arrived. "
-        "A request that sets deadlines is a *receipt modack* when each of its ack ids arrived "
-        f"within {RECEIPT_WINDOW:g} s before and had no modack yet (google-cloud-pubsub sends "
-        "one per streamed response before it runs the callbacks), a *nack* when every deadline "
-        "is 0, else a *lease extension*. An ack id's deadline starts when it arrived, at the "
-        "subscription's ack deadline (Pull) or the stream's `stream_ack_deadline_seconds` "
-        "(StreamingPull, as the stream's requests last set it), and moves to send time + "
-        "seconds at each modack; *least time left* is the smallest remainder seen when the next "
-        "modack or ack was sent, on this process's clock (the server's ran a round trip ahead). "
-        "A side is done when every message's handler finished "
-        "and every delivery was acknowledged; it is stopped then (polled every "
-        f"{LONG_POLL_INTERVAL:g} s, which bounds the wall column).",
-    ]
-    return "\n".join(lines)
+    return render(
+        "pubsub", measured_on=measured_on(command), load=load, messages=messages,
+        repetitions=repetitions, versions=versions("google-cloud-pubsub", "grpcio", "proto-plus",
+                                                   "protobuf"),
+        throughput_table=throughput_table(results), throughput_goals=throughput_goals(results),
+        ours=ours, over_unary=ours.cpu_micros_per_message - unary.cpu_micros_per_message,
+        over_streaming=ours.cpu_micros_per_message - theirs.cpu_micros_per_message,
+        duplicates=duplicates, profile_table=profile_table(prof, ours), hottest=hottest,
+        min_durations=min(durations), max_durations=max(durations),
+        mean_duration=statistics.mean(durations), long_table=long_table(long),
+        long_goals=long_goals(long), lease_text=lease_text, idle_pulls=idle_pulls(long),
+        ISSUE_STREAMING_CPU=ISSUE_STREAMING_CPU, ISSUE_UNARY_CPU=ISSUE_UNARY_CPU,
+        GOOGLE_MAX_MESSAGES=GOOGLE_MAX_MESSAGES, RECEIVE_BATCH=RECEIVE_BATCH,
+        ACK_DEADLINE=ACK_DEADLINE, FINAL_PULL_TIMEOUT=FINAL_PULL_TIMEOUT,
+        LONG_MESSAGES=LONG_MESSAGES, LONG_MIN_SECONDS=LONG_MIN_SECONDS,
+        LONG_MAX_SECONDS=LONG_MAX_SECONDS, LONG_ACK_DEADLINE=LONG_ACK_DEADLINE,
+        LONG_SEED=LONG_SEED, RECEIPT_WINDOW=RECEIPT_WINDOW,
+        LONG_POLL_INTERVAL=LONG_POLL_INTERVAL)
 
 
 def main(argv: list[str] | None = None) -> None:
