@@ -3,24 +3,10 @@
     python -m benchmarks.dedup            # print the tables
     python -m benchmarks.dedup --write    # ... and rewrite the README section
 
-Three comparisons, each side by side in one process run against the same services (Redis on
-127.0.0.1:6379, PostgreSQL on 127.0.0.1:5432 database ``test``; ``--redis``/``--postgres`` to
-change), variants interleaved, the median of ``--repetitions`` runs shown:
-
-1. **Idempotent functions**: ``@idempotent`` on ``RedisDedupStore`` vs aws-lambda-powertools'
-   ``idempotent_function`` on its ``RedisCachePersistenceLayer`` (outside Lambda: a stub
-   context, ``ssl=False``), each on a function that returns a small dict. First calls (a fresh
-   key each) and replays (the same keys again), called one after another. Our SqlDedupStore on
-   PostgreSQL and SQLite, and MemoryDedupStore, run the same workloads for reference, and the
-   PostgreSQL store's floor: a raw psycopg loop sending the store's own two statements
-   (``benchmarks/_dedup_sql_floor.py``).
-2. **Batched claims**: the Subscriber's claim path (``claim_many`` of a received batch of 100
-   keys, one call) vs the limit, raw ``SET key value NX PX ttl`` for the same 100 keys in one
-   redis-py pipeline (no MULTI); and SqlDedupStore's ``claim_many`` (one statement per batch).
-3. **Transactional handler on PostgreSQL**: a Subscriber (in-memory broker) whose handler
-   inserts one row, plain (``engine.begin()`` in the handler, no dedup) vs ``transactional=True``
-   with SqlDedupStore (the batched claim, then the insert and the owner-fenced completion in one
-   transaction).
+Three comparisons against the shared Redis and PostgreSQL (``--redis``/``--postgres``), variants
+interleaved: idempotent functions (first calls and replays; Powertools outside Lambda runs with
+a stub context), batched claims, and a transactional handler. What each row is:
+``templates/dedup.md``.
 """
 
 from __future__ import annotations

@@ -3,20 +3,9 @@
     python -m benchmarks.flat_cost            # print the tables
     python -m benchmarks.flat_cost --write    # ... and rewrite the README section
 
-A Subscriber (MemoryAdapter, no dedup, default policies but the flow-control limit) in the
-benchmark's own loop, as in ``benchmarks.memory_pipeline``; sizes interleaved over the
-repetitions, medians:
-
-* **In flight**: ``--in-flight-messages`` messages through a handler that holds each message
-  until ``FlowControl.max_messages`` of them are held (then all are let go at once, by one
-  future they all await), for each limit in ``--in-flight``. The process's CPU time per message
-  is what should stay flat: the wall time of a held message is the test's own waiting.
-* **Drained**: backlogs of each size in ``--drained`` through a no-op handler: wall and CPU time
-  per message. A structure that grows with history (a set of every id seen, a list never pruned)
-  shows as time per message rising with the backlog.
-
-The published backlog is ``gc.freeze()``-d before the clock starts (it sits in this process only
-because the broker does); the cyclic collector stays on.
+A Subscriber on the MemoryAdapter in the benchmark's own loop (``benchmarks.memory_pipeline``),
+sizes interleaved: messages held in flight up to each ``--in-flight`` limit (CPU per message
+should stay flat), and backlogs of each ``--drained`` size through a no-op handler.
 """
 
 from __future__ import annotations

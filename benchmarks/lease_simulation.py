@@ -1,41 +1,15 @@
 """Lease simulation: our LeaseManager against a model of google-cloud-pubsub's leaser.
 
-What it measures, for both sides on the same deliveries (same arrivals, same handler times):
+    python -m benchmarks.lease_simulation            # print the tables
+    python -m benchmarks.lease_simulation --write    # ... and rewrite the README section
 
-* expiries: a delivery's broker ack deadline passing while its handler still runs (the broker
-  would redeliver a message that is being worked on);
-* extend calls (modifyAckDeadline RPCs) and the ack ids they carry, in total, per message and per
-  second of simulated time;
-* the redelivery delay after a consumer crash: at a crash instant every in-flight message comes
-  back when its broker deadline passes, so the delay is ``broker deadline - crash time``; crash
-  instants are sampled every ``PROBE_INTERVAL`` seconds and pooled (mean and p99);
-* adaptation: with a workload whose p99 drops from ~60 s to ~2 s halfway, the extension length in
-  use over time, and the calls, ack ids and crash delays after the shift;
-* a sweep of the heavy-tail workload over arrival rates (``SWEEP_RATES``): expiries and calls
-  from a trickle to a busy subscription.
-
-How:
-
-* Time is virtual. OUR side is the real :class:`reliable_sub.LeaseManager` (default
-  :class:`~reliable_sub.policy.LeasePolicy`) on a :class:`~reliable_sub.clock.ManualClock`, driven
-  the way the Subscriber drives it (``add`` on arrival, ``started`` at once since there is no flow
-  control, ``finish`` when the handler ends) against :class:`SimulatedAdapter`, a broker that
-  only keeps each ack id's deadline and records calls. A discrete-event loop on one asyncio loop
-  moves the clock to the next event (an arrival, a handler completion, a probe or the manager's
-  own sleep), lets the event loop settle, then applies the arrivals and completions of that time.
-* The ANCHOR side is a synchronous model of google-cloud-pubsub's subscriber (``leaser.py``,
-  ``histogram.py``, ``streaming_pull_manager.py`` of googleapis/python-pubsub): a lifetime
-  histogram of whole seconds (``ceil`` of receipt-to-ack time, clamped to 10..600), a p99 that is
-  re-read only when the histogram has grown by ``min(size, 100)`` samples, and a loop that on
-  every iteration modacks *every* leased message by that p99 (one RPC per 1000 ack ids) and then
-  sleeps ``uniform(0.01, 0.9 * p99)``. Each streaming-pull response is also modacked on receipt;
-  those receipt modacks are reported on their own row, not in the extend counts.
-* Expiries are exact: the broker compares an ack id's deadline with the time of every extend or
-  ack of it and sweeps all running handlers at every event time, so a deadline that passes
-  between two events is still counted (once).
-
-Run from the repository root: ``python -m benchmarks.lease_simulation`` prints the tables;
-``--write`` also rewrites the lease_simulation section of benchmarks/README.md.
+Time is virtual. Ours is the real :class:`reliable_sub.LeaseManager` on a ``ManualClock``, driven
+as the Subscriber drives it, against :class:`SimulatedAdapter` (a broker that keeps each ack id's
+deadline and counts calls); the anchor is :class:`AnchorLeaser`, a synchronous model of
+googleapis/python-pubsub's leaser. A discrete-event loop moves the clock to the next arrival,
+completion, probe or manager wake-up. Expiries are exact: every extend, ack and event time
+checks the running handlers' deadlines. The measures are explained in
+``templates/lease_simulation.md``.
 """
 
 from __future__ import annotations

@@ -1,43 +1,12 @@
 """Throughput of the full Subscriber pipeline against a bare receive → handle → ack loop.
 
-Run from the repository root::
-
     python -m benchmarks.memory_pipeline            # print the tables
     python -m benchmarks.memory_pipeline --write    # ... and rewrite the README section
 
-Every run gets a fresh :class:`MemoryAdapter` subscription with ``--messages`` messages published
-before the clock starts (publishing is not timed). The clock runs from the moment the consumer
-task is created until ``adapter.backlog(subscription) == 0``, i.e. until every message was handled
-*and its ack reached the broker*; a polling task in the same event loop checks the backlog every
-``POLL_INTERVAL`` seconds and gives up after ``RUN_DEADLINE``. The handler is a no-op coroutine
-function, so the numbers are the consumer's own overhead per message.
-
-Variants, each run in the benchmark's one event loop, interleaved over the repetitions:
-
-* ``bare loop`` -- ``receive(RECEIVE_BATCH)``, ``await handler(message)`` for each, ``ack(batch)``;
-  no lease, no dedup, no flow control, no retries: the floor the pipeline is compared with.
-* ``bare loop, task per message`` -- the same, but the batch's handlers run concurrently, one
-  task each (``asyncio.gather``): a reference row for what concurrency alone costs in asyncio.
-* ``Subscriber (no dedup)`` -- ``Subscriber(adapter)`` with default policies.
-* ``Subscriber + MemoryDedupStore`` -- the same with ``dedup=MemoryDedupStore()``: the full
-  pipeline the issue's ≥ 0.5x aim is about.
-
-The Subscriber runs as ``asyncio.create_task(sub.serve())`` in the benchmark's own loop and is
-stopped with ``await sub.shutdown()`` after the clock stops. Not ``start()``/``stop()``: those run
-the Subscriber on a second thread, and the bare loop has no second thread, so the comparison would
-also measure GIL hand-offs with the polling thread and cross-thread wake-ups.
-
-Cyclic garbage collection stays enabled (consumers run with it); the time it takes during each
-timed run is recorded with ``gc.callbacks`` and reported beside the rate. The published backlog is
-moved out of the collector's sight with ``gc.freeze()`` first: it lives in the consumer's heap only
-because the broker is in-process, and every full collection would otherwise walk all of it.
-
-After the timed repetitions, one run of each variant is repeated under :mod:`cProfile`, with GC
-off so that no collection is charged to the function that happened to allocate. Every
-function's own time (``tottime``) is attributed to a pipeline stage (receive, lease, dedup, task
-and handler, settle/ack, flow control, event loop). Functions that belong to no stage -- asyncio
-helpers, tenacity, dataclass ``__init__``\\ s, C builtins -- are attributed to the stages of their
-callers, split by the time spent under each caller, so the stages add up to the whole profile.
+Every run gets a fresh :class:`MemoryAdapter` backlog (``gc.freeze()``-d) and is timed until
+``adapter.backlog(subscription) == 0``. The Subscriber runs as a task in the benchmark's own loop,
+not with ``start()``, which would add a thread the bare loop does not have. One run per variant
+is then profiled. The variants and the method are described in ``templates/memory_pipeline.md``.
 """
 
 from __future__ import annotations

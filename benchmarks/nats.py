@@ -1,47 +1,13 @@
 """Throughput on NATS JetStream: the Subscriber against a raw nats-py pull loop and FastStream.
 
-Run from the repository root, with ``nats-server`` on ``PATH`` and Redis at ``--redis`` (for
-the dedup row)::
-
     python -m benchmarks.nats            # print the table
     python -m benchmarks.nats --write    # ... and write the README section
     python -m benchmarks.nats --quick    # a smoke test (small backlog, two repetitions)
 
-The benchmark starts its own ``nats-server -js`` on free loopback ports, its JetStream store
-in a temporary directory (``tests/nats_processes.py``), and kills it at the end. Every run gets
-a fresh file-backed stream (one subject, the stream's own name) holding ``--messages`` messages
-of 64 bytes, published with ``publish_async`` before the clock starts, and a fresh durable pull
-consumer on it (explicit ack, ``AckWait`` ``ACK_DEADLINE``, deliver all, the server's default
-``MaxAckPending`` of 1,000); both are deleted right after the run.
-
-The clock runs from the moment the consumer starts until every message was handled *and acked*
-(``benchmarks._brokers.drain``): the handler's counter reaches the backlog, then the consumer's
-info (asked on a control connection of the benchmark's own) shows nothing pending and nothing
-awaiting an ack. After the clock stops the consumer's info must show every message delivered and
-acked, none redelivered, and the handler must have seen each message exactly once. The handler
-is a no-op coroutine function apart from that counter, so the numbers are the consumer's own
-overhead per message.
-
-Variants, each run in the benchmark's one event loop, interleaved over the repetitions:
-
-* ``(a)`` raw nats-py: ``pull_subscribe_bind`` on the consumer, ``fetch(100)``, await the
-  handler and ``msg.ack()`` for each message, until the backlog is consumed; then a flush.
-* ``(b1)``/``(b2)`` FastStream's NATS subscriber on the same consumer, ``PullSub(batch_size=100)``
-  one message per handler call and with ``batch=True``; ``NatsBroker(logger=None)`` started
-  with ``await broker.start()`` and stopped with ``await broker.stop()``.
-* ``(c)`` ``Subscriber(NatsJetStreamAdapter(...))`` with default policies, the consumer made by
-  ``adapter.ensure_subscription(..., start="all")``; run as ``asyncio.create_task(sub.serve())``
-  and stopped with ``await sub.shutdown()`` after the clock stops.
-* ``(d)`` the same with ``dedup=RedisDedupStore(redis_url, prefix=...)``, a prefix unique to the
-  run; its keys are deleted after the run.
-* ``(e)`` as ``(c)``, with a batch handler (``@sub.handler(consumer, batch=True)``).
-
-Every client connects before the clock starts. What the consumer's connection sent and received
-while the clock ran is read from the server's ``/connz`` (by connection name) before and after:
-messages in (pull requests, acks) and out (deliveries, status messages) per message handled.
-(d)'s Redis round trips are counted in one more, untimed run with its client instrumented.
-``--profile`` runs (c) once more under cProfile and prints its hottest functions (not written to
-the README).
+Starts its own ``nats-server -js`` (``tests/nats_processes.py``); every run gets a fresh stream
+and durable consumer, timed by ``benchmarks._brokers.drain``, and the consumer connection's
+traffic is read from the server's ``/connz``. ``--profile`` prints (c)'s hottest functions (not
+written to the README). The variants and the method are described in ``templates/nats.md``.
 """
 
 from __future__ import annotations

@@ -3,17 +3,10 @@
     python -m benchmarks.outbox            # print the tables
     python -m benchmarks.outbox --write    # ... and rewrite the README section
 
-One run, the same PostgreSQL (``--postgres``) and Redis (``--redis``) for every variant:
-
-1. **Throughput**: ``--rows`` committed rows drained into one stream by worker processes that
-   connect, wait for a common start signal, and report when the outbox is empty. Variants,
-   interleaved over ``--repetitions`` runs: the raw limit (a loop that SELECTs the next 100 rows
-   by id and XADDs them in one redis-py pipeline: no locks, no marks, no commit), one
-   ``OutboxRelay`` process, three at once, and one over rows spread on 20 ordering keys.
-2. **Latency**: a writer commits one row every ``--spacing`` seconds (``--latency-rows`` in
-   all) while one relay process serves; the time from the writer's commit returning to the
-   entry arriving at a reader blocked on ``XREAD``. Woken by ``LISTEN/NOTIFY`` vs polling every
-   1 s (the writer's ``Outbox(notify=False)`` sends no NOTIFY).
+Throughput: worker processes (``--worker``) drain ``--rows`` committed rows after a common start
+signal: the raw loop, one relay, three, and one over ordering keys. Latency: a writer commits a
+row every ``--spacing`` s while one relay serves, woken by LISTEN/NOTIFY or by polling. The
+rows: ``templates/outbox.md``.
 """
 
 from __future__ import annotations

@@ -1,58 +1,14 @@
 """Pub/Sub on the official emulator: the Subscriber against google-cloud-pubsub's own consumers.
 
-Run from the repository root::
-
     python -m benchmarks.pubsub                           # start an emulator, print the tables
     python -m benchmarks.pubsub --write                   # ... and rewrite the README section
     python -m benchmarks.pubsub --host 127.0.0.1:8085     # use an emulator that is running
 
-Without ``--host`` the benchmark starts ``cloud-pubsub-emulator`` on a free loopback port (as
-the tests do, with ``reliable_sub.testing.services.EmulatorProcess``), waits until it accepts
-connections and kills its process
-group on exit. The emulator runs in another process on the same machine: *client CPU* below is
-this process's own CPU (``resource.getrusage(RUSAGE_SELF)``, user + sys, all threads, including
-gRPC's C-core threads), and *emulator CPU* is the emulator's (its processes' ``/proc`` times),
-reported when the benchmark started it.
-
-**Workload 1, throughput.** Every run gets a fresh topic and subscription (ack deadline
-``ACK_DEADLINE``) and ``--messages`` messages of ``PAYLOAD`` published to it before the clock
-starts (not timed); the consumer's subscriber channel is connected by one untimed RPC on it. The
-handler is a no-op apart from recording the message id. The clock runs from the moment the
-consumer starts until every delivery was handled *and every ack call for them has returned*: the
-acknowledge calls are counted at the call site (google-cloud-pubsub's ``acknowledge`` method for
-``(a)``, the loop's own call for ``(b)``, ``PubSubAdapter.ack`` wrapped as an instance attribute
-for ``(c)``), once per call, and the waiting thread is woken by an event when the count reaches
-the backlog (no polling in the timed part, and no sleeps). After the clock: every message was
-handled exactly once, and a pull with a short timeout on the subscription returns nothing. Then
-the subscription and topic are deleted. Variants, interleaved over the repetitions:
-
-* ``(a)`` google-cloud-pubsub's streaming pull, ``SubscriberClient.subscribe(subscription,
-  callback, flow_control=FlowControl(max_messages=1000))``, with its own lease management and
-  default scheduler (10 callback threads); the callback records the id and calls
-  ``message.ack()``. Stopped with ``future.cancel(); future.result()``.
-* ``(b)`` its unary pull: a loop of sync ``SubscriberClient.pull(max_messages=1000)``, the
-  handler for each received message, one ``acknowledge`` of the batch. No leases, no flow
-  control, one thread.
-* ``(c)`` ``Subscriber(PubSubAdapter(project, subscriber_client=...))`` with default policies
-  (no dedup), the async client on a plain ``grpc.aio`` channel to the emulator (what the adapter
-  builds by itself from ``PUBSUB_EMULATOR_HOST``); run as ``asyncio.create_task(sub.serve())``
-  in a fresh event loop and stopped with ``await sub.shutdown()`` after the clock stops.
-
-After the timed repetitions, one run of ``(c)`` under :mod:`cProfile` (GC off) attributes the
-event loop thread's time to pipeline stages, as the other benchmarks do.
-
-**Workload 2, long handlers.** ``LONG_MESSAGES`` messages whose handlers take 5–40 s (a fixed
-list drawn with seed ``LONG_SEED``; message *i* carries its index), subscription ack deadline
-``LONG_ACK_DEADLINE`` s. ``(a)`` and ``(c)`` run at the same time, each on its own topic and
-subscription of the same emulator: ``(a)`` with ``FlowControl(max_messages=1000)`` and a
-callback thread pool of ``LONG_MESSAGES`` threads (handler: ``time.sleep``), ``(c)`` with
-default policies (at most 1000 messages in flight; handler: ``asyncio.sleep``). Each side's
-channel carries a gRPC client interceptor (sync ``grpc.intercept_channel`` for ``(a)``, a
-``grpc.aio`` interceptor for ``(c)``) that records every ModifyAckDeadline call and every
-StreamingPull request's ``modify_deadline_ack_ids``, every acknowledged ack id, and when each
-ack id arrived (Pull and StreamingPull responses). A side is done when every message's handler
-finished and every delivery's ack call returned; it is stopped at once. A *redelivery* is a
-message whose handler started more than once.
+Workload 1 drains a backlog with (a) streaming pull, (b) unary pull and (c) the Subscriber,
+each run on a fresh topic, timed until every ack call returned (:class:`Tally`), then profiles
+(c). Workload 2 runs (a) and (c) side by side with long handlers and logs what each channel
+carried (:class:`RpcLog`, via gRPC interceptors). What the README says about both is in
+``templates/pubsub.md``.
 """
 
 from __future__ import annotations

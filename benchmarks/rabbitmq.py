@@ -1,32 +1,13 @@
 """Throughput on RabbitMQ: the Subscriber against a raw aio-pika consumer and FastStream.
 
-Run from the repository root, with RabbitMQ at ``--amqp`` and Redis at ``--redis`` (for the
-dedup row)::
-
     python -m benchmarks.rabbitmq            # print the table
     python -m benchmarks.rabbitmq --write    # ... and write the README section
     python -m benchmarks.rabbitmq --quick    # a smoke test (small backlog, two repetitions)
 
-Every run gets a fresh durable quorum queue (bound to a fresh fanout exchange, as the adapter
-lays a subscription out) holding ``--messages`` messages of 64 bytes, published with publisher
-confirms before the clock starts; it is deleted right after the run. The clock runs from the
-moment the consumer starts until the handler has seen every message and the consumer has sent
-its acks (``benchmarks._brokers.drain``; the raw loop its last ``basic.ack``, the Subscriber its
-acked outcomes, FastStream acks after each handler returns). After the clock, the consumer's
-connection is closed (an unacked message would go back to the queue) and the queue must hold
-nothing: every message acked, none twice (the handler must have seen each exactly once).
-
-Variants, each in the benchmark's one event loop, interleaved over the repetitions:
-
-* ``(a)`` raw aio-pika: ``basic.qos(prefetch_count=100)``, ``queue.consume`` with an async
-  callback that counts and acks every 100th message with ``multiple=True`` (one ack per batch).
-* ``(b)`` FastStream's RabbitMQ subscriber on the same queue (declared passively), one message
-  per handler call, ``RabbitBroker(logger=None)``, prefetch 100.
-* ``(c)`` ``Subscriber(RabbitMQAdapter(...))`` with default policies but leases of at most 20
-  minutes (under the broker's ``consumer_timeout``); the adapter's prefetch is the Subscriber's
-  flow-control window, 1,000.
-* ``(d)`` the same with ``dedup=RedisDedupStore(redis_url, prefix=...)``, a prefix unique to
-  the run; its keys are deleted afterwards.
+Every run gets a fresh quorum queue (behind a fresh fanout exchange, as the adapter lays a
+subscription out) published with confirms, timed by ``benchmarks._brokers.drain``; afterwards
+the queue must be empty. The variants and the method are described in
+``templates/rabbitmq.md``.
 """
 
 from __future__ import annotations

@@ -3,16 +3,10 @@
     python -m benchmarks.redis_cluster            # print the table
     python -m benchmarks.redis_cluster --write    # ... and rewrite the README section
 
-One run starts a private ``redis-server`` and a private cluster of 3 masters and 3 replicas
-(the same binary and flags; the test suite's ``tests/redis_processes.py`` starts both). Each
-repetition pre-publishes the same backlog into 3 streams, whose names carry hash tags chosen so
-that on the cluster each stream lives on a different master, then starts 1 or 3 consumer
-processes. Each process runs one Subscriber with a no-op handler on all 3 subscriptions (one
-consumer group per stream). The clock runs from the moment the processes are told to start
-until every group has read every entry and has nothing pending.
-
-Round trips are counted in the consumer processes: every request written to a Redis socket
-(a command, or a pipeline's batch to one node) is one.
+Starts a private ``redis-server`` and a 3-master cluster (``tests/redis_processes.py``); each
+repetition publishes the backlog into 3 streams hash-tagged onto different masters, then starts
+1 or 3 consumer processes (``--child``) that count every request they write to a Redis socket.
+The layout and the rows: ``templates/redis_cluster.md``.
 """
 
 from __future__ import annotations

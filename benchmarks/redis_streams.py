@@ -1,54 +1,12 @@
 """Throughput on Redis Streams: the Subscriber against a raw redis-py loop and FastStream.
 
-Run from the repository root, with a Redis (7.0 or later) at ``--url``::
-
     python -m benchmarks.redis_streams            # print the tables
     python -m benchmarks.redis_streams --write    # ... and rewrite the README section
 
-One template stream of ``--messages`` entries (one 64-byte ``data`` field each) is published once
-with pipelined XADDs before anything is timed. Every run starts from a fresh copy of it (``COPY``,
-so every run sees the same entry ids and the same backlog) with a fresh consumer group created at
-``0``, under key names unique to this benchmark process and run; every key a run wrote (stream,
-adapter settings, dedup records) is deleted right after it, and the templates at the end.
-
-The clock runs from the moment the consumer starts until every entry was handled *and acked*
-(``benchmarks._brokers.drain``): the handler's counter reaches the backlog, then ``XPENDING``
-reports no pending entries for the group. After the clock stops,
-``XINFO GROUPS`` must show every entry read (``entries-read``), no lag and nothing pending, and
-the handler must have seen each entry exactly once. The handler is a no-op coroutine function
-apart from that counter, so the numbers are the consumer's own overhead per message.
-
-Variants, each run in the benchmark's one event loop, interleaved over the repetitions:
-
-* ``(a)`` a raw ``redis.asyncio`` loop (hiredis parser): ``XREADGROUP COUNT 100``, await the
-  handler for each entry, one ``XACK`` for the batch; nothing else. The floor.
-* ``(b1)``/``(b2)`` FastStream's Redis stream subscriber with a consumer group
-  (``StreamSub(stream, group=..., consumer=..., max_records=100)``, ``RedisBroker(logger=None)``),
-  one message per handler call and with ``batch=True``. FastStream creates a missing group at
-  ``$``; the benchmark creates it at ``0`` first, so FastStream finds it and reads the backlog.
-  Started with ``await broker.start()``, stopped with ``await broker.stop()``.
-* ``(c)`` ``Subscriber(RedisStreamsAdapter(...))`` with default policies, ack deadline
-  ``ACK_DEADLINE``; run as ``asyncio.create_task(sub.serve())`` and stopped with
-  ``await sub.shutdown()`` after the clock stops, as in ``benchmarks.memory_pipeline``.
-* ``(d)`` the same with ``dedup=RedisDedupStore(adapter.client, prefix=...)``: the dedup store
-  shares the adapter's client, as the adapter's docstring suggests.
-* ``(e)`` as ``(c)``, with a batch handler (``@sub.handler(group, batch=True)``, default
-  ``max_batch=100``, ``max_wait=0``): one call for what one read brought.
-
-Every client connects (one PING) before the clock starts. Cyclic GC stays enabled and its time
-is recorded, with the process CPU time (``benchmarks._harness.Clock``): wall time minus CPU time
-is the time this process sat idle, waiting for Redis (or for a CPU).
-
-After the timed repetitions:
-
-* one untimed run of every variant with its Redis clients instrumented: each client's
-  ``execute_command`` (one command, one round trip) and each pipeline's ``execute`` (one round
-  trip, ``len(command_stack)`` commands) are wrapped to count round trips and commands by name,
-  scripts by the attribute that holds them; FastStream's ``StreamSub`` deep copies are counted
-  by wrapping the ``deepcopy`` its ``stream_sub`` module calls;
-* one run of ``(a)``, ``(c)``, ``(d)`` and ``(e)`` under :mod:`cProfile` with GC off, its time
-  split over pipeline stages (``benchmarks._common.stage_seconds``); the time the loop sits in
-  ``epoll`` waiting for Redis is a stage of its own.
+Every run drains a fresh ``COPY`` of one pre-published template stream with a fresh group at
+``0`` (unique key names, deleted afterwards), timed by ``benchmarks._brokers.drain``; then one
+instrumented run per variant counts round trips, and (a), (c), (d), (e) are profiled. The
+variants and the method are described in ``templates/redis_streams.md``.
 """
 
 from __future__ import annotations

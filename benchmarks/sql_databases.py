@@ -4,19 +4,9 @@ outbox relay on PostgreSQL and on MariaDB, with MariaDB's raw-driver floors.
     python -m benchmarks.sql_databases            # print the tables
     python -m benchmarks.sql_databases --write    # ... and rewrite the README section
 
-One run against the shared PostgreSQL (``--postgres``), MariaDB (``--mariadb``) and Redis
-(``--redis``, the relay's broker); every workload alternates the databases over
-``--repetitions`` runs, medians shown. The floors send the store's own statements (their text
-taken from the store) with asyncmy on one autocommit connection
-(``benchmarks/_mariadb_floor.py``); the relay's floor is ``benchmarks.outbox``'s raw loop
-(SELECT 100 rows by id, one pipelined XADD: no locks, no marks).
-
-1. ``claim_many`` of 100 fresh keys (one statement per batch on both databases).
-2. ``@idempotent`` (async) first calls and replays, one call after another.
-3. A Subscriber on the in-memory broker whose handler inserts one row: plain (its own
-   ``engine.begin()``) vs ``transactional=True`` (``benchmarks.dedup``'s workload).
-4. One ``OutboxRelay`` process draining ``--rows`` rows into a Redis stream, vs the raw loop;
-   and on MariaDB, which has no LISTEN/NOTIFY, the commit-to-publish latency of polling.
+Every workload alternates the databases over ``--repetitions`` runs. The floors send the store's
+own statements with asyncmy (``benchmarks/_mariadb_floor.py``); the relay's floor is
+``benchmarks.outbox``'s raw loop. The rows: ``templates/sql_databases.md``.
 """
 
 from __future__ import annotations

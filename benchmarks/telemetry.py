@@ -3,23 +3,10 @@
     python -m benchmarks.telemetry            # print the table
     python -m benchmarks.telemetry --write    # ... and rewrite the README section
 
-One run, the variants interleaved over ``--repetitions`` runs, medians; a Subscriber (no dedup,
-a no-op async handler) drains a pre-published backlog:
-
-* **off**: ``Subscriber(tracer_provider=NoOpTracerProvider(), meter_provider=NoOpMeterProvider())``;
-* **API alone**: no SDK configured (OpenTelemetry's default proxies: what a service without
-  an SDK gets, and the default of every Subscriber);
-* **SDK**: an SDK ``TracerProvider`` with a ``BatchSpanProcessor`` into a no-op exporter and an
-  SDK ``MeterProvider`` with a periodic reader into a no-op exporter: every span and metric is
-  made and batched, nothing leaves the process.
-
-on the in-memory broker (``--messages``) and on Redis Streams (``--redis``, ``--redis-messages``).
-Then the same on the in-memory broker with a handler that works: 0.5 ms of CPU per message
-(``--work-messages``), off, SDK and sampled, to show the cost beside real work. In the same
-repetitions, the SDK's floor (``benchmarks._telemetry_floor``): the same spans and metric records
-in a loop of nothing else, so the table tells the SDK's cost from ours. And the peer:
-FastStream's Redis ``StreamSub`` (one message per call) with and without its
-``RedisTelemetryMiddleware`` on the SDK variant's providers (``--peer-messages``).
+Off (no-op providers), the API alone (no SDK) and the SDK (batched spans and periodic metrics
+into no-op exporters) on the in-memory broker and Redis Streams, then with a handler that
+works; beside them the SDK's own floor (``benchmarks._telemetry_floor``) and FastStream with
+its telemetry middleware. What the README says of them: ``templates/telemetry.md``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """What typed bodies cost: decoding alone, and the Subscriber with typed handlers.
 
-Run from the repository root::
-
     python -m benchmarks.typed_bodies            # print the tables
     python -m benchmarks.typed_bodies --write    # ... and rewrite the README section
 
-**Decoding** one order body (11 fields, about 250 bytes of JSON), ``timeit`` in this process: the
-stdlib's ``json.loads`` to a dict (what an untyped handler does itself), then what a typed
-handler's decoder does: a pydantic model's ``model_validate_json``, pydantic's ``TypeAdapter`` over
-a dataclass (what a dataclass body uses with pydantic installed), the fallback without pydantic
-(``json.loads`` and the dataclass's constructor), and ``msgspec.json.decode`` into a Struct (a
-handler annotated with a msgspec Struct).
-
-**Pipeline**: the memory pipeline benchmark's harness (``benchmarks.memory_pipeline``: a fresh
-MemoryAdapter backlog, timed until every ack reached the broker), with four handlers interleaved
-over the repetitions: a no-op untyped handler (the floor), an untyped one that calls
-``json.loads(message.data)`` (what users write today), and typed ones taking the pydantic model,
-the dataclass and the msgspec Struct.
+**Decoding** one order body with ``timeit``: ``json.loads``, pydantic (a model, and a
+``TypeAdapter`` over a dataclass), the dataclass fallback without pydantic, and msgspec.
+**Pipeline**: ``benchmarks.memory_pipeline``'s harness with a no-op handler (the floor), an
+untyped ``json.loads`` one and typed ones, interleaved.
 """
 
 from __future__ import annotations
