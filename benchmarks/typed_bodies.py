@@ -28,7 +28,7 @@ import msgspec
 import pydantic
 
 from benchmarks._common import MICROS, README
-from benchmarks._harness import add_runs, check_main, command_line, publish
+from benchmarks._harness import add_runs, check_main, command_line, publish, render
 from benchmarks.memory_pipeline import SUBSCRIPTION, TOPIC, drain
 from reliable_sub import Message, Subscriber
 from reliable_sub.adapters.memory import MemoryAdapter
@@ -150,24 +150,15 @@ def report(decoding: dict[str, float], pipeline: dict[str, float], command: str,
     base_decode = decoding["json.loads → dict (an untyped handler's own)"]
     base_pipeline = pipeline["untyped, json.loads(message.data)"]
     floor = pipeline["untyped, no-op (floor)"]
-    lines = [
-        f"Produced by `{command}` on {today} (CPython {platform.python_version()}, "
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs; pydantic "
-        f"{pydantic.VERSION}). Decoding: median of {repetitions} rounds of {DECODES:,} decodes "
-        f"of one {len(BODY)}-byte order body. Pipeline: median of {repetitions} interleaved "
-        f"runs of {messages:,} messages each on the MemoryAdapter.",
-        "",
-        "| decoding one body | µs | vs json.loads |",
-        "|---|---:|---:|",
-        *(f"| {name} | {micros:.2f} | {micros / base_decode:.2f}× |"
-          for name, micros in decoding.items()),
-        "",
-        "| Subscriber, handler | µs/message | vs untyped json.loads | over the no-op floor |",
-        "|---|---:|---:|---:|",
-        *(f"| {name} | {micros:.2f} | {micros / base_pipeline:.2f}× | "
-          f"{micros - floor:+.2f} µs |" for name, micros in pipeline.items()),
-    ]
-    return "\n".join(lines)
+    return render(
+        "typed_bodies", command=command, today=today, python=platform.python_version(),
+        system=platform.system(), machine=platform.machine(), cpus=os.cpu_count(),
+        pydantic=pydantic.VERSION, repetitions=repetitions, DECODES=DECODES, body=len(BODY),
+        messages=messages,
+        decoding=[f"| {name} | {micros:.2f} | {micros / base_decode:.2f}× |"
+                  for name, micros in decoding.items()],
+        pipeline=[f"| {name} | {micros:.2f} | {micros / base_pipeline:.2f}× | "
+                  f"{micros - floor:+.2f} µs |" for name, micros in pipeline.items()])
 
 
 def main(argv: list[str] | None = None) -> None:
