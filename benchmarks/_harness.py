@@ -1,19 +1,10 @@
 """The benchmarks' harness: one timed run, its repetitions, their tables, and the command line.
 
-* :class:`Clock` times one run the way every throughput benchmark does: a ``gc.collect()``
-  first (every run starts from the same heap, outside the clock), then wall, process CPU and
-  cyclic-GC seconds; a profiled run has GC off, so that no collection is charged to whatever
-  happened to allocate. :class:`Run` is what it records; :class:`CpuThroughput` adds the
-  medians of a client's CPU and idle time to :class:`~benchmarks._common.Throughput`.
-* :func:`table`, :data:`RATE_COLUMNS` and :func:`broker_table` format a markdown table of
-  variants; :func:`stage_table` the per-stage profile table; :func:`paired` the
-  repetition-by-repetition ratios behind a goal's verdict.
-* :func:`measured_on` is the first line of every README section (command, date, interpreter,
-  machine); :func:`versions` the packages measured; :func:`render` fills a section's prose
-  from its template in ``benchmarks/templates``.
-* :func:`command_line`, :func:`add_runs`, :func:`check_main` and :func:`publish` are the
-  pieces of every ``main``: the command as the README shows it, ``--messages``/``--repetitions``,
-  the stage-rule and marker checks, printing and ``--write``.
+:class:`Clock` times one run (``gc.collect()`` first, then wall, CPU and cyclic-GC seconds; GC off
+while profiling); :func:`table` and its variants format the markdown tables; :func:`render` fills
+a section's prose from ``benchmarks/templates/<name>.md``; :func:`measured_on`,
+:func:`command_line`, :func:`add_runs`, :func:`check_main` and :func:`publish` are the pieces of
+every ``main``.
 """
 
 from __future__ import annotations
