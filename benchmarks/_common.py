@@ -1,22 +1,10 @@
 """Pieces the benchmarks share: stage attribution of a cProfile run, GC timing, README sections.
 
-* :class:`Rule`, :func:`rule`, :func:`stage_of` and :func:`stage_seconds` split a profile's time
-  over a benchmark's pipeline stages. Each benchmark keeps its own stages and rule list and
-  passes them in; :func:`pipeline_rules` are the rules for the Subscriber's own runtime, which
-  every profiled benchmark shares.
-* :class:`GcTimer` adds up the time the cyclic garbage collector runs.
-* :func:`section_markers`, :func:`has_section` and :func:`write_section` find and rewrite one
-  benchmark's section of ``benchmarks/README.md``, between ``<!-- NAME:start -->`` and
-  ``<!-- NAME:end -->``.
-* :func:`positive_int` is an ``argparse`` type for counts.
-* :class:`StageProfile` is one profiled run's own time per stage, the report every benchmark
-  prints; :func:`unknown_rule_names` finds rules that name functions their file no longer has
-  (a rename would otherwise move time to the wrong stage without a word).
-* :class:`Throughput` holds one variant's timed repetitions and their medians; a benchmark whose
-  runs record more (CPU, emulator time) subclasses it. :class:`Rates` is the simpler form: a
-  variant's rates per repetition. :func:`interleaved` (and :func:`interleaved_sync`) warm every
-  variant up, then time them round-robin over the repetitions. :func:`verdict` and
-  :func:`paired_goal` are a goal's line in a report.
+Throughput bookkeeping (:class:`Throughput`, :class:`Rates`, :func:`interleaved`, the goal lines
+:func:`verdict` and :func:`paired_goal`); stage attribution (:class:`Rule`, :func:`pipeline_rules`,
+:func:`stage_seconds`, :class:`StageProfile`, :func:`unknown_rule_names` for rules whose functions
+were renamed); :class:`GcTimer`; and the README's sections between ``<!-- NAME:start -->`` and
+``<!-- NAME:end -->`` (:func:`write_section`).
 """
 
 from __future__ import annotations

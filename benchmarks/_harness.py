@@ -1,18 +1,10 @@
 """The benchmarks' harness: one timed run, its repetitions, their tables, and the command line.
 
-* :class:`Clock` times one run the way every throughput benchmark does: a ``gc.collect()``
-  first (every run starts from the same heap, outside the clock), then wall, process CPU and
-  cyclic-GC seconds; a profiled run has GC off, so that no collection is charged to whatever
-  happened to allocate. :class:`Run` is what it records; :class:`CpuThroughput` adds the
-  medians of a client's CPU and idle time to :class:`~benchmarks._common.Throughput`.
-* :func:`table`, :data:`RATE_COLUMNS` and :func:`broker_table` format a markdown table of
-  variants; :func:`stage_table` the per-stage profile table; :func:`paired` the
-  repetition-by-repetition ratios behind a goal's verdict.
-* :func:`measured_on` is the first line of every README section (command, date, interpreter,
-  machine); :func:`versions` the packages measured.
-* :func:`command_line`, :func:`add_runs`, :func:`check_main` and :func:`publish` are the
-  pieces of every ``main``: the command as the README shows it, ``--messages``/``--repetitions``,
-  the stage-rule and marker checks, printing and ``--write``.
+:class:`Clock` times one run (``gc.collect()`` first, then wall, CPU and cyclic-GC seconds; GC off
+while profiling); :func:`table` and its variants format the markdown tables; :func:`render` fills
+a section's prose from ``benchmarks/templates/<name>.md``; :func:`measured_on`,
+:func:`command_line`, :func:`add_runs`, :func:`check_main` and :func:`publish` are the pieces of
+every ``main``.
 """
 
 from __future__ import annotations
@@ -30,6 +22,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from benchmarks._common import (
@@ -212,6 +205,18 @@ def measured_on(command: str) -> str:
     return (f"Command (from the repository root): `{command}`; measured "
             f"{datetime.date.today().isoformat()} with CPython {platform.python_version()} on "
             f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs")
+
+
+TEMPLATES = Path(__file__).with_name("templates")
+
+
+def render(template: str, /, **values: Any) -> str:
+    """``benchmarks/templates/<template>.md`` filled in with ``str.format_map``: the prose of a
+    README section lives there, the code computes its figures and tables (a list of lines is
+    joined with newlines)."""
+    text = (TEMPLATES / f"{template}.md").read_text().removesuffix("\n")
+    return text.format_map({name: "\n".join(value) if isinstance(value, list) else value
+                            for name, value in values.items()})
 
 
 def versions(*names: str) -> str:

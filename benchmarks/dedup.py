@@ -3,24 +3,10 @@
     python -m benchmarks.dedup            # print the tables
     python -m benchmarks.dedup --write    # ... and rewrite the README section
 
-Three comparisons, each side by side in one process run against the same services (Redis on
-127.0.0.1:6379, PostgreSQL on 127.0.0.1:5432 database ``test``; ``--redis``/``--postgres`` to
-change), variants interleaved, the median of ``--repetitions`` runs shown:
-
-1. **Idempotent functions**: ``@idempotent`` on ``RedisDedupStore`` vs aws-lambda-powertools'
-   ``idempotent_function`` on its ``RedisCachePersistenceLayer`` (outside Lambda: a stub
-   context, ``ssl=False``), each on a function that returns a small dict. First calls (a fresh
-   key each) and replays (the same keys again), called one after another. Our SqlDedupStore on
-   PostgreSQL and SQLite, and MemoryDedupStore, run the same workloads for reference, and the
-   PostgreSQL store's floor: a raw psycopg loop sending the store's own two statements
-   (``benchmarks/_dedup_sql_floor.py``).
-2. **Batched claims**: the Subscriber's claim path (``claim_many`` of a received batch of 100
-   keys, one call) vs the limit, raw ``SET key value NX PX ttl`` for the same 100 keys in one
-   redis-py pipeline (no MULTI); and SqlDedupStore's ``claim_many`` (one statement per batch).
-3. **Transactional handler on PostgreSQL**: a Subscriber (in-memory broker) whose handler
-   inserts one row, plain (``engine.begin()`` in the handler, no dedup) vs ``transactional=True``
-   with SqlDedupStore (the batched claim, then the insert and the owner-fenced completion in one
-   transaction).
+Three comparisons against the shared Redis and PostgreSQL (``--redis``/``--postgres``), variants
+interleaved: idempotent functions (first calls and replays; Powertools outside Lambda runs with
+a stub context), batched claims, and a transactional handler. What each row is:
+``templates/dedup.md``.
 """
 
 from __future__ import annotations
@@ -35,7 +21,7 @@ from typing import Any
 
 from benchmarks._common import Rates, positive_int, verdict
 from benchmarks._dedup_sql_floor import LEASE, TTL, RawIdempotent, captured_statements
-from benchmarks._harness import add_runs, measured_on, publish, rates_table
+from benchmarks._harness import add_runs, measured_on, publish, rates_table, render
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
@@ -335,71 +321,32 @@ def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list
            tx: list[Rates]) -> str:
     powertools = idem[0]
     ours_sync, ours_async = idem[1], idem[2]
-    lines = [
-        "## Dedup: @idempotent vs Powertools, batched claims vs SET NX, transactional handlers",
-        "",
-        f"{measured_on(COMMAND)}; Redis and "
-        f"PostgreSQL on loopback; {args.repetitions} runs per variant, interleaved; medians.",
-        "",
-        f"**1. Idempotent functions** ({args.calls:,} sequential calls per run; first calls use "
-        "fresh keys, replays repeat them). Ratios to Powertools on the same Redis.",
-        "",
-    ]
     baseline = {id(r): base for v in idem
                 for r, base in ((v.first, powertools.first), (v.replay, powertools.replay))}
-    lines += rates_table([r for v in idem for r in (v.first, v.replay)], "calls",
-                         [("Powertools", lambda r: baseline[id(r)])])
+    idem_table = rates_table([r for v in idem for r in (v.first, v.replay)], "calls",
+                             [("Powertools", lambda r: baseline[id(r)])])
     by_name = {variant.name: variant for variant in idem}
     pg, raw_pg = by_name[PG], by_name[RAW_PG]
     best_first = max(ours_sync.first.median, ours_async.first.median)
     best_replay = max(ours_sync.replay.median, ours_async.replay.median)
-    lines += [
-        "",
-        verdict("replays, @idempotent sync on Redis vs Powertools",
-                 ours_sync.replay.median / powertools.replay.median, 3.0),
-        verdict("first calls, @idempotent sync on Redis vs Powertools",
-                 ours_sync.first.median / powertools.first.median, 1.3),
-        f"* best of sync/async on Redis: first calls "
-        f"{best_first / powertools.first.median:.2f}×, replays "
-        f"{best_replay / powertools.replay.median:.2f}× Powertools",
-        verdict("first calls, @idempotent async on PostgreSQL vs the raw psycopg loop",
-                pg.first.median / raw_pg.first.median, 0.5),
-        verdict("replays, @idempotent async on PostgreSQL vs the raw psycopg loop",
-                pg.replay.median / raw_pg.replay.median, 0.5),
-        "",
-        f"**2. Batched claims** ({args.batches} batches of {BATCH} fresh keys per run). "
-        "Ratios to raw pipelined SET NX PX.",
-        "",
-        *rates_table(claims, "claims", [("baseline", lambda _: claims[0])]),
-        "",
-        verdict("RedisDedupStore.claim_many vs pipelined SET NX",
-                 claims[1].median / claims[0].median, 0.5),
-        "",
-        f"**3. Transactional handler on PostgreSQL** ({args.messages:,} messages per run through "
-        "a Subscriber on the in-memory broker; the handler inserts one row).",
-        "",
-        *rates_table(tx, "msgs", [("baseline", lambda _: tx[0])]),
-        "",
-        verdict("time per message, transactional vs plain insert",
-                 tx[0].median / tx[1].median, 1.5, at_most=True),
-        "",
-        "Reading the figures:",
-        "",
-        "* A first call is two store round trips (claim, then complete), as in Powertools (two "
-        "`SET`s); a replay is one (Powertools: a failed `SET NX` and a `GET`). The sync "
-        "decorator calls the stores' blocking twins on the calling thread; redis-py's "
-        "`EVALSHA` alone costs about 85 µs here, so two of them leave first calls near parity "
-        "with Powertools whatever our own code does (about 15 µs of it per call).",
-        "* The async rows pay redis-py's asyncio client, slower per command than the sync one.",
-        "* Every SQL first call and claim batch commits a write transaction, which waits for "
-        "the database's log flush (fsync) on this disk: that, not the statement, is most of "
-        "the SQL rows' time. SQLite rows use the throwaway `sqlite://` database (WAL, no "
-        "fsync); a named file keeps SQLite's own durability and is slower.",
-        "* The transactional handler adds one UPDATE to the handler's transaction and its share "
-        "of a batched claim (its own transaction, with its own log flush); the ratio moves "
-        "between runs with the machine's load (1.45–2.1× over this session's runs).",
-    ]
-    return "\n".join(lines)
+    return render(
+        "dedup", measured_on=measured_on(COMMAND), args=args, BATCH=BATCH, idem_table=idem_table,
+        replay_goal=verdict("replays, @idempotent sync on Redis vs Powertools",
+                            ours_sync.replay.median / powertools.replay.median, 3.0),
+        first_goal=verdict("first calls, @idempotent sync on Redis vs Powertools",
+                           ours_sync.first.median / powertools.first.median, 1.3),
+        best_first=best_first / powertools.first.median,
+        best_replay=best_replay / powertools.replay.median,
+        pg_first_goal=verdict("first calls, @idempotent async on PostgreSQL vs the raw psycopg "
+                              "loop", pg.first.median / raw_pg.first.median, 0.5),
+        pg_replay_goal=verdict("replays, @idempotent async on PostgreSQL vs the raw psycopg loop",
+                               pg.replay.median / raw_pg.replay.median, 0.5),
+        claims_table=rates_table(claims, "claims", [("baseline", lambda _: claims[0])]),
+        claims_goal=verdict("RedisDedupStore.claim_many vs pipelined SET NX",
+                            claims[1].median / claims[0].median, 0.5),
+        tx_table=rates_table(tx, "msgs", [("baseline", lambda _: tx[0])]),
+        tx_goal=verdict("time per message, transactional vs plain insert",
+                        tx[0].median / tx[1].median, 1.5, at_most=True))
 
 
 async def amain(args: argparse.Namespace) -> str:

@@ -3,20 +3,9 @@
     python -m benchmarks.flat_cost            # print the tables
     python -m benchmarks.flat_cost --write    # ... and rewrite the README section
 
-A Subscriber (MemoryAdapter, no dedup, default policies but the flow-control limit) in the
-benchmark's own loop, as in ``benchmarks.memory_pipeline``; sizes interleaved over the
-repetitions, medians:
-
-* **In flight**: ``--in-flight-messages`` messages through a handler that holds each message
-  until ``FlowControl.max_messages`` of them are held (then all are let go at once, by one
-  future they all await), for each limit in ``--in-flight``. The process's CPU time per message
-  is what should stay flat: the wall time of a held message is the test's own waiting.
-* **Drained**: backlogs of each size in ``--drained`` through a no-op handler: wall and CPU time
-  per message. A structure that grows with history (a set of every id seen, a list never pruned)
-  shows as time per message rising with the backlog.
-
-The published backlog is ``gc.freeze()``-d before the clock starts (it sits in this process only
-because the broker does); the cyclic collector stays on.
+A Subscriber on the MemoryAdapter in the benchmark's own loop (``benchmarks.memory_pipeline``),
+sizes interleaved: messages held in flight up to each ``--in-flight`` limit (CPU per message
+should stay flat), and backlogs of each ``--drained`` size through a no-op handler.
 """
 
 from __future__ import annotations
@@ -30,7 +19,7 @@ from dataclasses import dataclass, field
 
 from benchmarks import memory_pipeline as memory
 from benchmarks._common import positive_int, verdict
-from benchmarks._harness import command_line, measured_on, publish
+from benchmarks._harness import command_line, measured_on, publish, render
 from reliable_sub import FlowControl, Message, Subscriber
 
 DEFAULT_IN_FLIGHT = (100, 1_000, 10_000)
@@ -137,36 +126,15 @@ def report(args: argparse.Namespace, in_flight: list[Series], drained: list[Seri
     header = ["| Size | wall µs/msg | CPU µs/msg | of which cyclic GC µs/msg | CPU vs the first | "
               "CPU less GC vs the first | wall vs the first |",
               "|---|---:|---:|---:|---:|---:|---:|"]
-    lines = [
-        "## Flat cost: time per message against messages in flight and backlog drained "
-        "(MemoryAdapter)",
-        "",
-        f"{measured_on(command)}; 1-minute load average {load:.2f} at the start; "
-        f"{args.repetitions} runs per size, interleaved; medians.",
-        "",
-        f"**In flight**: {args.in_flight_messages:,} messages, each held by the handler until "
-        "the flow-control limit of them are held, then all let go at once (their wall time is "
-        "the holding; the CPU time per message is the Subscriber's).",
-        "",
-        *header, *_rows(in_flight),
-        "",
-        "**Drained**: a backlog of each size through a no-op handler.",
-        "",
-        *header, *_rows(drained),
-        "",
-        verdict(f"CPU per message, {in_flight[-1].label} vs {in_flight[0].label}",
-                in_flight[-1].cpu_median / in_flight[0].cpu_median, FLAT_WITHIN,
-                at_most=True),
-        verdict(f"time per message, {drained[-1].label} vs {drained[0].label}",
-                drained[-1].wall_median / drained[0].wall_median, FLAT_WITHIN, at_most=True),
-        "",
-        "The cyclic collector is what grows: its collections walk every live container, and "
-        "more messages in flight are more live containers (their records, tasks, coroutines). "
-        "Without it (`gc.disable()`, a quick check) 10,000 in flight cost 1.15× the CPU of 100 "
-        "per message on this machine; the *CPU less GC* column shows the same from the timed "
-        "runs.",
-    ]
-    return "\n".join(lines)
+    first, last = in_flight[0], in_flight[-1]
+    return render(
+        "flat_cost", measured_on=measured_on(command), load=load, args=args, header=header,
+        in_flight=_rows(in_flight), drained=_rows(drained),
+        in_flight_goal=verdict(f"CPU per message, {last.label} vs {first.label}",
+                               last.cpu_median / first.cpu_median, FLAT_WITHIN, at_most=True),
+        drained_goal=verdict(f"time per message, {drained[-1].label} vs {drained[0].label}",
+                             drained[-1].wall_median / drained[0].wall_median, FLAT_WITHIN,
+                             at_most=True))
 
 
 def _sizes(text: str) -> list[int]:

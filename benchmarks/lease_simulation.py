@@ -1,41 +1,15 @@
 """Lease simulation: our LeaseManager against a model of google-cloud-pubsub's leaser.
 
-What it measures, for both sides on the same deliveries (same arrivals, same handler times):
+    python -m benchmarks.lease_simulation            # print the tables
+    python -m benchmarks.lease_simulation --write    # ... and rewrite the README section
 
-* expiries: a delivery's broker ack deadline passing while its handler still runs (the broker
-  would redeliver a message that is being worked on);
-* extend calls (modifyAckDeadline RPCs) and the ack ids they carry, in total, per message and per
-  second of simulated time;
-* the redelivery delay after a consumer crash: at a crash instant every in-flight message comes
-  back when its broker deadline passes, so the delay is ``broker deadline - crash time``; crash
-  instants are sampled every ``PROBE_INTERVAL`` seconds and pooled (mean and p99);
-* adaptation: with a workload whose p99 drops from ~60 s to ~2 s halfway, the extension length in
-  use over time, and the calls, ack ids and crash delays after the shift;
-* a sweep of the heavy-tail workload over arrival rates (``SWEEP_RATES``): expiries and calls
-  from a trickle to a busy subscription.
-
-How:
-
-* Time is virtual. OUR side is the real :class:`reliable_sub.LeaseManager` (default
-  :class:`~reliable_sub.policy.LeasePolicy`) on a :class:`~reliable_sub.clock.ManualClock`, driven
-  the way the Subscriber drives it (``add`` on arrival, ``started`` at once since there is no flow
-  control, ``finish`` when the handler ends) against :class:`SimulatedAdapter`, a broker that
-  only keeps each ack id's deadline and records calls. A discrete-event loop on one asyncio loop
-  moves the clock to the next event (an arrival, a handler completion, a probe or the manager's
-  own sleep), lets the event loop settle, then applies the arrivals and completions of that time.
-* The ANCHOR side is a synchronous model of google-cloud-pubsub's subscriber (``leaser.py``,
-  ``histogram.py``, ``streaming_pull_manager.py`` of googleapis/python-pubsub): a lifetime
-  histogram of whole seconds (``ceil`` of receipt-to-ack time, clamped to 10..600), a p99 that is
-  re-read only when the histogram has grown by ``min(size, 100)`` samples, and a loop that on
-  every iteration modacks *every* leased message by that p99 (one RPC per 1000 ack ids) and then
-  sleeps ``uniform(0.01, 0.9 * p99)``. Each streaming-pull response is also modacked on receipt;
-  those receipt modacks are reported on their own row, not in the extend counts.
-* Expiries are exact: the broker compares an ack id's deadline with the time of every extend or
-  ack of it and sweeps all running handlers at every event time, so a deadline that passes
-  between two events is still counted (once).
-
-Run from the repository root: ``python -m benchmarks.lease_simulation`` prints the tables;
-``--write`` also rewrites the lease_simulation section of benchmarks/README.md.
+Time is virtual. Ours is the real :class:`reliable_sub.LeaseManager` on a ``ManualClock``, driven
+as the Subscriber drives it, against :class:`SimulatedAdapter` (a broker that keeps each ack id's
+deadline and counts calls); the anchor is :class:`AnchorLeaser`, a synchronous model of
+googleapis/python-pubsub's leaser. A discrete-event loop moves the clock to the next arrival,
+completion, probe or manager wake-up. Expiries are exact: every extend, ack and event time
+checks the running handlers' deadlines. The measures are explained in
+``templates/lease_simulation.md``.
 """
 
 from __future__ import annotations
@@ -53,7 +27,7 @@ from dataclasses import dataclass, field
 from statistics import NormalDist
 from typing import cast
 
-from benchmarks._harness import check_main, command_line, publish
+from benchmarks._harness import check_main, command_line, publish, render
 from reliable_sub._runtime.inflight import InFlight, Stage
 from reliable_sub._runtime.lease import BATCH_FRACTION, LeaseManager
 from reliable_sub.adapters.base import Adapter, Capabilities
@@ -728,73 +702,18 @@ def section_text(
 ) -> str:
     today = datetime.date.today().isoformat()
     half = DELIVERIES // 2
-    return "\n".join([
-        "## Lease simulation: LeaseManager vs google-cloud-pubsub's leaser",
-        "",
-        f"Command: `{command}` (from the repository root, in the project's venv); run on "
-        f"{today}, seed {args.seed}, {elapsed:.0f} s of wall time for everything below.",
-        "",
-        f"Virtual time (`ManualClock`). Each workload: {DELIVERIES:,} deliveries arriving as a "
-        f"Poisson stream at {args.rate:g}/s; handlers start on arrival (no flow control); "
-        f"subscription ack deadline {ACK_DEADLINE:g} s; the broker accepts 10–600 s per "
-        "extension. Ours: the real `LeaseManager` with the default `LeasePolicy` (10–600 s, "
-        "p99, max lease 3600 s) against a simulated broker.",
-        "",
-        f"**Heavy tail**: lognormal handler times, p50 {SLOW_P50:g} s, p99 {SLOW_P99:g} s "
-        f"(as drawn: p99 {handler_p99(heavy.workload.jobs):.0f} s), plus {STRAGGLERS} "
-        f"stragglers of {STRAGGLER_MIN / 60:g}–{STRAGGLER_MAX / 60:g} min.",
-        "",
-        *heavy_tail_table(heavy),
-        "",
-        f"**Adaptation**: {half:,} handlers lognormal with p99 {SLOW_P99:g} s (as drawn: "
-        f"{handler_p99(shifting.workload.jobs[:half]):.0f} s, no stragglers), then {half:,} with "
-        f"p50 {FAST_P50:g} s, p99 {FAST_P99:g} s (as drawn: "
-        f"{handler_p99(shifting.workload.jobs[half:]):.1f} s). \"After the shift\" counts from "
-        "the first fast arrival.",
-        "",
-        *shifting_table(shifting),
-        "",
-        f"**Arrival-rate sweep**: the heavy-tail workload at other Poisson rates "
-        f"({DELIVERIES:,} deliveries each).",
-        "",
-        *sweep_table(sweep),
-        "",
-        "What the rows mean:",
-        "",
-        "- *expiries while the handler ran*: times a delivery's broker deadline passed while its "
-        "handler was still running (the broker would redeliver work in progress). Checked "
-        "exactly: against every extend and ack of that ack id, and at every event. No handler "
-        "here runs past `max_lease_duration`, so every expiry counts against the goal.",
-        "- *extend calls*: modifyAckDeadline RPCs that extend leases (ours: `Adapter.extend` "
-        "calls; anchor: its lease loop's modacks); *ack ids extended*: the ack ids they carried. "
-        "Per message: divided by the deliveries; per second: divided by the simulated time from "
-        "start to the last ack.",
-        "- *receipt modacks*: the anchor modacks every streaming-pull response on receipt "
-        "(modelled as one message per response); ours sends none. They are not in the extend "
-        "rows; *all modack RPCs* adds them.",
-        f"- *crash redelivery delay*: a crash every {PROBE_INTERVAL:g} s of the arrival period; "
-        "for each message in flight at that instant, broker deadline − crash time (how long the "
-        "broker waits before redelivering it); mean and p99 over all crash instants pooled.",
-        "- *extension in use*: the extension the next extend would use (ours: "
-        "`LeaseManager.extension()`; anchor: its current `ack_deadline`). *Back to ≤ N s*: "
-        "seconds after the shift from which it stays within "
-        f"{ADAPTED_TOLERANCE:g}× of what the fast half alone needs (its p99, clamped to the "
-        f"10 s minimum), sampled every {PROBE_INTERVAL:g} s.",
-        "- *ours / anchor*: the ratio; below 1× means ours does less (or waits less).",
-        "",
-        "How the anchor is modelled (googleapis/python-pubsub, `subscriber/_protocol/leaser.py`, "
-        "`histogram.py`, `streaming_pull_manager.py`, default `FlowControl`): a lifetime "
-        "histogram of `ceil(ack time − receipt time)` in whole seconds clamped to 10–600; the "
-        "deadline starts at 10 s and is re-read as the histogram's p99 only once the histogram "
-        "has grown past `min(2 × size, size + 100)` since the last read; every loop iteration "
-        "modacks *every* leased message by that deadline (one RPC per 1000 ack ids), drops "
-        "leases older than `max_lease_duration` (1 h), then sleeps `uniform(0.01, 0.9 × "
-        "deadline)`. A received message is modacked to the current deadline at once (receipt "
-        "modack). Same arrivals and handler times as ours; the jitter has its own "
-        "`random.Random(seed)`.",
-        "",
-        *verdict_lines(goal_checks(heavy, shifting, sweep), heavy),
-    ])
+    return render(
+        "lease_simulation", command=command, today=today, args=args, elapsed=elapsed, half=half,
+        DELIVERIES=DELIVERIES, ACK_DEADLINE=ACK_DEADLINE, SLOW_P50=SLOW_P50, SLOW_P99=SLOW_P99,
+        FAST_P50=FAST_P50, FAST_P99=FAST_P99, STRAGGLERS=STRAGGLERS,
+        straggler_min=STRAGGLER_MIN / 60, straggler_max=STRAGGLER_MAX / 60,
+        PROBE_INTERVAL=PROBE_INTERVAL, ADAPTED_TOLERANCE=ADAPTED_TOLERANCE,
+        heavy_p99=handler_p99(heavy.workload.jobs),
+        slow_p99=handler_p99(shifting.workload.jobs[:half]),
+        fast_p99=handler_p99(shifting.workload.jobs[half:]),
+        heavy_tail_table=heavy_tail_table(heavy), shifting_table=shifting_table(shifting),
+        sweep_table=sweep_table(sweep),
+        verdict_lines=verdict_lines(goal_checks(heavy, shifting, sweep), heavy))
 
 
 # == main =========================================================================================

@@ -1,43 +1,12 @@
 """Throughput of the full Subscriber pipeline against a bare receive → handle → ack loop.
 
-Run from the repository root::
-
     python -m benchmarks.memory_pipeline            # print the tables
     python -m benchmarks.memory_pipeline --write    # ... and rewrite the README section
 
-Every run gets a fresh :class:`MemoryAdapter` subscription with ``--messages`` messages published
-before the clock starts (publishing is not timed). The clock runs from the moment the consumer
-task is created until ``adapter.backlog(subscription) == 0``, i.e. until every message was handled
-*and its ack reached the broker*; a polling task in the same event loop checks the backlog every
-``POLL_INTERVAL`` seconds and gives up after ``RUN_DEADLINE``. The handler is a no-op coroutine
-function, so the numbers are the consumer's own overhead per message.
-
-Variants, each run in the benchmark's one event loop, interleaved over the repetitions:
-
-* ``bare loop`` -- ``receive(RECEIVE_BATCH)``, ``await handler(message)`` for each, ``ack(batch)``;
-  no lease, no dedup, no flow control, no retries: the floor the pipeline is compared with.
-* ``bare loop, task per message`` -- the same, but the batch's handlers run concurrently, one
-  task each (``asyncio.gather``): a reference row for what concurrency alone costs in asyncio.
-* ``Subscriber (no dedup)`` -- ``Subscriber(adapter)`` with default policies.
-* ``Subscriber + MemoryDedupStore`` -- the same with ``dedup=MemoryDedupStore()``: the full
-  pipeline the issue's ≥ 0.5x aim is about.
-
-The Subscriber runs as ``asyncio.create_task(sub.serve())`` in the benchmark's own loop and is
-stopped with ``await sub.shutdown()`` after the clock stops. Not ``start()``/``stop()``: those run
-the Subscriber on a second thread, and the bare loop has no second thread, so the comparison would
-also measure GIL hand-offs with the polling thread and cross-thread wake-ups.
-
-Cyclic garbage collection stays enabled (consumers run with it); the time it takes during each
-timed run is recorded with ``gc.callbacks`` and reported beside the rate. The published backlog is
-moved out of the collector's sight with ``gc.freeze()`` first: it lives in the consumer's heap only
-because the broker is in-process, and every full collection would otherwise walk all of it.
-
-After the timed repetitions, one run of each variant is repeated under :mod:`cProfile`, with GC
-off so that no collection is charged to the function that happened to allocate. Every
-function's own time (``tottime``) is attributed to a pipeline stage (receive, lease, dedup, task
-and handler, settle/ack, flow control, event loop). Functions that belong to no stage -- asyncio
-helpers, tenacity, dataclass ``__init__``\\ s, C builtins -- are attributed to the stages of their
-callers, split by the time spent under each caller, so the stages add up to the whole profile.
+Every run gets a fresh :class:`MemoryAdapter` backlog (``gc.freeze()``-d) and is timed until
+``adapter.backlog(subscription) == 0``. The Subscriber runs as a task in the benchmark's own loop,
+not with ``start()``, which would add a thread the bare loop does not have. One run per variant
+is then profiled. The variants and the method are described in ``templates/memory_pipeline.md``.
 """
 
 from __future__ import annotations
@@ -68,6 +37,7 @@ from benchmarks._harness import (
     measured_on,
     profile_stages,
     publish,
+    render,
     stage_table,
     table,
 )
@@ -293,53 +263,14 @@ def report(
     bare, no_dedup, full = results[BARE], results[SUB_NO_DEDUP], results[SUB_DEDUP]
     ratio = full.median / bare.median
     verdict = "**met**" if ratio >= TARGET_RATIO else "**not met**"
-    lines = [
-        "## Memory pipeline: Subscriber vs. a bare loop (MemoryAdapter, no-op async handler)",
-        "",
-        f"{measured_on(command)}; {messages:,} messages per run, {repetitions} timed runs per "
-        "variant (interleaved); median shown.",
-        "",
-        *throughput_table(results),
-        "",
-        f"Aim from the issue, full pipeline ≥ {TARGET_RATIO}× the bare loop: {verdict} "
-        f"({ratio:.2f}×). By difference of medians, the Subscriber without dedup costs "
-        f"{no_dedup.micros_per_message - bare.micros_per_message:.1f} µs/msg more than the bare "
-        f"loop, and the MemoryDedupStore adds "
-        f"{full.micros_per_message - no_dedup.micros_per_message:.1f} µs/msg on top. "
-        f"{reference_note(results)}",
-        "",
-        "Rows:",
-        "",
-        f"* **{BARE}**: `receive(subscription, {RECEIVE_BATCH})` → `await handler(message)` for "
-        "each delivery → `ack(batch)`, in one task. No lease, dedup, flow control, retries or "
-        "concurrency: the floor any consumer pays on this adapter.",
-        f"* **{BARE_TASKS}**: the same, but each batch's handlers run concurrently, one task "
-        "each (`asyncio.gather`). Not in the issue; shows what running handlers concurrently "
-        "costs in asyncio by itself.",
-        f"* **{SUB_NO_DEDUP}**: `Subscriber(adapter)` with default policies (at most 1000 "
-        "messages in flight, batched acks, lease manager running), run as "
-        "`asyncio.create_task(sub.serve())` in the same loop and stopped with "
-        "`await sub.shutdown()` after the clock stops (not `start()`/`stop()`, which would add a "
-        "second thread the bare loop does not have).",
-        f"* **{SUB_DEDUP}**: the same with `dedup=MemoryDedupStore()`, the full pipeline (claim "
-        "before and complete after every handler).",
-        "* Each run: a fresh `MemoryAdapter`, all messages published before the clock starts; "
-        "the clock stops when `adapter.backlog(subscription) == 0` (every ack reached the "
-        f"broker), polled every {POLL_INTERVAL * 1000:g} ms. µs/msg = 1 / median rate. GC stays "
-        "enabled; *of which GC* is the median time the cyclic collector ran within a run. The "
-        "published backlog is `gc.freeze()`d before the clock starts: it sits in this process "
-        "only because the broker does, and each full collection would otherwise walk it.",
-        "",
-        "Per-stage cost, one profiled run per variant (cProfile with GC off, µs per message). "
-        "Each function's own time goes to its stage; helpers with no stage of their own (asyncio "
-        "`Event`, tenacity, dataclass `__init__`, builtins) go to the stages of their callers. "
-        "cProfile inflates small Python calls more than C code, so compare rows, not totals; the "
-        "scaled column spreads the full pipeline's unprofiled µs/msg, less its GC time, over the "
-        "stages in proportion, and adds the GC time of the timed runs as its own row.",
-        "",
-        *profile_table(profiles, results),
-    ]
-    return "\n".join(lines)
+    return render("memory_pipeline", measured_on=measured_on(command), messages=messages,
+        repetitions=repetitions, throughput_table=throughput_table(results),
+        TARGET_RATIO=TARGET_RATIO, verdict=verdict, ratio=ratio,
+        dedup_cost=no_dedup.micros_per_message - bare.micros_per_message,
+        store_cost=full.micros_per_message - no_dedup.micros_per_message,
+        reference_note=reference_note(results), BARE=BARE, RECEIVE_BATCH=RECEIVE_BATCH,
+        BARE_TASKS=BARE_TASKS, SUB_NO_DEDUP=SUB_NO_DEDUP, SUB_DEDUP=SUB_DEDUP,
+        poll_ms=POLL_INTERVAL * 1000, profile_table=profile_table(profiles, results))
 
 
 def main(argv: list[str] | None = None) -> None:

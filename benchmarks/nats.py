@@ -1,47 +1,13 @@
 """Throughput on NATS JetStream: the Subscriber against a raw nats-py pull loop and FastStream.
 
-Run from the repository root, with ``nats-server`` on ``PATH`` and Redis at ``--redis`` (for
-the dedup row)::
-
     python -m benchmarks.nats            # print the table
     python -m benchmarks.nats --write    # ... and write the README section
     python -m benchmarks.nats --quick    # a smoke test (small backlog, two repetitions)
 
-The benchmark starts its own ``nats-server -js`` on free loopback ports, its JetStream store
-in a temporary directory (``tests/nats_processes.py``), and kills it at the end. Every run gets
-a fresh file-backed stream (one subject, the stream's own name) holding ``--messages`` messages
-of 64 bytes, published with ``publish_async`` before the clock starts, and a fresh durable pull
-consumer on it (explicit ack, ``AckWait`` ``ACK_DEADLINE``, deliver all, the server's default
-``MaxAckPending`` of 1,000); both are deleted right after the run.
-
-The clock runs from the moment the consumer starts until every message was handled *and acked*
-(``benchmarks._brokers.drain``): the handler's counter reaches the backlog, then the consumer's
-info (asked on a control connection of the benchmark's own) shows nothing pending and nothing
-awaiting an ack. After the clock stops the consumer's info must show every message delivered and
-acked, none redelivered, and the handler must have seen each message exactly once. The handler
-is a no-op coroutine function apart from that counter, so the numbers are the consumer's own
-overhead per message.
-
-Variants, each run in the benchmark's one event loop, interleaved over the repetitions:
-
-* ``(a)`` raw nats-py: ``pull_subscribe_bind`` on the consumer, ``fetch(100)``, await the
-  handler and ``msg.ack()`` for each message, until the backlog is consumed; then a flush.
-* ``(b1)``/``(b2)`` FastStream's NATS subscriber on the same consumer, ``PullSub(batch_size=100)``
-  one message per handler call and with ``batch=True``; ``NatsBroker(logger=None)`` started
-  with ``await broker.start()`` and stopped with ``await broker.stop()``.
-* ``(c)`` ``Subscriber(NatsJetStreamAdapter(...))`` with default policies, the consumer made by
-  ``adapter.ensure_subscription(..., start="all")``; run as ``asyncio.create_task(sub.serve())``
-  and stopped with ``await sub.shutdown()`` after the clock stops.
-* ``(d)`` the same with ``dedup=RedisDedupStore(redis_url, prefix=...)``, a prefix unique to the
-  run; its keys are deleted after the run.
-* ``(e)`` as ``(c)``, with a batch handler (``@sub.handler(consumer, batch=True)``).
-
-Every client connects before the clock starts. What the consumer's connection sent and received
-while the clock ran is read from the server's ``/connz`` (by connection name) before and after:
-messages in (pull requests, acks) and out (deliveries, status messages) per message handled.
-(d)'s Redis round trips are counted in one more, untimed run with its client instrumented.
-``--profile`` runs (c) once more under cProfile and prints its hottest functions (not written to
-the README).
+Starts its own ``nats-server -js`` (``tests/nats_processes.py``); every run gets a fresh stream
+and durable consumer, timed by ``benchmarks._brokers.drain``, and the consumer connection's
+traffic is read from the server's ``/connz``. ``--profile`` prints (c)'s hottest functions (not
+written to the README). The variants and the method are described in ``templates/nats.md``.
 """
 
 from __future__ import annotations
@@ -96,6 +62,7 @@ from benchmarks._harness import (
     command_line,
     measured_on,
     publish,
+    render,
     versions,
 )
 from benchmarks.redis_streams import RoundTrips
@@ -414,80 +381,20 @@ def redis_round_trips(counter: RoundTrips, messages: int) -> str:
 def report(results: dict[str, Throughput], counter: RoundTrips, command: str, messages: int,
            repetitions: int, server_versions: str, load: float) -> str:
     raw, sub, full = results[RAW], results[SUB], results[SUB_DEDUP]
-    lines = [
-        "## NATS JetStream: Subscriber vs. a raw nats-py pull loop and FastStream "
-        "(no-op async handler)",
-        "",
-        f"{measured_on(command)}, against a private "
-        f"`nats-server -js` (file store) and Redis on the same machine (localhost TCP); "
-        f"{server_versions}; 1-minute load average {load:.2f} at the start. {messages:,} "
-        f"messages per run, {repetitions} timed runs per variant (interleaved); median shown.",
-        "",
-        *table(results),
-        "",
-        "Goals from the issue:",
-        "",
-        paired_goal("(c) / (a)", sub, raw, NO_DEDUP_MIN_RATIO),
-        paired_goal("(c) / (b1) FastStream, one message per call", sub, results[FS_ONE], 1.0),
-        paired_goal("(c) / (b2) FastStream, batch=True", sub, results[FS_BATCH], 1.0),
-        paired_goal("(d) / (a)", full, raw, DEDUP_MIN_RATIO),
-        paired_goal("(e) / (a)", results[SUB_BATCH], raw, BATCH_MIN_RATIO),
-        "",
-        f"By difference of medians, the Subscriber without dedup costs "
-        f"{sub.micros_per_message - raw.micros_per_message:.1f} µs/msg more than the raw loop, "
-        f"and the RedisDedupStore adds {full.micros_per_message - sub.micros_per_message:.1f} "
-        f"µs/msg on top; (d) made {redis_round_trips(counter, messages)} in one more, "
-        "instrumented run.",
-        "",
-        "Rows:",
-        "",
-        f"* **(a)**: `js.pull_subscribe_bind(durable=c, stream=s)` → `await sub.fetch("
-        f"{READ_COUNT}, timeout={FETCH_TIMEOUT:g})` → for each message `await handler(msg)` "
-        "and `await msg.ack()`, in one task, until the backlog is consumed; then "
-        "`await nc.flush()`. No lease, dedup, flow control, retries or concurrency.",
-        f"* **(b1)/(b2)**: `NatsBroker(url, logger=None)` with `@broker.subscriber(s, stream="
-        f"JStream(s, declare=False), durable=c, pull_sub=PullSub(batch_size={READ_COUNT}, "
-        f"timeout={FETCH_TIMEOUT:g}))`, without and with `batch=True`; default ack policy (acks "
-        "after the handler returns, `msg.ack()` per message, also in batch mode). FastStream "
-        "binds to the existing consumer; (b1) runs the handlers of a fetched batch concurrently "
-        "(an anyio task group), (b2) calls the handler once per batch of 100 with the list of "
-        "bodies. Started with `await broker.start()` inside the clock, stopped with "
-        "`await broker.stop()` after it.",
-        f"* **(c)**: `Subscriber(NatsJetStreamAdapter(url, prefix=...))` with default policies "
-        f"(at most 1000 messages in flight, receive batch {RECEIVE_BATCH}, batched acks — each "
-        "batch of `+ACK`s written at once and confirmed by one flush — lease manager "
-        f"running), consumer made by `adapter.ensure_subscription(s, c, ack_deadline="
-        f"{ACK_DEADLINE:g}, start=\"all\")`; run as `asyncio.create_task(sub.serve())` in the "
-        f"same loop, stopped with `await sub.shutdown({SHUTDOWN_TIMEOUT:g})` after the clock "
-        "stops (the adapter's fetch is not cancel-safe, so a stop waits that long for the idle "
-        "fetch in flight before cancelling it; with the default it would wait out the 5 s "
-        "receive timeout).",
-        "* **(d)**: the same with `dedup=RedisDedupStore(redis_url, prefix=...)` (a prefix per "
-        "run, its keys deleted afterwards): one claim script per received batch before the "
-        "handlers, the completions of each settled batch in one more call, before the acks "
-        "(the `GET`s are the dedup epoch cache's periodic reads).",
-        "* **(e)**: as (c), with a batch handler (`@sub.handler(c, batch=True)`, default "
-        "`max_batch=100`, `max_wait=0`): one call for what one fetch brought.",
-        "* Each run: a fresh file-backed stream `s` (subject `s`) with the backlog of 64-byte "
-        "messages published by `js.publish_async` before the clock starts, and a fresh durable "
-        f"consumer `c` (explicit ack, `AckWait` {ACK_DEADLINE:g} s, deliver all, the server's "
-        "default `MaxAckPending` 1,000), both deleted after the run. The clock starts when the "
-        "consumer starts (connected, and for (a) subscribed) and stops when the handler has "
-        "seen every message and the consumer's info shows nothing pending and nothing awaiting "
-        f"an ack, polled every {POLL_INTERVAL * 1000:g} ms on the benchmark's own connection; "
-        "the info then must show every message delivered and acked once (ack floor = last "
-        "sequence, none redelivered), and the handler must have seen each once. µs/msg = "
-        "1 / median rate. *Client CPU* is this process's CPU time (`time.process_time()`) over "
-        "the run; the server runs on the same 2 cores. GC stays enabled; *of which GC* is the "
-        "time the cyclic collector ran.",
-        "* *client→server msgs / msg* and *server→client msgs / msg*: the consumer connection's "
-        "`in_msgs` and `out_msgs` in the server's `/connz`, read before the consumer starts and "
-        "after the clock stops (median over the runs, per message). JetStream has no batched "
-        "ack for an explicit-ack consumer: every message costs one `+ACK` message to the "
-        "server, and each fetch one pull request (two when the first, `no_wait`, request comes "
-        "back short); out are the deliveries and the status messages that end a fetch.",
-    ]
-    return "\n".join(lines)
+    return render(
+        "nats", measured_on=measured_on(command), server_versions=server_versions, load=load,
+        messages=messages, repetitions=repetitions, table=table(results),
+        goals=[paired_goal("(c) / (a)", sub, raw, NO_DEDUP_MIN_RATIO),
+               paired_goal("(c) / (b1) FastStream, one message per call", sub, results[FS_ONE],
+                           1.0),
+               paired_goal("(c) / (b2) FastStream, batch=True", sub, results[FS_BATCH], 1.0),
+               paired_goal("(d) / (a)", full, raw, DEDUP_MIN_RATIO),
+               paired_goal("(e) / (a)", results[SUB_BATCH], raw, BATCH_MIN_RATIO)],
+        sub_cost=sub.micros_per_message - raw.micros_per_message,
+        dedup_cost=full.micros_per_message - sub.micros_per_message,
+        round_trips=redis_round_trips(counter, messages), READ_COUNT=READ_COUNT,
+        FETCH_TIMEOUT=FETCH_TIMEOUT, RECEIVE_BATCH=RECEIVE_BATCH, ACK_DEADLINE=ACK_DEADLINE,
+        SHUTDOWN_TIMEOUT=SHUTDOWN_TIMEOUT, poll_ms=POLL_INTERVAL * 1000)
 
 
 async def everything(args: argparse.Namespace, url: str, monitor_port: int) -> str:

@@ -3,17 +3,10 @@
     python -m benchmarks.outbox            # print the tables
     python -m benchmarks.outbox --write    # ... and rewrite the README section
 
-One run, the same PostgreSQL (``--postgres``) and Redis (``--redis``) for every variant:
-
-1. **Throughput**: ``--rows`` committed rows drained into one stream by worker processes that
-   connect, wait for a common start signal, and report when the outbox is empty. Variants,
-   interleaved over ``--repetitions`` runs: the raw limit (a loop that SELECTs the next 100 rows
-   by id and XADDs them in one redis-py pipeline: no locks, no marks, no commit), one
-   ``OutboxRelay`` process, three at once, and one over rows spread on 20 ordering keys.
-2. **Latency**: a writer commits one row every ``--spacing`` seconds (``--latency-rows`` in
-   all) while one relay process serves; the time from the writer's commit returning to the
-   entry arriving at a reader blocked on ``XREAD``. Woken by ``LISTEN/NOTIFY`` vs polling every
-   1 s (the writer's ``Outbox(notify=False)`` sends no NOTIFY).
+Throughput: worker processes (``--worker``) drain ``--rows`` committed rows after a common start
+signal: the raw loop, one relay, three, and one over ordering keys. Latency: a writer commits a
+row every ``--spacing`` s while one relay serves, woken by LISTEN/NOTIFY or by polling. The
+rows: ``templates/outbox.md``.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import Rates, positive_int, verdict
-from benchmarks._harness import measured_on, publish, table
+from benchmarks._harness import measured_on, publish, render, table
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 DEFAULT_POSTGRES = "postgresql://postgres@127.0.0.1:5432/test"
@@ -300,55 +293,26 @@ def _quantile(values: list[float], q: float) -> float:
 
 def report(args: argparse.Namespace, rows: list[Rates], latencies: dict[bool, list[float]]) -> str:
     raw, one, three = rows[:3]
-    lines = [
-        "## Outbox relay: PostgreSQL → Redis Streams",
-        "",
-        f"{measured_on(COMMAND)}; PostgreSQL and Redis on loopback.",
-        "",
-        f"**Throughput**: {args.rows:,} committed rows ({len(PAYLOAD)}-byte payloads) drained "
-        f"into one stream by worker processes started together; {args.repetitions} runs per "
-        "variant, interleaved; medians. Ratios to the raw loop.",
-        "",
-        *table(rows, [
+    notify, poll = latencies[True], latencies[False]
+    latency_rows = [
+        f"| {name} | {_quantile(values, 0.5) * 1000:.1f} | "
+        f"{_quantile(values, 0.99) * 1000:.1f} | {values[-1] * 1000:.1f} |"
+        for name, values in (("LISTEN/NOTIFY", notify),
+                             (f"polling every {POLL_INTERVAL:g} s", poll))]
+    return render(
+        "outbox", measured_on=measured_on(COMMAND), args=args, payload=len(PAYLOAD),
+        spacing_ms=args.spacing * 1000, ORDERING_KEYS=ORDERING_KEYS, BATCH=BATCH,
+        calls=BATCH // ORDERING_KEYS, latencies=latency_rows,
+        throughput=table(rows, [
             ("median rows/s", lambda r: f"{r.median:,.0f}"),
             ("min – max", lambda r: f"{min(r.rates):,.0f} – {max(r.rates):,.0f}"),
             ("ratio to raw loop", lambda r: f"{r.median / raw.median:.2f}×"),
             ("ratio to 1 relay", lambda r: f"{r.median / one.median:.2f}×"),
         ]),
-    ]
-    notify, poll = latencies[True], latencies[False]
-    lines += [
-        "",
-        f"**Commit-to-publish latency**: {args.latency_rows} rows committed one at a time, "
-        f"{args.spacing * 1000:g} ms apart on average, while one relay serves; from the "
-        "writer's commit returning to the entry arriving at a reader blocked on XREAD.",
-        "",
-        "| Wake-up | p50 ms | p99 ms | max ms |",
-        "|---|---:|---:|---:|",
-    ]
-    for name, values in (("LISTEN/NOTIFY", notify), (f"polling every {POLL_INTERVAL:g} s", poll)):
-        lines.append(f"| {name} | {_quantile(values, 0.5) * 1000:.1f} | "
-                     f"{_quantile(values, 0.99) * 1000:.1f} | {values[-1] * 1000:.1f} |")
-    lines += [
-        "",
-        verdict("1 relay vs the raw loop", one.median / raw.median, 0.5),
-        verdict("3 relays vs 1", three.median / one.median, 1.5),
-        verdict("p50 commit-to-publish with NOTIFY", _quantile(notify, 0.5) * 1000, 20,
-                 unit=" ms", at_most=True),
-        "",
-        "Reading the figures:",
-        "",
-        "* A relay round is a transaction: SELECT … FOR UPDATE SKIP LOCKED, one pipelined "
-        "XADD batch, one UPDATE marking the rows, COMMIT (which waits for PostgreSQL's log "
-        "flush). The raw loop only reads by offset: it takes no locks, marks nothing and would "
-        "skip a late commit, so it is the floor for reading and publishing, not a relay.",
-        f"* On {ORDERING_KEYS} ordering keys a round still takes {BATCH} rows, but publishes "
-        "them in waves: a key's next row goes out only once the one before it was confirmed, "
-        f"so a round of {BATCH} rows on {ORDERING_KEYS} keys is {BATCH // ORDERING_KEYS} "
-        "pipelined XADD calls instead of one. Each round also takes the keys' advisory locks "
-        "and reads each key's rows through its own index scan.",
-    ]
-    return "\n".join(lines)
+        goals=[verdict("1 relay vs the raw loop", one.median / raw.median, 0.5),
+               verdict("3 relays vs 1", three.median / one.median, 1.5),
+               verdict("p50 commit-to-publish with NOTIFY", _quantile(notify, 0.5) * 1000, 20,
+                       unit=" ms", at_most=True)])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,32 +1,13 @@
 """Throughput on RabbitMQ: the Subscriber against a raw aio-pika consumer and FastStream.
 
-Run from the repository root, with RabbitMQ at ``--amqp`` and Redis at ``--redis`` (for the
-dedup row)::
-
     python -m benchmarks.rabbitmq            # print the table
     python -m benchmarks.rabbitmq --write    # ... and write the README section
     python -m benchmarks.rabbitmq --quick    # a smoke test (small backlog, two repetitions)
 
-Every run gets a fresh durable quorum queue (bound to a fresh fanout exchange, as the adapter
-lays a subscription out) holding ``--messages`` messages of 64 bytes, published with publisher
-confirms before the clock starts; it is deleted right after the run. The clock runs from the
-moment the consumer starts until the handler has seen every message and the consumer has sent
-its acks (``benchmarks._brokers.drain``; the raw loop its last ``basic.ack``, the Subscriber its
-acked outcomes, FastStream acks after each handler returns). After the clock, the consumer's
-connection is closed (an unacked message would go back to the queue) and the queue must hold
-nothing: every message acked, none twice (the handler must have seen each exactly once).
-
-Variants, each in the benchmark's one event loop, interleaved over the repetitions:
-
-* ``(a)`` raw aio-pika: ``basic.qos(prefetch_count=100)``, ``queue.consume`` with an async
-  callback that counts and acks every 100th message with ``multiple=True`` (one ack per batch).
-* ``(b)`` FastStream's RabbitMQ subscriber on the same queue (declared passively), one message
-  per handler call, ``RabbitBroker(logger=None)``, prefetch 100.
-* ``(c)`` ``Subscriber(RabbitMQAdapter(...))`` with default policies but leases of at most 20
-  minutes (under the broker's ``consumer_timeout``); the adapter's prefetch is the Subscriber's
-  flow-control window, 1,000.
-* ``(d)`` the same with ``dedup=RedisDedupStore(redis_url, prefix=...)``, a prefix unique to
-  the run; its keys are deleted afterwards.
+Every run gets a fresh quorum queue (behind a fresh fanout exchange, as the adapter lays a
+subscription out) published with confirms, timed by ``benchmarks._brokers.drain``; afterwards
+the queue must be empty. The variants and the method are described in
+``templates/rabbitmq.md``.
 """
 
 from __future__ import annotations
@@ -64,6 +45,7 @@ from benchmarks._harness import (
     command_line,
     measured_on,
     publish,
+    render,
     versions,
 )
 from reliable_sub import LeasePolicy, Subscriber
@@ -275,37 +257,14 @@ async def measure(bench: Bench, messages: int, repetitions: int,
 def report(results: dict[str, CpuThroughput], command: str, messages: int, repetitions: int,
            broker_version: str, load: float) -> str:
     raw = results[RAW]
-    lines = [
-        "## RabbitMQ: Subscriber vs. a raw aio-pika consumer and FastStream (no-op handler)",
-        "",
-        f"{measured_on(command)}, against RabbitMQ "
-        f"{broker_version} and Redis on the same machine (localhost TCP); "
-        f"{versions('aio-pika', 'aiormq', 'faststream', 'redis')}; 1-minute "
-        f"load average {load:.2f} at the start. {messages:,} messages per run (a fresh quorum "
-        f"queue each), {repetitions} timed runs per variant (interleaved); median shown.",
-        "",
-        *broker_table(results, RAW),
-    ]
-    lines += [
-        "",
-        "Goals from the issue (#29):",
-        "",
-        paired_goal("(c) / (a)", results[SUB], raw, NO_DEDUP_VS_RAW),
-        paired_goal("(c) / (b) FastStream", results[SUB], results[FASTSTREAM],
-                    NO_DEDUP_VS_FASTSTREAM),
-        paired_goal("(d) / (a)", results[SUB_DEDUP], raw, DEDUP_VS_RAW),
-        "",
-        "The clock starts when the consumer starts (connected before) and stops when the "
-        "handler has seen every message and the consumer sent its acks: (a) its last "
-        "`basic.ack(multiple=True)`, (c)/(d) every outcome `acked` (the adapter acks a settled "
-        "batch with one `basic.ack multiple` for its contiguous run), (b) the last handler call "
-        "(FastStream acks right after each). Then the consumer's connection is closed and the "
-        "queue must be empty: nothing left unacked, and the handler saw each message once. "
-        "*Client CPU* is this process's CPU time over the run; the broker runs on the same "
-        "cores. aiormq hands every delivery to the consumer in a task of its own, in every "
-        "variant.",
-    ]
-    return "\n".join(lines)
+    return render(
+        "rabbitmq", measured_on=measured_on(command), broker_version=broker_version,
+        versions=versions("aio-pika", "aiormq", "faststream", "redis"), load=load,
+        messages=messages, repetitions=repetitions, table=broker_table(results, RAW),
+        goals=[paired_goal("(c) / (a)", results[SUB], raw, NO_DEDUP_VS_RAW),
+               paired_goal("(c) / (b) FastStream", results[SUB], results[FASTSTREAM],
+                           NO_DEDUP_VS_FASTSTREAM),
+               paired_goal("(d) / (a)", results[SUB_DEDUP], raw, DEDUP_VS_RAW)])
 
 
 async def everything(args: argparse.Namespace) -> str:

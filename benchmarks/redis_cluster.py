@@ -3,16 +3,10 @@
     python -m benchmarks.redis_cluster            # print the table
     python -m benchmarks.redis_cluster --write    # ... and rewrite the README section
 
-One run starts a private ``redis-server`` and a private cluster of 3 masters and 3 replicas
-(the same binary and flags; the test suite's ``tests/redis_processes.py`` starts both). Each
-repetition pre-publishes the same backlog into 3 streams, whose names carry hash tags chosen so
-that on the cluster each stream lives on a different master, then starts 1 or 3 consumer
-processes. Each process runs one Subscriber with a no-op handler on all 3 subscriptions (one
-consumer group per stream). The clock runs from the moment the processes are told to start
-until every group has read every entry and has nothing pending.
-
-Round trips are counted in the consumer processes: every request written to a Redis socket
-(a command, or a pipeline's batch to one node) is one.
+Starts a private ``redis-server`` and a 3-master cluster (``tests/redis_processes.py``); each
+repetition publishes the backlog into 3 streams hash-tagged onto different masters, then starts
+1 or 3 consumer processes (``--child``) that count every request they write to a Redis socket.
+The layout and the rows: ``templates/redis_cluster.md``.
 """
 
 from __future__ import annotations
@@ -33,7 +27,7 @@ from typing import Any
 import redis
 from redis.crc import key_slot
 
-from benchmarks._harness import add_runs, measured_on, paired, publish, table
+from benchmarks._harness import add_runs, measured_on, paired, publish, render, table
 
 COMMAND = "python -m benchmarks.redis_cluster --write"
 SECTION_NAME = "redis_cluster"
@@ -379,16 +373,6 @@ def report(bench: Bench, runs: dict[Variant, list[Run]], repetitions: int) -> st
         master_of(key_slot(f"redis:{KEY_PREFIX}:{group}".encode()), bench.masters) + 1
         for group in bench.groups
     ]
-    lines = [
-        "## Redis Cluster: the Subscriber on one node vs. a 3-master cluster",
-        "",
-        f"{measured_on(COMMAND)}, against Redis "
-        f"{version}: a private `redis-server` and a private cluster of 3 masters and 3 replicas "
-        f"(no persistence, same machine); redis {redis.__version__}. {bench.messages:,} entries "
-        f"per run in {STREAMS} streams, {repetitions} timed runs per variant (interleaved); "
-        "median shown.",
-        "",
-    ]
 
     def ratio(variant: Variant) -> str:
         per_process = median_rate(runs[variant], variant.processes)
@@ -403,7 +387,7 @@ def report(bench: Bench, runs: dict[Variant, list[Run]], repetitions: int) -> st
     def cpu(variant: Variant, seconds: Callable[[Run], float]) -> float:
         return micros(seconds(run) / run.handled for run in runs[variant])
 
-    lines += table(VARIANTS, [
+    results = table(VARIANTS, [
         ("median msgs/s", lambda v: f"{median_rate(runs[v]):,.0f}"),
         ("min – max msgs/s", lambda v: f"{min(rate(r) for r in runs[v]):,.0f} – "
                                        f"{max(rate(r) for r in runs[v]):,.0f}"),
@@ -416,33 +400,24 @@ def report(bench: Bench, runs: dict[Variant, list[Run]], repetitions: int) -> st
                    f"{cpu(v, lambda r: r.replica_cpu):.1f}"),
         ("ratio to one node (per process)", ratio),
     ], label=lambda v: v.label)
-    lines += ["", "Goal from the issue (the cluster with dedup ≥ "
-              f"{CLUSTER_DEDUP_MIN_RATIO}× one node with dedup, msgs/s per process):", ""]
+    goals = []
     for processes in (1, 3):
         cluster = runs[Variant("cluster", "dedup", processes)]
         single = runs[Variant("single", "dedup", processes)]
         value = median_rate(cluster) / median_rate(single)
-        _, repetitions = paired([rate(r) for r in cluster], [rate(r) for r in single],
-                                lambda r: r >= CLUSTER_DEDUP_MIN_RATIO)
+        _, spread = paired([rate(r) for r in cluster], [rate(r) for r in single],
+                           lambda r: r >= CLUSTER_DEDUP_MIN_RATIO)
         met = "yes" if value >= CLUSTER_DEDUP_MIN_RATIO else "**no**"
-        lines.append(f"- {met}: {processes} process{'es' * (processes > 1)} — {value:.2f}× "
-                     f"({repetitions})")
-    lines += [
-        "",
-        "Layout: the streams are `<prefix>:{" + "}`, `<prefix>:{".join(bench.tags) + "}` "
-        f"(on cluster masters {', '.join(map(str, stream_masters))}); each has one consumer "
-        "group, and each group's dedup records share the slot of its namespace "
-        f"(`redis:<prefix>:group-N`; masters {', '.join(map(str, namespace_masters))} in this "
-        "run's naming). Every consumer process runs one `Subscriber` (default policies) with a "
-        "no-op async handler on all three subscriptions; the dedup rows use "
-        "`RedisDedupStore(url)` on the same deployment. On one node the completions of an ack "
-        "batch ride in the XACK's script (one call); on the cluster the records and the stream "
-        "are in different slots, so the store writes them first in its own call. The *apart* "
-        "row forces that second call on one node, to show what the combined call is worth. "
-        "Round trips are every request a consumer process wrote to a Redis socket between the "
-        "start and the end of the clock, idle polls included, divided by the messages.",
-    ]
-    return "\n".join(lines)
+        goals.append(f"- {met}: {processes} process{'es' * (processes > 1)} — {value:.2f}× "
+                     f"({spread})")
+    return render(
+        "redis_cluster", measured_on=measured_on(COMMAND), version=version,
+        redis_version=redis.__version__, messages=bench.messages, STREAMS=STREAMS,
+        repetitions=repetitions, table=results, goals=goals,
+        CLUSTER_DEDUP_MIN_RATIO=CLUSTER_DEDUP_MIN_RATIO,
+        streams="`<prefix>:{" + "}`, `<prefix>:{".join(bench.tags) + "}`",
+        stream_masters=", ".join(map(str, stream_masters)),
+        namespace_masters=", ".join(map(str, namespace_masters)))
 
 
 def main(argv: Sequence[str] | None = None) -> None:

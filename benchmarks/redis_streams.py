@@ -1,54 +1,12 @@
 """Throughput on Redis Streams: the Subscriber against a raw redis-py loop and FastStream.
 
-Run from the repository root, with a Redis (7.0 or later) at ``--url``::
-
     python -m benchmarks.redis_streams            # print the tables
     python -m benchmarks.redis_streams --write    # ... and rewrite the README section
 
-One template stream of ``--messages`` entries (one 64-byte ``data`` field each) is published once
-with pipelined XADDs before anything is timed. Every run starts from a fresh copy of it (``COPY``,
-so every run sees the same entry ids and the same backlog) with a fresh consumer group created at
-``0``, under key names unique to this benchmark process and run; every key a run wrote (stream,
-adapter settings, dedup records) is deleted right after it, and the templates at the end.
-
-The clock runs from the moment the consumer starts until every entry was handled *and acked*
-(``benchmarks._brokers.drain``): the handler's counter reaches the backlog, then ``XPENDING``
-reports no pending entries for the group. After the clock stops,
-``XINFO GROUPS`` must show every entry read (``entries-read``), no lag and nothing pending, and
-the handler must have seen each entry exactly once. The handler is a no-op coroutine function
-apart from that counter, so the numbers are the consumer's own overhead per message.
-
-Variants, each run in the benchmark's one event loop, interleaved over the repetitions:
-
-* ``(a)`` a raw ``redis.asyncio`` loop (hiredis parser): ``XREADGROUP COUNT 100``, await the
-  handler for each entry, one ``XACK`` for the batch; nothing else. The floor.
-* ``(b1)``/``(b2)`` FastStream's Redis stream subscriber with a consumer group
-  (``StreamSub(stream, group=..., consumer=..., max_records=100)``, ``RedisBroker(logger=None)``),
-  one message per handler call and with ``batch=True``. FastStream creates a missing group at
-  ``$``; the benchmark creates it at ``0`` first, so FastStream finds it and reads the backlog.
-  Started with ``await broker.start()``, stopped with ``await broker.stop()``.
-* ``(c)`` ``Subscriber(RedisStreamsAdapter(...))`` with default policies, ack deadline
-  ``ACK_DEADLINE``; run as ``asyncio.create_task(sub.serve())`` and stopped with
-  ``await sub.shutdown()`` after the clock stops, as in ``benchmarks.memory_pipeline``.
-* ``(d)`` the same with ``dedup=RedisDedupStore(adapter.client, prefix=...)``: the dedup store
-  shares the adapter's client, as the adapter's docstring suggests.
-* ``(e)`` as ``(c)``, with a batch handler (``@sub.handler(group, batch=True)``, default
-  ``max_batch=100``, ``max_wait=0``): one call for what one read brought.
-
-Every client connects (one PING) before the clock starts. Cyclic GC stays enabled and its time
-is recorded, with the process CPU time (``benchmarks._harness.Clock``): wall time minus CPU time
-is the time this process sat idle, waiting for Redis (or for a CPU).
-
-After the timed repetitions:
-
-* one untimed run of every variant with its Redis clients instrumented: each client's
-  ``execute_command`` (one command, one round trip) and each pipeline's ``execute`` (one round
-  trip, ``len(command_stack)`` commands) are wrapped to count round trips and commands by name,
-  scripts by the attribute that holds them; FastStream's ``StreamSub`` deep copies are counted
-  by wrapping the ``deepcopy`` its ``stream_sub`` module calls;
-* one run of ``(a)``, ``(c)``, ``(d)`` and ``(e)`` under :mod:`cProfile` with GC off, its time
-  split over pipeline stages (``benchmarks._common.stage_seconds``); the time the loop sits in
-  ``epoll`` waiting for Redis is a stage of its own.
+Every run drains a fresh ``COPY`` of one pre-published template stream with a fresh group at
+``0`` (unique key names, deleted afterwards), timed by ``benchmarks._brokers.drain``; then one
+instrumented run per variant counts round trips, and (a), (c), (d), (e) are profiled. The
+variants and the method are described in ``templates/redis_streams.md``.
 """
 
 from __future__ import annotations
@@ -98,6 +56,7 @@ from benchmarks._harness import (
     paired,
     profile_stages,
     publish,
+    render,
     stage_table,
     versions,
 )
@@ -612,88 +571,19 @@ def report(
     load: float,
 ) -> str:
     raw, sub, full = results[RAW], results[SUB], results[SUB_DEDUP]
-    lines = [
-        "## Redis Streams: Subscriber vs. a raw redis-py loop and FastStream (no-op async handler)",
-        "",
-        f"{measured_on(command)}, against Redis {server} on the same machine (localhost "
-        f"TCP); {versions('redis', 'hiredis', 'faststream')} "
-        f"(hiredis parser in use: {redis.utils.HIREDIS_AVAILABLE}); 1-minute load average "
-        f"{load:.2f} at the start. {messages:,} entries per run, {repetitions} timed runs per "
-        "variant (interleaved); median shown.",
-        "",
-        *broker_table(results, RAW),
-        "",
-        "Goals from the issue:",
-        "",
-        *goal_lines(results),
-        "",
-        f"By difference of medians, the Subscriber without dedup costs "
-        f"{sub.micros_per_message - raw.micros_per_message:.1f} µs/msg more than the raw loop, "
-        f"and the RedisDedupStore adds {full.micros_per_message - sub.micros_per_message:.1f} "
-        f"µs/msg on top. For scale, the issue measured the raw loop at ≈ {ISSUE_RAW_RATE:,} "
-        f"msgs/s and FastStream at ≈ {ISSUE_FASTSTREAM_RATE:,} (one message per call) and "
-        f"≈ {ISSUE_FASTSTREAM_BATCH_RATE:,} msgs/s (batch=True) on this machine kind.",
-        "",
-        "Rows:",
-        "",
-        f"* **(a)**: `XREADGROUP GROUP g c COUNT {READ_COUNT} STREAMS s >` → "
-        "`await handler(fields)` for each entry → one `XACK` of the batch, in one task; redis-py's "
-        "asyncio client with "
-        "the hiredis parser. No lease, dedup, flow control, retries or concurrency.",
-        f"* **(b1)/(b2)**: `RedisBroker(url, logger=None)` with `@broker.subscriber(stream="
-        f"StreamSub(s, group=g, consumer=c, max_records={READ_COUNT}))`, without and with "
-        "`batch=True`; default ack policy (acks after the handler returns). The group is created "
-        "at `0` by the benchmark (FastStream would create it at `$` and skip the backlog). The "
-        "entries are plain `data` fields, not FastStream's own envelope: FastStream hands the "
-        "handler the JSON of the field map.",
-        f"* **(c)**: `Subscriber(RedisStreamsAdapter(url, consumer=c, key_prefix=...))` with "
-        f"default policies (at most 1000 messages in flight, receive batch {RECEIVE_BATCH}, "
-        f"batched acks, lease manager running), subscription ack deadline {ACK_DEADLINE:g} s; "
-        "run as `asyncio.create_task(sub.serve())` in the same loop and stopped with "
-        "`await sub.shutdown()` after the clock stops.",
-        "* **(d)**: the same with `dedup=RedisDedupStore(adapter.client, prefix=...)` (the store "
-        "shares the adapter's client): one claim script per received batch before the handlers; "
-        f"completions {completion_path(counts[SUB_DEDUP])}.",
-        "* **(e)**: as (c), with a batch handler (`@sub.handler(group, batch=True)`, default "
-        "`max_batch=100`, `max_wait=0`): one call for what one read brought.",
-        "* Each run: a fresh `COPY` of one pre-published template stream and a fresh group at "
-        "`0`, unique key names, all deleted afterwards. The clock starts when the consumer "
-        "starts (its clients already connected) and stops when the handler has seen every entry "
-        "and `XPENDING` shows none pending, polled every "
-        f"{POLL_INTERVAL * 1000:g} ms; `XINFO GROUPS` then confirms `entries-read` = entries, "
-        "lag 0, pending 0, and every entry was handled exactly once. µs/msg = 1 / median rate. "
-        "*Client CPU* is this process's CPU time (`time.process_time()`); the rest of the wall "
-        "time it waited for Redis (which runs on the same 2 cores). GC stays enabled; *of which "
-        "GC* is the median time the cyclic collector ran within a run.",
-        "",
-        "Redis round trips and commands per message, one instrumented run per variant: each "
-        "client's `execute_command` and each pipeline's `execute` are wrapped (instance "
-        "attributes) and counted in this process; a pipeline is one round trip and "
-        "`len(command_stack)` commands; EVALSHA is labelled by the attribute that holds the "
-        "script. A script's own Redis calls run inside Redis and are not counted: in the code "
-        "measured here the ack scripts check ownership with one `XPENDING` per entry before one "
-        "`XACK` per call (`ack_complete` first runs one `SET … PX` per completion), and the claim "
-        "script runs one `GET` and, for a new key, one `SET` per key. Round-trip counts do not "
-        "depend on timing except through batch sizes (how many acks gather while the previous "
-        "ack call is in flight).",
-        "",
-        *round_trip_table(counts, messages),
-        "",
-        "Per-stage cost, one profiled run each of (a), (c) and (d) (cProfile with GC off, µs per "
-        "message). Each function's own time goes to its stage; functions with no stage of their "
-        "own (redis-py, asyncio streams, tenacity, dataclass `__init__`, builtins, helpers shared "
-        "by two stages such as `RedisDedupStore.redis_key`) go to the stages of their callers, so "
-        "the claim and ack round trips include redis-py's command packing and reply parsing. "
-        "Socket reads happen in transport callbacks and cannot be traced to one command: they "
-        "have their own row, as does the time the loop sat in `epoll` waiting for Redis. "
-        "cProfile inflates Python calls far more than C code or waiting, so compare rows, not "
-        "totals; the scaled column spreads (d)'s unprofiled client CPU µs/msg, less its GC "
-        "time, over the CPU stages in proportion, and adds the GC time and the unprofiled idle "
-        "time (wall − CPU) as rows of their own.",
-        "",
-        *profile_table(profiles, results),
-    ]
-    return "\n".join(lines)
+    return render(
+        "redis_streams", measured_on=measured_on(command), server=server,
+        versions=versions("redis", "hiredis", "faststream"),
+        hiredis=redis.utils.HIREDIS_AVAILABLE, load=load, messages=messages,
+        repetitions=repetitions, table=broker_table(results, RAW), goal_lines=goal_lines(results),
+        sub_cost=sub.micros_per_message - raw.micros_per_message,
+        dedup_cost=full.micros_per_message - sub.micros_per_message,
+        ISSUE_RAW_RATE=ISSUE_RAW_RATE, ISSUE_FASTSTREAM_RATE=ISSUE_FASTSTREAM_RATE,
+        ISSUE_FASTSTREAM_BATCH_RATE=ISSUE_FASTSTREAM_BATCH_RATE, READ_COUNT=READ_COUNT,
+        RECEIVE_BATCH=RECEIVE_BATCH, ACK_DEADLINE=ACK_DEADLINE,
+        completions=completion_path(counts[SUB_DEDUP]), poll_ms=POLL_INTERVAL * 1000,
+        round_trips=round_trip_table(counts, messages),
+        profile_table=profile_table(profiles, results))
 
 
 async def with_bench(url: str, work: Callable[[Bench], Awaitable[Any]]) -> Any:

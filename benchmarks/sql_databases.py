@@ -4,19 +4,9 @@ outbox relay on PostgreSQL and on MariaDB, with MariaDB's raw-driver floors.
     python -m benchmarks.sql_databases            # print the tables
     python -m benchmarks.sql_databases --write    # ... and rewrite the README section
 
-One run against the shared PostgreSQL (``--postgres``), MariaDB (``--mariadb``) and Redis
-(``--redis``, the relay's broker); every workload alternates the databases over
-``--repetitions`` runs, medians shown. The floors send the store's own statements (their text
-taken from the store) with asyncmy on one autocommit connection
-(``benchmarks/_mariadb_floor.py``); the relay's floor is ``benchmarks.outbox``'s raw loop
-(SELECT 100 rows by id, one pipelined XADD: no locks, no marks).
-
-1. ``claim_many`` of 100 fresh keys (one statement per batch on both databases).
-2. ``@idempotent`` (async) first calls and replays, one call after another.
-3. A Subscriber on the in-memory broker whose handler inserts one row: plain (its own
-   ``engine.begin()``) vs ``transactional=True`` (``benchmarks.dedup``'s workload).
-4. One ``OutboxRelay`` process draining ``--rows`` rows into a Redis stream, vs the raw loop;
-   and on MariaDB, which has no LISTEN/NOTIFY, the commit-to-publish latency of polling.
+Every workload alternates the databases over ``--repetitions`` runs. The floors send the store's
+own statements with asyncmy (``benchmarks/_mariadb_floor.py``); the relay's floor is
+``benchmarks.outbox``'s raw loop. The rows: ``templates/sql_databases.md``.
 """
 
 from __future__ import annotations
@@ -32,7 +22,7 @@ from typing import Any
 from benchmarks import dedup, outbox
 from benchmarks._common import Rates, positive_int, verdict
 from benchmarks._dedup_sql_floor import LEASE
-from benchmarks._harness import measured_on, publish, rates_table
+from benchmarks._harness import measured_on, publish, rates_table, render
 from benchmarks._mariadb_floor import RawMariaDb
 
 DEFAULT_MARIADB = "mariadb://root@127.0.0.1:3306/test"
@@ -197,80 +187,37 @@ def report(args: argparse.Namespace, claims: list[Rates], idem: list[tuple[Rates
     pg_raw, pg_relay, maria_raw, maria_relay = relay
     p50 = latencies[len(latencies) // 2] * 1000
     p99 = latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))] * 1000
-    lines = [
-        "## SQL databases: PostgreSQL and MariaDB side by side",
-        "",
-        f"{measured_on(COMMAND)}; PostgreSQL 15, "
-        f"MariaDB 10.11 and Redis on loopback, each with its distribution's defaults (both "
-        f"flush their log at every commit); {args.repetitions} runs per variant, the databases "
-        "alternated; medians.",
-        "",
-        f"**1. Claims** ({args.batches} batches of {BATCH} fresh keys per run).",
-        "",
-        *_table(claims, "keys", [("PostgreSQL", pg_claim), ("MariaDB floor", floor_claim)]),
-        "",
-        f"**2. @idempotent** ({args.calls:,} sequential calls per run; first calls use fresh "
-        "keys, replays repeat them).",
-        "",
-        *_table([r for pair in idem for r in pair], "calls",
-                [("PostgreSQL first calls", pg_first)]),
-        "",
-        f"**3. Transactional handler** ({args.messages:,} messages per run through a "
-        "Subscriber on the in-memory broker; the handler inserts one row).",
-        "",
-        *_table(tx, "msgs", [("PostgreSQL plain", pg_plain)]),
-        "",
-        f"**4. Outbox relay** ({args.rows:,} committed rows drained into one Redis stream by one "
-        "process).",
-        "",
-        *_table(relay, "rows", [("PostgreSQL relay", pg_relay)]),
-        "",
-        f"MariaDB commit-to-publish latency, polling every {outbox.POLL_INTERVAL:g} s (the "
-        f"default `poll_interval`; MariaDB has no LISTEN/NOTIFY), {len(latencies)} rows "
-        f"committed {args.spacing * 1000:g} ms apart on average: p50 {p50:.0f} ms, p99 "
-        f"{p99:.0f} ms, max {latencies[-1] * 1000:.0f} ms.",
-        "",
-        "Goals (#30: within 1.5× of PostgreSQL's figure, and ≥ 0.5× a raw driver loop sending "
-        "the same statements):",
-        "",
-        verdict("claims, MariaDB vs PostgreSQL", maria_claim.median / pg_claim.median, WITHIN_1_5),
-        verdict("claims, MariaDB store vs its raw asyncmy floor",
-                maria_claim.median / floor_claim.median, 0.5),
-        verdict("@idempotent first calls, MariaDB vs PostgreSQL",
-                maria_first.median / pg_first.median, WITHIN_1_5),
-        verdict("@idempotent replays, MariaDB vs PostgreSQL",
-                maria_replay.median / pg_replay.median, WITHIN_1_5),
-        verdict("@idempotent first calls, MariaDB vs its floor",
-                maria_first.median / floor_first.median, 0.5),
-        verdict("@idempotent replays, MariaDB vs its floor",
-                maria_replay.median / floor_replay.median, 0.5),
-        verdict("transactional handler, MariaDB vs PostgreSQL",
-                maria_tx.median / pg_tx.median, WITHIN_1_5),
-        verdict("one relay, MariaDB vs PostgreSQL", maria_relay.median / pg_relay.median,
-                WITHIN_1_5),
-        verdict("one relay vs the raw loop, MariaDB", maria_relay.median / maria_raw.median,
-                0.5),
-        f"* for reference: one relay vs the raw loop on PostgreSQL "
-        f"{pg_relay.median / pg_raw.median:.2f}×; transactional vs plain handler "
-        f"{pg_tx.median / pg_plain.median:.2f}× (PostgreSQL), "
-        f"{maria_tx.median / maria_plain.median:.2f}× (MariaDB)",
-        "",
-        "Reading the figures:",
-        "",
-        "* A goal of ≥ 0.67× is \"within 1.5×\" of PostgreSQL's throughput. MariaDB's claim "
-        "and completion are each one statement, as PostgreSQL's are, and one round trip (no "
-        "pool pre-ping: a dead connection is retried once). A replay's gap to the floor is "
-        "SQLAlchemy's asyncio layers and `@idempotent`'s own work around the one statement.",
-        "* A relay round is a locking SELECT, the publish, an UPDATE (published_at is in two "
-        "of the table's indexes) and a COMMIT that waits for the log flush; the raw loop only "
-        "reads. PostgreSQL's relay commits without waiting for the flush (`synchronous_commit "
-        "= off` for that transaction); MariaDB has no per-session equivalent "
-        "(`innodb_flush_log_at_trx_commit` is global). A round that takes ordering keys also "
-        "takes and releases their named locks (GET_LOCK, RELEASE_ALL_LOCKS).",
-        "* The relay on MariaDB polls: a committed row waits up to `poll_interval` for the "
-        "next round.",
-    ]
-    return "\n".join(lines)
+    return render(
+        "sql_databases", measured_on=measured_on(COMMAND), args=args, BATCH=BATCH,
+        claims=_table(claims, "keys", [("PostgreSQL", pg_claim), ("MariaDB floor", floor_claim)]),
+        idempotent=_table([r for pair in idem for r in pair], "calls",
+                          [("PostgreSQL first calls", pg_first)]),
+        transactional=_table(tx, "msgs", [("PostgreSQL plain", pg_plain)]),
+        relay=_table(relay, "rows", [("PostgreSQL relay", pg_relay)]),
+        POLL_INTERVAL=outbox.POLL_INTERVAL, latency_rows=len(latencies),
+        spacing_ms=args.spacing * 1000, p50=p50, p99=p99, latency_max=latencies[-1] * 1000,
+        goals=[
+            verdict("claims, MariaDB vs PostgreSQL", maria_claim.median / pg_claim.median,
+                    WITHIN_1_5),
+            verdict("claims, MariaDB store vs its raw asyncmy floor",
+                    maria_claim.median / floor_claim.median, 0.5),
+            verdict("@idempotent first calls, MariaDB vs PostgreSQL",
+                    maria_first.median / pg_first.median, WITHIN_1_5),
+            verdict("@idempotent replays, MariaDB vs PostgreSQL",
+                    maria_replay.median / pg_replay.median, WITHIN_1_5),
+            verdict("@idempotent first calls, MariaDB vs its floor",
+                    maria_first.median / floor_first.median, 0.5),
+            verdict("@idempotent replays, MariaDB vs its floor",
+                    maria_replay.median / floor_replay.median, 0.5),
+            verdict("transactional handler, MariaDB vs PostgreSQL",
+                    maria_tx.median / pg_tx.median, WITHIN_1_5),
+            verdict("one relay, MariaDB vs PostgreSQL", maria_relay.median / pg_relay.median,
+                    WITHIN_1_5),
+            verdict("one relay vs the raw loop, MariaDB", maria_relay.median / maria_raw.median,
+                    0.5)],
+        pg_relay_ratio=pg_relay.median / pg_raw.median,
+        pg_tx_ratio=pg_tx.median / pg_plain.median,
+        maria_tx_ratio=maria_tx.median / maria_plain.median)
 
 
 async def amain(args: argparse.Namespace) -> str:

@@ -1,22 +1,12 @@
 """What typed bodies cost: decoding alone, and the Subscriber with typed handlers.
 
-Run from the repository root::
-
     python -m benchmarks.typed_bodies            # print the tables
     python -m benchmarks.typed_bodies --write    # ... and rewrite the README section
 
-**Decoding** one order body (11 fields, about 250 bytes of JSON), ``timeit`` in this process: the
-stdlib's ``json.loads`` to a dict (what an untyped handler does itself), then what a typed
-handler's decoder does: a pydantic model's ``model_validate_json``, pydantic's ``TypeAdapter`` over
-a dataclass (what a dataclass body uses with pydantic installed), the fallback without pydantic
-(``json.loads`` and the dataclass's constructor), and ``msgspec.json.decode`` into a Struct (a
-handler annotated with a msgspec Struct).
-
-**Pipeline**: the memory pipeline benchmark's harness (``benchmarks.memory_pipeline``: a fresh
-MemoryAdapter backlog, timed until every ack reached the broker), with four handlers interleaved
-over the repetitions: a no-op untyped handler (the floor), an untyped one that calls
-``json.loads(message.data)`` (what users write today), and typed ones taking the pydantic model,
-the dataclass and the msgspec Struct.
+**Decoding** one order body with ``timeit``: ``json.loads``, pydantic (a model, and a
+``TypeAdapter`` over a dataclass), the dataclass fallback without pydantic, and msgspec.
+**Pipeline**: ``benchmarks.memory_pipeline``'s harness with a no-op handler (the floor), an
+untyped ``json.loads`` one and typed ones, interleaved.
 """
 
 from __future__ import annotations
@@ -38,7 +28,7 @@ import msgspec
 import pydantic
 
 from benchmarks._common import MICROS, README
-from benchmarks._harness import add_runs, check_main, command_line, publish
+from benchmarks._harness import add_runs, check_main, command_line, publish, render
 from benchmarks.memory_pipeline import SUBSCRIPTION, TOPIC, drain
 from reliable_sub import Message, Subscriber
 from reliable_sub.adapters.memory import MemoryAdapter
@@ -160,24 +150,15 @@ def report(decoding: dict[str, float], pipeline: dict[str, float], command: str,
     base_decode = decoding["json.loads → dict (an untyped handler's own)"]
     base_pipeline = pipeline["untyped, json.loads(message.data)"]
     floor = pipeline["untyped, no-op (floor)"]
-    lines = [
-        f"Produced by `{command}` on {today} (CPython {platform.python_version()}, "
-        f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs; pydantic "
-        f"{pydantic.VERSION}). Decoding: median of {repetitions} rounds of {DECODES:,} decodes "
-        f"of one {len(BODY)}-byte order body. Pipeline: median of {repetitions} interleaved "
-        f"runs of {messages:,} messages each on the MemoryAdapter.",
-        "",
-        "| decoding one body | µs | vs json.loads |",
-        "|---|---:|---:|",
-        *(f"| {name} | {micros:.2f} | {micros / base_decode:.2f}× |"
-          for name, micros in decoding.items()),
-        "",
-        "| Subscriber, handler | µs/message | vs untyped json.loads | over the no-op floor |",
-        "|---|---:|---:|---:|",
-        *(f"| {name} | {micros:.2f} | {micros / base_pipeline:.2f}× | "
-          f"{micros - floor:+.2f} µs |" for name, micros in pipeline.items()),
-    ]
-    return "\n".join(lines)
+    return render(
+        "typed_bodies", command=command, today=today, python=platform.python_version(),
+        system=platform.system(), machine=platform.machine(), cpus=os.cpu_count(),
+        pydantic=pydantic.VERSION, repetitions=repetitions, DECODES=DECODES, body=len(BODY),
+        messages=messages,
+        decoding=[f"| {name} | {micros:.2f} | {micros / base_decode:.2f}× |"
+                  for name, micros in decoding.items()],
+        pipeline=[f"| {name} | {micros:.2f} | {micros / base_pipeline:.2f}× | "
+                  f"{micros - floor:+.2f} µs |" for name, micros in pipeline.items()])
 
 
 def main(argv: list[str] | None = None) -> None:
