@@ -24,7 +24,7 @@ import asyncio
 import contextvars
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from types import CoroutineType
 from typing import Any
 
@@ -59,6 +59,13 @@ _DONE = frozenset({Outcome.ACKED, Outcome.DUPLICATE, Outcome.DEAD_LETTERED})
 _current_item: contextvars.ContextVar[Item] = contextvars.ContextVar("reliable_sub_item")
 # (a module global, so a test can put the old eager start back: tests/test_stateful.py)
 _new_task = new_task
+
+
+def _new_task_in(context: otel_context.Context, coroutine: Coroutine[Any, Any, None],
+                 eager: bool) -> asyncio.Task[None]:
+    """A delivery's task, made with ``context`` attached (called in a copied context)."""
+    otel_context.attach(context)
+    return _new_task(coroutine, eager)
 
 
 class Dispatcher:
@@ -194,16 +201,15 @@ class Dispatcher:
         if collector is not None:  # a batch handler's: the item joins a batch
             collector.add(item)
             return
-        # the task (and a sync handler's thread) runs with the delivery's span as current
-        token = None
-        if item.span is not None:
-            assert self._telemetry is not None
-            token = otel_context.attach(self._telemetry.context_of(item))
-        try:
+        if item.span is None:
             item.task = _new_task(self._run(item), eager)
-        finally:
-            if token is not None:
-                otel_context.detach(token)
+            return
+        # the task (and a sync handler's thread) runs with the delivery's span as current: made
+        # in a copy of this context with the span attached (the task copies that one), so there
+        # is nothing to detach here
+        assert self._telemetry is not None
+        item.task = contextvars.copy_context().run(_new_task_in, self._telemetry.context_of(item),
+                                                   self._run(item), eager)
 
     async def _run(self, item: Item) -> None:
         """One delivery in its own task: wait for resources, run the handler, decide."""

@@ -56,6 +56,10 @@ _FAILED = frozenset({Outcome.RETRY, Outcome.DEAD_LETTERED})
 _ACKED, _DUPLICATE = Outcome.ACKED, Outcome.DUPLICATE
 # Outcomes that give the message back to the broker, with a redelivery delay.
 _NACKED = frozenset({Outcome.RETRY, Outcome.DEFERRED, Outcome.REQUEUED, Outcome.STOPPED})
+# an outcome's attribute value: a dict lookup, where ``outcome.value`` runs enum's descriptor
+_VALUE_OF = {outcome: outcome.value for outcome in Outcome}
+# The empty context a delivery's span starts from (a Context cannot be changed: one serves all)
+_ROOT = Context()
 
 
 class SubscriberTelemetry:
@@ -174,7 +178,7 @@ class DeliveryTelemetry:
                 # surrogatepass: a key with a lone surrogate (possible on Redis) still hashes
                 else hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:16])
         return self.tracer.start_span(  # type: ignore[union-attr]
-            route.name, context=parent or Context(), kind=SpanKind.CONSUMER,
+            route.name, context=parent or _ROOT, kind=SpanKind.CONSUMER,
             attributes=attributes, links=links, start_time=start_time)
 
     def _made_late(self, route: RouteTelemetry, item: InFlight[Any],
@@ -203,7 +207,7 @@ class DeliveryTelemetry:
         try:
             if type(item.span) is DeferredSpan:
                 return unsampled_context(self._rng)
-            return trace.set_span_in_context(item.span, Context())
+            return trace.set_span_in_context(item.span, _ROOT)
         except Exception:
             report("DeliveryTelemetry.context_of")
             return Context()
@@ -280,14 +284,14 @@ class DeliveryTelemetry:
                 return  # a first attempt that succeeded, and the ratio left out
             span = self._made_late(route, item, span)
         if span.is_recording():
-            span.set_attribute(sc.OUTCOME, outcome.value)
+            span.set_attribute(sc.OUTCOME, _VALUE_OF[outcome])
             if outcome in _NACKED:
                 span.set_attribute(sc.REDELIVERY_DELAY, delay)
             if error is not None:  # spans are not aggregated: the full name, uncapped
                 name = error_type(error)
                 span.set_attribute(sc.ERROR_TYPE, name)
                 record_error(span, error, name)
-                span.set_status(Status(StatusCode.ERROR, f"{outcome.value}: {name}"))
+                span.set_status(Status(StatusCode.ERROR, f"{_VALUE_OF[outcome]}: {name}"))
         span.end()
 
 

@@ -255,7 +255,8 @@ class RouteTelemetry:
         return attributes
 
     def succeeded_on(self, tallies: RouteTallies, attempt: int) -> Tally:
-        attempt = min(attempt, sc.MAX_ATTEMPT_VALUE + 1)
+        if attempt > sc.MAX_ATTEMPT_VALUE:
+            attempt = sc.MAX_ATTEMPT_VALUE + 1
         tally = tallies.attempts.get(attempt)
         if tally is None:
             value = str(attempt) if attempt <= sc.MAX_ATTEMPT_VALUE else sc.LATER_ATTEMPTS
