@@ -151,7 +151,7 @@ class Pass:
             subscriber = Subscriber(
                 world.adapter, dedup=world.store, clock=clock, loop_lag_warning=None,
                 rng=random.Random(0), receive_timeout=RECEIVE_TIMEOUT,
-                sync_workers=SYNC_WORKERS,
+                sync_workers=SYNC_WORKERS, **(_sdk_providers() if self.workload.traced else {}),
             )
             subscriber.handler(world.subscription, batch=self.workload.batch_handler)(
                 self.handler())
@@ -310,6 +310,22 @@ class AllocationPass(Pass):
         self.garbage += gc.collect()
         self.retained = _traced_blocks()
         tracemalloc.stop()
+
+
+def _sdk_providers() -> dict[str, Any]:
+    """OpenTelemetry SDK providers whose work all happens in the delivery path, in this
+    thread: spans handed to an exporter that drops them, metrics read only when asked."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from benchmarks._telemetry_floor import NoOpSpanExporter
+
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(SimpleSpanProcessor(NoOpSpanExporter()))
+    return {"tracer_provider": tracer_provider,
+            "meter_provider": MeterProvider(metric_readers=[InMemoryMetricReader()])}
 
 
 def _traced_blocks() -> int:

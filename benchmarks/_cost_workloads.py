@@ -33,6 +33,7 @@ class Workload:
     description: str
     sync_handler: bool = False
     batch_handler: bool = False
+    traced: bool = False  # the OpenTelemetry SDK on: a span and metrics per delivery
     # The leak measure needs the structures of bounded size (the lease histogram keeps 2,000
     # samples) full after the first pass: messages well above their bound.
     leak_pass: bool = True
@@ -60,6 +61,13 @@ WORKLOADS = {
         "memory", dedup=False, messages=5_000, batch_handler=True,
         description="an `async def` no-op batch handler (`batch=True`: up to 100 messages a "
         "call, what one receive brought), no dedup",
+    ),
+    "memory, traced": Workload(
+        "memory", dedup=False, messages=5_000, traced=True,
+        description="the `memory` workload with the OpenTelemetry SDK: a span per delivery "
+        "(exported in process by a SimpleSpanProcessor to an exporter that drops them) and "
+        "metrics (read by an InMemoryMetricReader, never during a pass); counts the SDK's "
+        "calls too, so an SDK upgrade may move them",
     ),
     # Fewer: a Redis count pass takes about 0.1 s.
     "redis": Workload(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,12 +86,17 @@ def providers(variant: str) -> tuple[dict[str, Any], list[Any]]:
 
 
 
-def floor_seconds(variant: str, messages: int, system: str = "memory") -> float:
+def floor_seconds(variant: str, messages: int, system: str = "memory",
+                  open_spans: int = 1) -> float:
     """Seconds the SDK takes, with ``variant``'s providers, for what a Subscriber records for
     ``messages`` first-try successes of a no-op handler: a ``process`` span with the same
     attributes (its outcome set before it ends), the processing time recorded in the same
     histogram under the same attribute set (the counters are ours: tallied in process, read
-    when a reader collects). 0 without an SDK."""
+    when a reader collects). 0 without an SDK.
+
+    ``open_spans``: how many spans are open at once, the oldest ended first (1: each ends
+    before the next starts). A Subscriber keeps one open per message in flight: up to
+    ``FlowControl.max_messages``."""
     if variant in (OFF, API):
         return 0.0
     options, owned = providers(variant)
@@ -109,18 +115,25 @@ def floor_seconds(variant: str, messages: int, system: str = "memory") -> float:
         # the dashboard mode decides per first attempt; the sampled variant's sampler does
         ratio = SAMPLED_RATIO if variant == DASHBOARD else 1.0
         draw = random.Random(0).random
+        spans: deque[Any] = deque()
         started = time.perf_counter()
         for number in range(messages):
             if ratio >= 1.0 or draw() < ratio:
-                span = tracer.start_span(
+                spans.append(tracer.start_span(
                     "process bench-sub", context=Context(), kind=SpanKind.CONSUMER,
                     attributes={**span_base, sc.MESSAGE_ID: str(number), sc.BODY_SIZE: 64,
                                 sc.DELIVERY_ATTEMPT: 1, sc.HANDLER: "noop_handler",
-                                sc.IDEMPOTENCY_KEY: "0123456789abcdef"})
-                span.set_attribute(sc.OUTCOME, "acked")
-                span.end()
+                                sc.IDEMPOTENCY_KEY: "0123456789abcdef"}))
+                if len(spans) >= open_spans:
+                    span = spans.popleft()
+                    span.set_attribute(sc.OUTCOME, "acked")
+                    span.end()
             duration.record(1e-5, acked)
+        for span in spans:
+            span.set_attribute(sc.OUTCOME, "acked")
+            span.end()
         return time.perf_counter() - started
     finally:
         for provider in owned:
             provider.shutdown()
+
