@@ -135,9 +135,9 @@ CAPABILITIES = Capabilities(
 # what its KEYS and ARGV are. Times are the server's (TIME), so clients with skewed clocks agree.
 _RECLAIM = lua_source(__package__, "now_ms", "streams_reclaim")
 _EXTEND = lua_source(__package__, "owned", "streams_extend")
-_ACK = lua_source(__package__, "owned", "streams_ack")
+_ACK = lua_source(__package__, "owned", "ack_owned", "streams_ack")
 # completions fenced as RedisDedupStore.complete_many fences them (COMPLETE_LUA)
-_ACK_COMPLETE = lua_source(__package__, "owned") + COMPLETE_LUA + lua_source(
+_ACK_COMPLETE = lua_source(__package__, "owned", "ack_owned") + COMPLETE_LUA + lua_source(
     __package__, "streams_ack_complete"
 )
 _NACK = lua_source(__package__, "owned", "now_ms", "streams_nack")

@@ -143,6 +143,33 @@ async def test_a_stalled_consumer_cannot_snatch_back_a_reclaimed_entry(names) ->
     await live.close()
 
 
+
+async def test_one_ack_call_acks_exactly_what_is_still_ours_among_many_pending(names) -> None:
+    """The ack script asks XPENDING once for the call's id range (at most as many entries as
+    the call acks): entries it does not list -- more of ours pending in the range, one taken by
+    another consumer, one redelivered to us (its old ack id stale) -- are still judged one by
+    one, whatever order the call lists them in."""
+    url, topic, prefix = names
+    adapter = await make(url, prefix, "c1", topic)
+    sub = f"{prefix}-sub"
+    for number in range(30):
+        await adapter.publish(topic, str(number).encode())
+    deliveries = await adapter.receive(sub, 30, 1)
+    assert len(deliveries) == 30
+    client, ids = adapter.client, [d.message.id for d in deliveries]
+    # another consumer takes #4; #10 is claimed again by c1 itself (delivery count 2)
+    await client.xclaim(topic, sub, "thief", 0, [ids[4]], justid=True)
+    await client.execute_command("XCLAIM", topic, sub, "c1", 0, ids[10])
+    chosen = [deliveries[i] for i in (27, 4, 1, 10, 16, 7, 22)]  # out of order, spread out
+    refused = await adapter.ack(chosen)
+    assert [d.message.id for d in refused] == [ids[4], ids[10]]
+    left = {entry["message_id"].decode(): (entry["consumer"], entry["times_delivered"])
+            for entry in await client.xpending_range(topic, sub, "-", "+", 100)}
+    acked = {ids[i] for i in (27, 1, 16, 7, 22)}
+    assert set(left) == set(ids) - acked
+    assert left[ids[4]] == (b"thief", 1) and left[ids[10]] == (b"c1", 2)
+    await adapter.close()
+
 async def test_nack_parks_the_entry_and_delays_it_without_a_copy(names) -> None:
     url, topic, prefix = names
     adapter = await make(url, prefix, "c1", topic)

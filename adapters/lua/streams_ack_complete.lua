@@ -10,11 +10,4 @@ for i = 1, n do
     refused[#refused + 1] = i
   end
 end
-local stale, ids = {}, {}
-local first = 5 + 2 * n
-for i = first, #ARGV do
-  local id = owned(ARGV[i])
-  if id then ids[#ids + 1] = id else stale[#stale + 1] = i - first + 1 end
-end
-if #ids > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(ids)) end
-return {stale, refused}
+return {ack_owned(5 + 2 * n), refused}
