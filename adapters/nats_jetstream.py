@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -48,6 +49,7 @@ from urllib.parse import urlsplit
 
 from reliable_sub._loops import PerLoop
 from reliable_sub.adapters._nats_liveness import Retirer, reader_stopped
+from reliable_sub.adapters._nats_replies import delivery_fields
 from reliable_sub.adapters._nats_urls import servers_of
 from reliable_sub.dead_letters import REPLAYED_FROM_ATTRIBUTE
 from reliable_sub.entries import read_each
@@ -705,15 +707,19 @@ class NatsJetStreamAdapter(InstrumentedPublishing):
             return []
         now = asyncio.get_running_loop().time()
         self._prune(now)
-        deliveries = read_each(msgs, lambda msg: self._delivery(sub, msg),
-                               lambda msg, problem: self._unreadable(sub, msg, problem))
+        deliveries = read_each(msgs, functools.partial(self._delivery, sub),
+                               functools.partial(self._unreadable, sub))
+        leases, until = self._leases, now + sub.lease_length
         for delivery in deliveries:
-            self._leases[delivery.ack_id] = now + sub.lease_length
+            leases[delivery.ack_id] = until
         return deliveries
 
     def _delivery(self, sub: _Subscription, msg: Msg) -> Delivery:
-        metadata = msg.metadata
-        headers = msg.headers or {}
+        message_id, delivered, stored_at = delivery_fields(msg.reply)
+        headers = msg.headers
+        if not headers:  # a publish without attributes: nothing else to read
+            return Delivery(Message.received(message_id, msg.data, {}, delivered, stored_at,
+                                             None, sub.name), msg.reply)
         problem = None
         attributes = {name: value for name, value in headers.items()
                       if not name.startswith("Nats-") and name not in _OUR_HEADERS}
@@ -734,9 +740,8 @@ class NatsJetStreamAdapter(InstrumentedPublishing):
             if not isinstance(ordering_key, str):
                 ordering_key = None
                 problem = f"{ORDERING_KEY_HEADER} header is not a JSON string: {raw_key[:100]!r}"
-        message = Message.received(str(metadata.sequence.stream), msg.data, attributes,
-                                   metadata.num_delivered, metadata.timestamp, ordering_key,
-                                   sub.name)
+        message = Message.received(message_id, msg.data, attributes, delivered, stored_at,
+                                   ordering_key, sub.name)
         if problem is not None:
             return self._malformed(sub, message, msg.reply, problem)
         return Delivery(message, msg.reply)
