@@ -147,7 +147,8 @@ class Batches:
             finally:
                 if self._open is batch:
                     self._open = None
-            size = sum(item.delivery.size for item in items)
+            # (a list, not a generator: on 3.11 a generator is a call per item)
+            size = sum([len(item.delivery.message.data) for item in items])
             if not self._flow.try_acquire_bytes(size):
                 await self._flow.acquire_bytes(size)
             holds_bytes = True
