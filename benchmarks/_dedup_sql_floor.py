@@ -96,3 +96,32 @@ class RawIdempotent:
             return result
 
         return charge
+
+
+class RawClaims:
+    """The store's claim statement for a batch of fresh keys, sent with psycopg on one
+    connection (autocommit): the floor under ``SqlDedupStore.claim_many`` on PostgreSQL."""
+
+    def __init__(self, url: str, claim: Statement) -> None:
+        self._url = url
+        self._claim = claim
+        self._connection: Any = None
+
+    async def connect(self) -> None:
+        import psycopg
+
+        self._connection = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
+
+    async def close(self) -> None:
+        if self._connection is not None:
+            await self._connection.close()
+
+    async def claim(self, namespace: str, keys: list[str], run: str) -> None:
+        now = time.time()
+        cursor = await self._connection.execute(self._claim.text, {
+            **self._claim.parameters, "batch_namespace": [namespace] * len(keys),
+            "batch_key": keys,
+            "batch_owner": [f"{run}.{n}" for n in range(len(keys))],
+            "now": now, "lease_end": now + LEASE})
+        if len(await cursor.fetchall()) != len(keys):
+            raise RuntimeError("the claim statement returned fewer rows than keys")

@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks._common import Rates, positive_int, verdict
-from benchmarks._dedup_sql_floor import LEASE, TTL, RawIdempotent, captured_statements
+from benchmarks._dedup_sql_floor import (
+    LEASE,
+    TTL,
+    RawClaims,
+    RawIdempotent,
+    captured_statements,
+)
 from benchmarks._harness import add_runs, measured_on, publish, rates_table, render
 
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
@@ -34,6 +40,7 @@ SECTION_NAME = "dedup"
 COMMAND = "python -m benchmarks.dedup --write"
 PG = "@idempotent async, SqlDedupStore on PostgreSQL"
 RAW_PG = "raw psycopg loop, the store's two statements (PostgreSQL floor)"
+RAW_PG_CLAIMS = "raw psycopg loop, the store's claim statement per 100 keys (PostgreSQL floor)"
 
 
 async def drop_stores(*stores: Any) -> None:
@@ -198,6 +205,8 @@ async def bench_claims(args: argparse.Namespace) -> list[Rates]:
     sql_lite = SqlDedupStore("sqlite://", table="bench_claims")
     for store in (sql_pg, sql_lite):
         await store.create_schema()
+    raw_pg = RawClaims(args.postgres, (await captured_statements(sql_pg))[0])
+    await raw_pg.connect()
     total = args.batches * BATCH
 
     def batches(run: str) -> list[list[DedupKey]]:
@@ -212,6 +221,10 @@ async def bench_claims(args: argparse.Namespace) -> list[Rates]:
                 pipe.set(f"{prefix}:raw:{key.namespace}:{key.key}", "p:token", nx=True, px=ttl_ms)
             await pipe.execute()
 
+    async def raw_pg_claims(run: str) -> None:
+        for batch in batches(run):
+            await raw_pg.claim(batch[0].namespace, [key.key for key in batch], run)
+
     def claim_many(store: Any) -> Callable[[str], Awaitable[None]]:
         async def work(run: str) -> None:
             for batch in batches(run):
@@ -225,6 +238,7 @@ async def bench_claims(args: argparse.Namespace) -> list[Rates]:
          claim_many(sql_pg)),
         (Rates("SqlDedupStore.claim_many on SQLite, one transaction per 100 keys"),
          claim_many(sql_lite)),
+        (Rates(RAW_PG_CLAIMS), raw_pg_claims),
     ]
     try:
         for _ in range(args.repetitions):
@@ -235,6 +249,7 @@ async def bench_claims(args: argparse.Namespace) -> list[Rates]:
         await _delete_redis_keys(args.redis, [f"{prefix}*"])
         await client.aclose()
         await redis_store.close()
+        await raw_pg.close()
         await drop_stores(sql_pg, sql_lite)
     return [row for row, _ in variants]
 
@@ -344,6 +359,8 @@ def report(args: argparse.Namespace, idem: list[IdempotentVariant], claims: list
         claims_table=rates_table(claims, "claims", [("baseline", lambda _: claims[0])]),
         claims_goal=verdict("RedisDedupStore.claim_many vs pipelined SET NX",
                             claims[1].median / claims[0].median, 0.5),
+        pg_claims_goal=verdict("SqlDedupStore.claim_many on PostgreSQL vs the raw psycopg loop",
+                               claims[2].median / claims[4].median, 0.5),
         tx_table=rates_table(tx, "msgs", [("baseline", lambda _: tx[0])]),
         tx_goal=verdict("time per message, transactional vs plain insert",
                         tx[0].median / tx[1].median, 1.5, at_most=True))
