@@ -54,15 +54,13 @@ async def captured_statements(store: Any) -> tuple[Statement, Statement]:
     return seen[0], seen[1]
 
 
-class RawIdempotent:
-    """``make(run)`` gives an async function of an order that claims its key and, when the
-    claim was taken, records ``{"charged": id}`` as completed: the store's two statements,
-    sent with psycopg on one connection."""
+class _OneConnection:
+    """A floor's psycopg connection (autocommit, as the store's calls are), and the claim
+    statement it sends."""
 
-    def __init__(self, url: str, claim: Statement, completion: Statement) -> None:
+    def __init__(self, url: str, claim: Statement) -> None:
         self._url = url
         self._claim = claim
-        self._completion = completion
         self._connection: Any = None
 
     async def connect(self) -> None:
@@ -73,6 +71,16 @@ class RawIdempotent:
     async def close(self) -> None:
         if self._connection is not None:
             await self._connection.close()
+
+
+class RawIdempotent(_OneConnection):
+    """``make(run)`` gives an async function of an order that claims its key and, when the
+    claim was taken, records ``{"charged": id}`` as completed: the store's two statements,
+    sent with psycopg on one connection."""
+
+    def __init__(self, url: str, claim: Statement, completion: Statement) -> None:
+        super().__init__(url, claim)
+        self._completion = completion
 
     def make(self, run: str) -> Callable[[dict[str, Any]], Awaitable[Any]]:
         connection, claim, completion = self._connection, self._claim, self._completion
@@ -98,23 +106,9 @@ class RawIdempotent:
         return charge
 
 
-class RawClaims:
+class RawClaims(_OneConnection):
     """The store's claim statement for a batch of fresh keys, sent with psycopg on one
     connection (autocommit): the floor under ``SqlDedupStore.claim_many`` on PostgreSQL."""
-
-    def __init__(self, url: str, claim: Statement) -> None:
-        self._url = url
-        self._claim = claim
-        self._connection: Any = None
-
-    async def connect(self) -> None:
-        import psycopg
-
-        self._connection = await psycopg.AsyncConnection.connect(self._url, autocommit=True)
-
-    async def close(self) -> None:
-        if self._connection is not None:
-            await self._connection.close()
 
     async def claim(self, namespace: str, keys: list[str], run: str) -> None:
         now = time.time()
