@@ -716,30 +716,9 @@ class NatsJetStreamAdapter(InstrumentedPublishing):
 
     def _delivery(self, sub: _Subscription, msg: Msg) -> Delivery:
         message_id, delivered, stored_at = delivery_fields(msg.reply)
-        headers = msg.headers
-        if not headers:  # a publish without attributes: nothing else to read
-            return Delivery(Message.received(message_id, msg.data, {}, delivered, stored_at,
-                                             None, sub.name), msg.reply)
-        problem = None
-        attributes = {name: value for name, value in headers.items()
-                      if not name.startswith("Nats-") and name not in _OUR_HEADERS}
-        raw = headers.get(ATTRIBUTES_HEADER)
-        if raw is not None:
-            try:
-                attributes.update(attributes_from_json(raw))
-            except ValueError as error:
-                problem = f"{ATTRIBUTES_HEADER} header: {error}"
-        ordering_key = None
-        raw_key = headers.get(ORDERING_KEY_HEADER)
-        if raw_key:
-            # only a JSON string is parsed: a hostile header nested deep would make json.loads
-            # recurse to the interpreter's limit
-            if raw_key.startswith('"'):
-                with contextlib.suppress(ValueError):
-                    ordering_key = json.loads(raw_key)
-            if not isinstance(ordering_key, str):
-                ordering_key = None
-                problem = f"{ORDERING_KEY_HEADER} header is not a JSON string: {raw_key[:100]!r}"
+        # a publish without attributes has no headers: nothing else to read
+        attributes, ordering_key, problem = (_read_headers(msg.headers) if msg.headers
+                                             else ({}, None, None))
         message = Message.received(message_id, msg.data, attributes, delivered, stored_at,
                                    ordering_key, sub.name)
         if problem is not None:
@@ -878,6 +857,32 @@ def _msg_id(attributes: dict[str, str]) -> str | None:
     if len(msg_id) <= MAX_PLAIN_MSG_ID and msg_id.isascii() and msg_id.isprintable():
         return msg_id
     return "sha256:" + hashlib.sha256(msg_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _read_headers(headers: dict[str, str]) -> tuple[dict[str, str], str | None, str | None]:
+    """A message's attributes and ordering key from its headers, and what was wrong with them
+    (None: nothing)."""
+    problem = None
+    attributes = {name: value for name, value in headers.items()
+                  if not name.startswith("Nats-") and name not in _OUR_HEADERS}
+    raw = headers.get(ATTRIBUTES_HEADER)
+    if raw is not None:
+        try:
+            attributes.update(attributes_from_json(raw))
+        except ValueError as error:
+            problem = f"{ATTRIBUTES_HEADER} header: {error}"
+    ordering_key = None
+    raw_key = headers.get(ORDERING_KEY_HEADER)
+    if raw_key:
+        # only a JSON string is parsed: a hostile header nested deep would make json.loads
+        # recurse to the interpreter's limit
+        if raw_key.startswith('"'):
+            with contextlib.suppress(ValueError):
+                ordering_key = json.loads(raw_key)
+        if not isinstance(ordering_key, str):
+            ordering_key = None
+            problem = f"{ORDERING_KEY_HEADER} header is not a JSON string: {raw_key[:100]!r}"
+    return attributes, ordering_key, problem
 
 
 __all__ = ["CAPABILITIES", "DEFAULT_URL", "NatsJetStreamAdapter"]
