@@ -210,7 +210,7 @@ class DeliveryTelemetry:
             return trace.set_span_in_context(item.span, _ROOT)
         except Exception:
             report("DeliveryTelemetry.context_of")
-            return Context()
+            return _ROOT
 
     @never_raises
     def deadline_is(self, route: RouteTelemetry, seconds: float) -> None:
