@@ -76,70 +76,26 @@ the store's blocking client).
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import functools
 import inspect
-import logging
-import math
-import time
-from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Coroutine
 from typing import Any, Generic, Literal, ParamSpec, TypeVar, cast, overload
 
-from .._bodies import result_decoder
 from .._callables import is_async_callable
-from .._results import encode_result
-from .._text import describe_error, safe_repr
-from ..clock import Clock, SystemClock, sleep_or_event
-from ..dedup import TokenSource, check_owner
-from ..errors import (
-    ConfigurationError,
-    IdempotencyInProgressError,
-    IdempotencyKeyReuseError,
-    ResultNotSerializableError,
-    StoredResultError,
-)
+from ..clock import Clock, SystemClock
+from ..errors import ConfigurationError
 from ..policy import check_seconds
-from ..ports import (
-    Claimed,
-    ClaimResult,
-    Completed,
-    Completion,
-    DedupKey,
-    DedupStore,
-    InProgress,
-    SyncDedupStore,
-)
+from ..ports import DedupStore
+from ._after_call import Settings
 from ._background_loop import BACKGROUND
-from ._renewer import RENEWALS_PER_LEASE, RENEWER
-from ._settling import Settling
-from .fingerprint import fingerprint
-
-logger = logging.getLogger(__name__)
+from ._core import Core, IdempotentResult
+from ._renewer import RENEWER
 
 P = ParamSpec("P")
 T = TypeVar("T")
 
-# A waiting caller polls the store this often at first, doubling up to MAX_POLL.
-INITIAL_POLL = 0.01
-MAX_POLL = 0.2
 _IN_PROGRESS_MODES = ("raise", "wait")
-
-
-@dataclass(frozen=True)
-class IdempotentResult(Generic[T]):
-    """What ``call_with_info`` returns.
-
-    Attributes:
-        value: the function's result (when ``replayed``: the stored one, JSON-decoded).
-        replayed: True when the function did not run because the key had completed before.
-        key: the idempotency key of the call (within the function's namespace).
-    """
-
-    value: T
-    replayed: bool
-    key: str
 
 
 def idempotent(
@@ -213,28 +169,15 @@ def idempotent(
             f"idempotent: clock must be a Clock (now, wall, sleep), got {type(clock).__name__}"
         )
     return Idempotent(
-        _Settings(store, key, float(ttl), float(lease_ttl), on_in_progress,
+        Settings(store, key, float(ttl), float(lease_ttl), on_in_progress,
                   float(wait_timeout), validate_payload, namespace, clock or SystemClock())
     )
-
-
-@dataclass(frozen=True)
-class _Settings:
-    store: DedupStore
-    key: str | Callable[..., str]
-    ttl: float
-    lease_ttl: float
-    on_in_progress: str
-    wait_timeout: float
-    validate_payload: bool
-    namespace: str | None
-    clock: Clock
 
 
 class Idempotent:
     """The decorator :func:`idempotent` returns; apply it to a sync or an async function."""
 
-    def __init__(self, settings: _Settings) -> None:
+    def __init__(self, settings: Settings) -> None:
         self._settings = settings
 
     @overload
@@ -250,7 +193,7 @@ class Idempotent:
             raise ConfigurationError(
                 f"@idempotent applies to a function, got {type(function).__name__}"
             )
-        core = _Core(function, self._settings)
+        core = Core(function, self._settings)
         if is_async_callable(function):
             return AsyncIdempotentFunction(core)
         return IdempotentFunction(core)
@@ -262,7 +205,7 @@ class _Bindable:
     __wrapped__: Callable[..., Any]  # the decorated function; its __name__, __doc__ ... too
     __name__: str
 
-    def __init__(self, core: _Core) -> None:
+    def __init__(self, core: Core) -> None:
         self._core = core
         self._bound: tuple[object, ...] = ()
         functools.update_wrapper(cast(Any, self), core.function)
@@ -355,7 +298,7 @@ class AsyncIdempotentFunction(_Bindable, Generic[P, T]):
     """An async function made idempotent: awaiting a call returns the value;
     :meth:`call_with_info` also says whether it was a replay."""
 
-    def __init__(self, core: _Core) -> None:
+    def __init__(self, core: Core) -> None:
         super().__init__(core)
         mark = getattr(inspect, "markcoroutinefunction", None)  # Python 3.12+
         if mark is not None:
@@ -383,470 +326,6 @@ class AsyncIdempotentFunction(_Bindable, Generic[P, T]):
             raise
         await core.settle(beat, started, key, record)
         return IdempotentResult(value, False, key)
-
-
-@dataclass
-class _Heartbeat:
-    stop: asyncio.Event
-    task: asyncio.Future[None]
-
-
-class _Core:
-    """One decorated function's settings and the steps of a call, on the store's side."""
-
-    def __init__(self, function: Callable[..., Any], settings: _Settings) -> None:
-        self.function = function
-        self.settings = settings
-        # The store whose blocking twins sync calls make on the calling thread (None: they run
-        # on the background loop, which follows any clock; time.sleep follows the system one).
-        self.sync_store: SyncDedupStore | None = (
-            settings.store
-            if isinstance(settings.store, SyncDedupStore) and type(settings.clock) is SystemClock
-            else None
-        )
-        qualname = getattr(function, "__qualname__", None)
-        module = getattr(function, "__module__", None)
-        self.name = f"{module}.{qualname}" if qualname and module else repr(function)
-        # a return type that is a pydantic model or a dataclass: a replay returns one, too
-        self.decode_result = result_decoder(function)
-        self.settling = Settling(self.name)
-        # Calls claim under tokens of their own making, so a call interrupted in its claim
-        # knows which claim to release.
-        self.tokens = TokenSource(_owner_of(settings.store))
-        # A store whose calls must not be cut short in flight has async calls await them in a
-        # task of their own, through asyncio.shield (see the module docstring).
-        self.shield = getattr(settings.store, "cancel_safe_calls", True) is False
-        if settings.namespace is not None:
-            self.namespace = settings.namespace
-        elif not qualname or not module or "<lambda>" in qualname:
-            raise ConfigurationError(
-                f"@idempotent {self.name}: give a namespace= (the default, "
-                "'idempotent:<module>.<qualname>', would not be unique to this function)"
-            )
-        else:
-            self.namespace = f"idempotent:{module}.{qualname}"
-        try:
-            self.signature: inspect.Signature | None = inspect.signature(function)
-        except (TypeError, ValueError):  # some builtins and C callables have none
-            self.signature = None
-        # A signature of positional-or-keyword parameters only (most are) is bound here without
-        # Signature.bind, which costs more than the rest of a replay's own work: its names in
-        # order, and its defaults.
-        self.plain: tuple[tuple[str, ...], dict[str, Any]] | None = None
-        if self.signature is not None and all(
-            p.kind is p.POSITIONAL_OR_KEYWORD for p in self.signature.parameters.values()
-        ):
-            self.plain = (
-                tuple(self.signature.parameters),
-                {name: p.default for name, p in self.signature.parameters.items()
-                 if p.default is not p.empty},
-            )
-        self.key_parameter: str | None = None
-        if isinstance(settings.key, str):
-            self.key_parameter = settings.key
-            parameters = self.signature.parameters if self.signature is not None else {}
-            parameter = parameters.get(settings.key)
-            if parameter is None or parameter.kind in (
-                inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD
-            ):
-                named = [
-                    name for name, p in parameters.items()
-                    if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-                ]
-                raise ConfigurationError(
-                    f"@idempotent {self.name}: key={settings.key!r} names no parameter of the "
-                    f"function; its parameters are {named}, or pass a callable as key"
-                )
-
-    # -- before the call --------------------------------------------------------------------
-
-    def prepare(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], skip: int
-    ) -> tuple[str, str | None]:
-        """The call's idempotency key and, with payload validation, its fingerprint."""
-        arguments: dict[str, Any] | None = None
-        if self.signature is not None and (
-            self.key_parameter is not None or self.settings.validate_payload
-        ):
-            arguments = self.arguments(self.signature, args, kwargs)
-        if self.key_parameter is not None:
-            assert arguments is not None
-            key = arguments[self.key_parameter]
-            where = f"parameter {self.key_parameter!r}"
-        else:
-            assert callable(self.settings.key)
-            key = self.settings.key(*args, **kwargs)
-            where = "the key function"
-        if not isinstance(key, str) or not key:
-            raise ConfigurationError(
-                f"@idempotent {self.name}: the idempotency key ({where}) must be a non-empty "
-                f"str, got {key!r}; idempotency_key(...) makes one from other values"
-            )
-        if not self.settings.validate_payload:
-            return key, None
-        if arguments is None:
-            payload: Mapping[str, Any] = {"args": list(args[skip:]), "kwargs": kwargs}
-        else:
-            for name in list(arguments)[:skip]:  # a bound method's self
-                del arguments[name]
-            payload = arguments
-        return key, fingerprint(payload)
-
-    def arguments(
-        self, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> dict[str, Any]:
-        """The call's arguments by name in the signature's order, defaults applied: what
-        ``signature.bind(...)`` and ``apply_defaults()`` give, or the TypeError the call
-        would raise."""
-        if self.plain is not None:
-            names, defaults = self.plain
-            if len(args) <= len(names):
-                arguments = dict(zip(names, args, strict=False))  # the first ones
-                used = 0
-                for name in names[len(args):]:
-                    if name in kwargs:
-                        arguments[name] = kwargs[name]
-                        used += 1
-                    elif name in defaults:
-                        arguments[name] = defaults[name]
-                    else:
-                        break  # missing: bind raises the TypeError
-                else:
-                    if used == len(kwargs):  # else one is unknown or given twice: bind raises
-                        return arguments
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return dict(bound.arguments)
-
-    async def begin(self, key: str, fingerprint: str | None) -> Claimed | IdempotentResult[Any]:
-        """Claim the key: the claim to run under, or the stored result to replay."""
-        settings = self.settings
-        record = DedupKey(self.namespace, key)
-        waiting = _Waiting()
-        token = self.tokens.next()
-        store = settings.store
-        while True:
-            claiming = None
-            try:
-                if self.shield:
-                    claiming = asyncio.ensure_future(
-                        store.claim_many([record], settings.lease_ttl, [token])
-                    )
-                    [found] = await asyncio.shield(claiming)
-                else:
-                    [found] = await store.claim_many([record], settings.lease_ttl, [token])
-            except asyncio.CancelledError:  # the store may hold a claim under the token
-                self.settling.redo(key, self.unclaim(Claimed(record, token), key, claiming))
-                raise
-            answer = self.after_claim(key, found, fingerprint, waiting, "claim_many")
-            if not isinstance(answer, float):
-                return answer
-            await settings.clock.sleep(answer)
-
-    async def unclaim(
-        self, claim: Claimed, key: str, claiming: asyncio.Future[Any] | None
-    ) -> None:
-        """Release ``claim``, which a claim call its caller left may have made (once that
-        call, if it still runs, has ended)."""
-        if claiming is not None:
-            await asyncio.wait([claiming])
-        await self.settle_claim(claim, key, None)
-
-    async def release_unused(self, started: object, key: str) -> None:
-        """Release ``started`` if it is a claim (one its caller left without using)."""
-        if isinstance(started, Claimed):
-            await self.settle_claim(started, key, None)
-
-    def begin_sync(
-        self, store: SyncDedupStore, key: str, fingerprint: str | None
-    ) -> Claimed | IdempotentResult[Any]:
-        """:meth:`begin` with the store's blocking twins, on the calling thread (the system
-        clock: waits sleep with ``time.sleep``)."""
-        settings = self.settings
-        record = DedupKey(self.namespace, key)
-        waiting: _Waiting | None = None
-        token = self.tokens.next()
-        while True:
-            try:
-                [found] = store.claim_many_sync([record], settings.lease_ttl, [token])
-            except BaseException as error:
-                if not isinstance(error, Exception):  # interrupted: the store may hold a claim
-                    self.hand_over(key, self.settle_claim(Claimed(record, token), key, None))
-                raise
-            if type(found) is Claimed:  # the common answers first, without the waiting state
-                return found
-            if type(found) is Completed:
-                return self.replay(key, found, fingerprint)
-            waiting = waiting or _Waiting()
-            answer = self.after_claim(key, found, fingerprint, waiting, "claim_many_sync")
-            if not isinstance(answer, float):
-                return answer
-            time.sleep(answer)
-
-    def after_claim(
-        self, key: str, found: ClaimResult, fingerprint: str | None, waiting: _Waiting,
-        method: str,
-    ) -> Claimed | IdempotentResult[Any] | float:
-        """What a claim's answer means: the claim to run under, the stored result to replay,
-        or (waiting for a call in progress) the seconds to sleep before claiming again."""
-        settings = self.settings
-        if isinstance(found, Claimed):
-            return found
-        if isinstance(found, Completed):
-            return self.replay(key, found, fingerprint)
-        if not isinstance(found, InProgress):
-            raise TypeError(f"{settings.store!r}.{method} answered {found!r}")
-        if settings.on_in_progress == "raise":
-            raise self.in_progress(key, found, waited=None)
-        now = settings.clock.now()
-        if waiting.deadline is None:
-            waiting.deadline = now + settings.wait_timeout
-        elif now >= waiting.deadline:
-            raise self.in_progress(key, found, waited=settings.wait_timeout)
-        pause = min(waiting.delay, waiting.deadline - now)
-        waiting.delay = min(2 * waiting.delay, MAX_POLL)
-        return float(pause)
-
-    def replay(
-        self, key: str, completed: Completed, fingerprint: str | None
-    ) -> IdempotentResult[Any]:
-        stored = completed.result  # StoredResultError if the record is not JSON
-        if not isinstance(stored, dict) or "r" not in stored:
-            raise StoredResultError(
-                f"@idempotent {self.name}: the record of key {key!r} in namespace "
-                f"{self.namespace!r} was not written by @idempotent (no 'r' field): "
-                f"{(completed.result_json or '')[:80]!r}"
-            )
-        stored_fingerprint = stored.get("p")
-        if (
-            fingerprint is not None
-            and isinstance(stored_fingerprint, str)
-            and stored_fingerprint != fingerprint
-        ):
-            raise IdempotencyKeyReuseError(
-                f"@idempotent {self.name}: idempotency key {key!r} was used before with other "
-                "arguments; a key stands for one request -- use a new key for a new request",
-                key=key,
-            )
-        value = stored["r"]
-        if self.decode_result is not None and value is not None:
-            try:
-                value = self.decode_result(value)
-            except Exception as error:  # a record written by another version of the type
-                raise StoredResultError(
-                    f"@idempotent {self.name}: the stored result of key {key!r} does not fit "
-                    f"the return type ({describe_error(error, 300)}): {safe_repr(value, 80)}"
-                ) from error
-        return IdempotentResult(value, True, key)
-
-    def in_progress(
-        self, key: str, found: InProgress, waited: float | None
-    ) -> IdempotencyInProgressError:
-        lapse = (
-            f"its claim lapses in {found.expires_in:.3g}s unless renewed"
-            if math.isfinite(found.expires_in)
-            else "its claim has no expiry"
-        )
-        if waited is None:
-            message = (
-                f"@idempotent {self.name}: idempotency key {key!r} is in progress in another "
-                f"call ({lapse}); retry later with the same key"
-            )
-        else:
-            message = (
-                f"@idempotent {self.name}: idempotency key {key!r} was still in progress in "
-                f"another call after waiting {waited:g}s ({lapse}); retry later with the same key"
-            )
-        return IdempotencyInProgressError(message, key=key, expires_in=found.expires_in)
-
-    # -- while and after the call -----------------------------------------------------------
-
-    async def start_heartbeat(self, claim: Claimed, key: str) -> _Heartbeat:
-        """Renew ``claim`` every ``lease_ttl / 3`` until stopped (in the running loop)."""
-        stop = asyncio.Event()
-        return _Heartbeat(stop, asyncio.ensure_future(self._renew(claim, key, stop)))
-
-    async def _renew(self, claim: Claimed, key: str, stop: asyncio.Event) -> None:
-        settings = self.settings
-        interval = settings.lease_ttl / RENEWALS_PER_LEASE
-        while True:
-            await sleep_or_event(settings.clock, stop, interval)
-            if stop.is_set():
-                return
-            try:
-                lost = await settings.store.renew([claim], settings.lease_ttl)
-            except Exception:
-                logger.warning(
-                    "@idempotent %s: renewing the claim of idempotency key %r failed; retrying "
-                    "in %.3gs", self.name, key, interval, exc_info=True,
-                )
-                continue
-            if lost:
-                self.claim_lost(key)
-                return
-
-    def claim_lost(self, key: str) -> None:
-        """Log that the claim of ``key`` was lost while the call ran (renewals found it)."""
-        logger.warning(
-            "@idempotent %s: the claim of idempotency key %r lapsed or was taken over "
-            "while the call runs; another call may run it too, and this call's result "
-            "will not be stored if a peer holds the key", self.name, key,
-        )
-
-    def record(self, value: Any, fingerprint: str | None) -> str:
-        """The JSON text to store: ``{"p": fingerprint, "r": value}``."""
-        if inspect.isawaitable(value):  # a sync function that handed back its work unrun
-            if inspect.iscoroutine(value):
-                value.close()
-            raise ResultNotSerializableError(
-                f"@idempotent {self.name}: the function returned an awaitable, so its work did "
-                "not run; declare it 'async def' (a plain decorator around an 'async def' "
-                "should keep functools.wraps); nothing was stored and the key was released"
-            )
-        try:
-            result_json = encode_result(value)
-        except ResultNotSerializableError as error:
-            raise ResultNotSerializableError(
-                f"@idempotent {self.name}: {error}; nothing was stored and the key was "
-                "released"
-            ) from error
-        stamp = "null" if fingerprint is None else f'"{fingerprint}"'  # hex: no escapes
-        return f'{{"p":{stamp},"r":{result_json}}}'
-
-    async def settle(
-        self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
-    ) -> None:
-        """:meth:`finish`; a caller cancelled meanwhile leaves it to be done in a task of its
-        own, which later calls with ``key`` wait for (see :mod:`._settling`)."""
-        if self.shield:
-            finishing = asyncio.ensure_future(self.finish(beat, claim, key, record))
-            try:
-                await asyncio.shield(finishing)
-            except asyncio.CancelledError:
-                self.settling.track(key, finishing)
-                raise
-            return
-        try:
-            await self.finish(beat, claim, key, record)
-        except asyncio.CancelledError:  # the store call with it, maybe in flight: again
-            self.settling.redo(key, self.finish_again(beat, claim, key, record))
-            raise
-
-    def finish_on_background(
-        self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
-    ) -> None:
-        """:meth:`finish` on the background loop; a caller interrupted while it waits leaves
-        it running there, and later calls with ``key`` wait for it."""
-        self.settling.on_background(
-            key, self.finish(beat, claim, key, record), self.settings.store
-        ).result()
-
-    async def finish(
-        self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
-    ) -> None:
-        """Stop renewing; store ``record`` (or, without one, release the claim)."""
-        beat.stop.set()
-        await beat.task
-        await self.settle_claim(claim, key, record)
-
-    async def finish_again(
-        self, beat: _Heartbeat, claim: Claimed, key: str, record: str | None
-    ) -> None:
-        """:meth:`finish` after a cancelled one: completing or releasing the same claim twice
-        is harmless, and the heartbeat may have been cancelled with its caller."""
-        beat.stop.set()
-        await asyncio.wait([beat.task])
-        await self.settle_claim(claim, key, record)
-
-    async def settle_claim(self, claim: Claimed, key: str, record: str | None) -> None:
-        """Store ``record`` for ``claim`` (or, without one, release it)."""
-        store = self.settings.store
-        if record is None:
-            try:
-                await store.release_many([claim], 0.0)
-            except Exception:
-                self.release_failed(key)
-            return
-        try:
-            refused = await store.complete_many([Completion(claim, record)], self.settings.ttl)
-        except Exception:
-            self.completion_failed(key)
-            return
-        if refused:
-            self.completion_refused(key)
-
-    def finish_sync(
-        self, store: SyncDedupStore, claim: Claimed, key: str, record: str | None
-    ) -> None:
-        """:meth:`finish` with the store's blocking twins (the caller stopped renewing); a
-        caller interrupted in the store call hands it over to the background loop."""
-        try:
-            if record is None:
-                try:
-                    store.release_many_sync([claim], 0.0)
-                except Exception:
-                    self.release_failed(key)
-                return
-            try:
-                refused = store.complete_many_sync([Completion(claim, record)],
-                                                   self.settings.ttl)
-            except Exception:
-                self.completion_failed(key)
-                return
-        except BaseException:  # interrupted (a signal handler's exception, KeyboardInterrupt)
-            self.hand_over(key, self.settle_claim(claim, key, record))
-            raise
-        if refused:
-            self.completion_refused(key)
-
-    def hand_over(self, key: str, settle: Coroutine[Any, Any, None]) -> None:
-        """Run ``settle`` on the background loop, for a sync caller interrupted in it (the same
-        store call again: completing and releasing a claim twice is harmless)."""
-        try:
-            self.settling.on_background(key, settle, self.settings.store)
-        except Exception:  # e.g. at interpreter exit: no thread can start
-            logger.warning(
-                "@idempotent %s: the call with idempotency key %r was interrupted while it "
-                "settled its claim, which could not be finished in the background; a retry "
-                "can run once the claim lapses (lease_ttl)", self.name, key, exc_info=True,
-            )
-
-    def release_failed(self, key: str) -> None:
-        logger.warning(
-            "@idempotent %s: releasing idempotency key %r failed; a retry can run "
-            "once its claim lapses (lease_ttl)", self.name, key, exc_info=True,
-        )
-
-    def completion_failed(self, key: str) -> None:
-        logger.error(
-            "@idempotent %s: storing the result of idempotency key %r failed; the result "
-            "is returned, but a later call with this key may run the function again",
-            self.name, key, exc_info=True,
-        )
-
-    def completion_refused(self, key: str) -> None:
-        logger.warning(
-            "@idempotent %s: the claim of idempotency key %r was lost to another call "
-            "before this one finished; its result is returned but not stored (the other "
-            "call's record stands)", self.name, key,
-        )
-
-
-@dataclass
-class _Waiting:
-    """A ``"wait"`` caller's progress: when it gives up, and its next pause."""
-
-    deadline: float | None = None
-    delay: float = INITIAL_POLL
-
-
-def _owner_of(store: DedupStore) -> str:
-    """The store's owner when it has a valid one (a readable token prefix), else a random one."""
-    owner = getattr(store, "owner", None)
-    try:
-        return check_owner(owner if isinstance(owner, str) else None, "store")
-    except ConfigurationError:
-        return check_owner(None, "store")
 
 
 def close_sync_connections(store: DedupStore) -> None:
