@@ -1,0 +1,127 @@
+"""The optional capabilities of an adapter: seek and snapshots, telemetry, inspection (see
+:mod:`reliable_sub.ports`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Protocol, runtime_checkable
+
+# -- seek and snapshots ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A subscription's acknowledgement state at one moment, to seek back to.
+
+    Attributes:
+        name: the snapshot's short name (unique per broker project or key prefix).
+        subscription: the subscription it was taken of (None where the broker does not keep
+            it: Pub/Sub keeps it in a label when the name fits a label's rules).
+        topic: that subscription's topic.
+        created: when it was taken (None where the broker does not say).
+        expires: when the broker deletes it (None: kept until deleted).
+    """
+
+    name: str
+    subscription: str | None
+    topic: str
+    created: datetime | None = None
+    expires: datetime | None = None
+
+
+@runtime_checkable
+class Seekable(Protocol):
+    """An optional capability of an adapter: replay or purge a subscription's messages.
+
+    ``seek(subscription, to=time)``: messages published before ``time`` count as acknowledged,
+    those published at or after it as unacknowledged, so they are delivered again (acked ones
+    only where the subscription retains acked messages); a time in the future acknowledges
+    everything published so far. ``seek(subscription, snapshot=name)``: the acknowledgement
+    state of the snapshot comes back: what was unacknowledged when it was taken, and everything
+    published since, is delivered again. Deliveries in flight at a seek become stale (their
+    acks may be refused). Operators call it through :func:`reliable_sub.replay.seek`, which
+    also decides what the dedup store does with the replayed messages.
+    """
+
+    async def seek(
+        self, subscription: str, *, to: datetime | None = None, snapshot: str | None = None
+    ) -> None:
+        """Seek ``subscription`` to a time (timezone-aware) or to a snapshot (exactly one)."""
+        ...
+
+    async def create_snapshot(self, subscription: str, name: str) -> Snapshot:
+        """Take a snapshot of ``subscription`` named ``name`` (refused if the name is taken)."""
+        ...
+
+    async def delete_snapshot(self, name: str) -> None:
+        """Delete the snapshot ``name`` (``UnknownSnapshotError`` if there is none)."""
+        ...
+
+    async def list_snapshots(self, subscription: str | None = None) -> list[Snapshot]:
+        """The snapshots, all or those of one subscription, by name."""
+        ...
+
+
+# -- telemetry ------------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class DescribesConnection(Protocol):
+    """An optional capability of an adapter: what its telemetry spans say of its connection."""
+
+    def connection_attributes(self) -> dict[str, str | int]:
+        """``server.address``, ``server.port`` and ``messaging.client.id``, those it knows."""
+        ...
+
+
+@runtime_checkable
+class InstrumentsPublishes(Protocol):
+    """An optional capability of an adapter: its publishes recorded on given providers (our
+    adapters have it from :class:`~reliable_sub.telemetry.publishing.InstrumentedPublishing`)."""
+
+    def instrument_publishes(self, tracer_provider: Any = None,
+                             meter_provider: Any = None) -> None:
+        """Record this adapter's publishes on these providers (None: leave that one)."""
+        ...
+
+
+@runtime_checkable
+class Prefetches(Protocol):
+    """An optional capability of a broker that pushes deliveries ahead (RabbitMQ): how many of
+    a subscription's it may push before they are acked. A Subscriber sets its flow-control
+    window (``FlowControl.max_messages``) when it starts, so the broker keeps the rest for
+    the subscription's other consumers."""
+
+    def set_prefetch(self, subscription: str, messages: int) -> None:
+        """Push at most ``messages`` unacked deliveries of ``subscription`` from now on."""
+        ...
+
+
+# -- inspection -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SubscriptionStats:
+    """What a subscription holds now; None where the broker does not say.
+
+    Attributes:
+        backlog: messages not yet acked (delivered or not).
+        in_flight: messages delivered and not yet acked or given back.
+        oldest_unacked_age: seconds since the oldest unacked message was published.
+        ack_deadline: the subscription's ack deadline in seconds.
+    """
+
+    backlog: int | None
+    in_flight: int | None
+    oldest_unacked_age: float | None
+    ack_deadline: float | None
+
+
+@runtime_checkable
+class Inspectable(Protocol):
+    """An optional capability of an adapter: report what a subscription holds."""
+
+    async def subscription_stats(self, subscription: str) -> SubscriptionStats:
+        """The subscription's figures now (``UnknownSubscriptionError`` if there is none)."""
+        ...
