@@ -121,19 +121,25 @@ class SqlClaims:
             ),
         )
         columns = self._columns()
-        in_batch = sa.tuple_(t.c.namespace, t.c.key).in_(sa.select(ns, k).select_from(source))
         if self.dialect == "postgresql":
             # One statement: the CTE's RETURNING gives the rows it wrote; the outer SELECT sees
-            # the table as it was before the statement, i.e. the rows it left alone.
+            # the table as it was before the statement, i.e. the rows it left alone. Those are
+            # looked up key by key (LATERAL ... LIMIT 1 cannot be turned into a join): as a
+            # semi-join the planner read the whole table on a hash join whenever its row
+            # estimates were off (a table that grew since it was analyzed, a plan cached when
+            # it was small), and each claim then cost time in proportion to the table.
             written = upsert.returning(*columns).cte("written")
-            untouched = sa.select(*columns).where(
-                in_batch,
-                sa.tuple_(t.c.namespace, t.c.key).not_in(
+            found = (sa.select(*columns).where(t.c.namespace == ns, t.c.key == k)
+                     .limit(1).lateral("found"))
+            untouched = sa.select(*found.c).select_from(source).join(found, sa.true()).where(
+                sa.tuple_(found.c.namespace, found.c.key).not_in(
                     sa.select(written.c.namespace, written.c.key)
                 ),
             )
             self._claim_sql = (sa.union_all(sa.select(*written.c), untouched), None)
         else:
+            in_batch = sa.tuple_(t.c.namespace, t.c.key).in_(
+                sa.select(ns, k).select_from(source))
             self._claim_sql = (upsert, sa.select(*columns).where(in_batch))
         return self._claim_sql
 
