@@ -244,10 +244,11 @@ def lock_space(table: str) -> int:
 
 
 def _rows(result: Any) -> list[Row]:
+    # by position (RowPicker._columns' order): a result row's fields read by name cost more
+    # than the rest of building a Row; most rows carry no attributes, "{}" needs no parsing
     return [
-        Row(id=int(r.id), key=r.key, topic=r.topic, data=bytes(r.data),
-            attributes=json.loads(r.attributes), ordering_key=r.ordering_key,
-            attempts=int(r.attempts), trace_context=r.trace_context)
+        Row(int(r[0]), r[1], r[2], bytes(r[3]), {} if r[4] == "{}" else json.loads(r[4]),
+            r[5], int(r[6]), r[7])
         for r in result
     ]
 
