@@ -62,11 +62,24 @@ def _scans(node: dict[str, Any]) -> list[tuple[str, str]]:
     return found
 
 
-async def _analyze(engine: Any, table: str) -> None:
-    """What autovacuum does once a table has changed enough: fresh statistics (which also
-    make PostgreSQL plan the connections' prepared statements again)."""
+async def _grow(engine: Any, table: str, insert: str, plans: list[dict[str, Any]]) -> None:
+    """Add ``ROWS`` rows to ``table`` (``insert``), analyze it as autovacuum would once it
+    changed that much (which also makes PostgreSQL plan prepared statements again), and forget
+    the plans logged so far."""
+    async with engine.begin() as connection:
+        await connection.execute(sa.text(insert))
     async with engine.connect() as connection:
         await connection.execute(sa.text(f"ANALYZE {table}"))
+    plans.clear()
+
+
+def _assert_no_scan_of(table: str, plans: list[dict[str, Any]], statements: int) -> None:
+    """At least ``statements`` plans were logged, and none reads all of ``table``."""
+    assert len(plans) >= statements, plans
+    whole_table = [scan for plan in plans for scan in _scans(plan["Plan"])
+                   if scan == ("Seq Scan", table)]
+    assert not whole_table, (
+        f"{len(whole_table)} of {len(plans)} statements read all {ROWS} rows of {table}")
 
 
 @pytest.fixture
@@ -99,20 +112,13 @@ async def test_claims_and_completions_stay_index_lookups_as_the_table_grows(
 
     for round_ in range(8):  # more than psycopg's five runs before it prepares a statement
         await one_of_each(f"small-{round_}")
-    async with store.engine.begin() as connection:  # the table grows
-        await connection.execute(sa.text(
-            f"INSERT INTO {table} (namespace, key, owner, state, failures, lease_expires_at, "
-            f"expires_at) SELECT 'orders', 'old-' || n, 'o', 'completed', 0, 0, 1e12 "
-            f"FROM generate_series(1, {ROWS}) AS n"))
-    await _analyze(store.engine, table)
-    plans.clear()
+    await _grow(store.engine, table, plans=plans, insert=(
+        f"INSERT INTO {table} (namespace, key, owner, state, failures, lease_expires_at, "
+        f"expires_at) SELECT 'orders', 'old-' || n, 'o', 'completed', 0, 0, 1e12 "
+        f"FROM generate_series(1, {ROWS}) AS n"))
     await one_of_each("large")
 
-    assert len(plans) >= 5, plans  # claim, renewal, completion, release, claim
-    whole_table = [scan for plan in plans for scan in _scans(plan["Plan"])
-                   if scan == ("Seq Scan", table)]
-    assert not whole_table, (
-        f"{len(whole_table)} of the store's statements read all {ROWS} rows of the table")
+    _assert_no_scan_of(table, plans, 5)  # claim, renewal, completion, release, claim
 
 
 async def test_relay_rounds_stay_index_lookups_as_the_history_grows() -> None:
@@ -136,16 +142,9 @@ async def test_relay_rounds_stay_index_lookups_as_the_history_grows() -> None:
         for round_ in range(8):  # more than psycopg's five runs before it prepares a statement
             await rounds(f"small-{round_}")
         table = box.table.name
-        async with box.engine.begin() as connection:  # published history
-            await connection.execute(sa.text(
-                f"INSERT INTO {table} (key, topic, data, attributes, ordering_key, created_at, "
-                f"published_at, attempts) SELECT 'old-' || n, 'orders', '\\x00', '{{}}', "
-                f"'k' || (n % 3), 0, 1, 1 FROM generate_series(1, {ROWS}) AS n"))
-        await _analyze(box.engine, table)
-        plans.clear()
+        await _grow(box.engine, table, plans=plans, insert=(  # published history
+            f"INSERT INTO {table} (key, topic, data, attributes, ordering_key, created_at, "
+            f"published_at, attempts) SELECT 'old-' || n, 'orders', '\\x00', '{{}}', "
+            f"'k' || (n % 3), 0, 1, 1 FROM generate_series(1, {ROWS}) AS n"))
         await rounds("large")
-    assert len(plans) >= 4, plans
-    whole_table = [scan for plan in plans for scan in _scans(plan["Plan"])
-                   if scan == ("Seq Scan", table)]
-    assert not whole_table, (
-        f"{len(whole_table)} of the relay's statements read all {ROWS} published rows")
+    _assert_no_scan_of(table, plans, 4)  # keys, unkeyed rows, keyed rows, marks
