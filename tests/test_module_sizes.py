@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-LIMIT = 400  # lines: STYLE.md's "none over ~400 lines"
+LIMIT = 400  # lines: the house style's "none over ~400 lines"
 SLACK = 10  # the "~": subscriber.py's 409 lines pass
 
 # Longer than LIMIT + SLACK today: their ceilings. Splitting one is welcome; growing one is not.

@@ -81,7 +81,7 @@ class Core(AfterCall):
         # knows which claim to release.
         self.tokens = TokenSource(owner_of(settings.store))
         # A store whose calls must not be cut short in flight has async calls await them in a
-        # task of their own, through asyncio.shield (see the module docstring).
+        # task of their own, through asyncio.shield (see the decorator module's docstring).
         self.shield = getattr(settings.store, "cancel_safe_calls", True) is False
         if settings.namespace is not None:
             self.namespace = settings.namespace

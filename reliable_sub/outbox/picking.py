@@ -245,7 +245,8 @@ def lock_space(table: str) -> int:
 
 def _rows(result: Any) -> list[Row]:
     # by position (RowPicker._columns' order): a result row's fields read by name cost more
-    # than the rest of building a Row; most rows carry no attributes, "{}" needs no parsing
+    # than the rest of building a Row; an empty attributes object (bytes published without
+    # attributes) needs no parsing
     return [
         Row(int(r[0]), r[1], r[2], bytes(r[3]), {} if r[4] == "{}" else json.loads(r[4]),
             r[5], int(r[6]), r[7])

@@ -1,13 +1,13 @@
 """The fault-injection scenarios: marked ``chaos``; with ``RELIABILITY_REPORT=1`` a session
 that ran them rewrites the table in ``docs/reliability.md``.
 
-Scenarios run one at a time in each lane (``lane_of``: the Pub/Sub emulator's, the dedup
-stores' size checks, everyone else's): under xdist each lane is one unit of work, sent to one
-worker (see ``pytest_xdist_make_scheduler`` in ``tests/conftest.py``), so the other workers run
-the other tests instead of waiting; and each scenario holds its lane's lock file while it runs,
-so two sessions never run two scenarios of a lane at once. Each loads the machine with its own
-consumer processes; the Pub/Sub ones mostly wait out the emulator's 10 s ack deadlines, so the
-lanes run side by side.
+Scenarios run one at a time in each lane (``lane_of``: the Pub/Sub emulator's, the Redis
+dedup store's size check, everyone else's): under xdist each lane is one unit of work, sent to
+one worker (see ``pytest_xdist_make_scheduler`` in ``tests/conftest.py``), so the other workers
+run the other tests instead of waiting; and each scenario holds its lane's lock file while it
+runs, so two sessions never run two scenarios of a lane at once. Each loads the machine with its
+own consumer processes; the Pub/Sub ones mostly wait out the emulator's 10 s ack deadlines, so
+the lanes run side by side.
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ about as long as one handler), then the run waits for every message. The same gu
 two worlds (Redis Streams with the SQL path, Pub/Sub with the Redis store) run side by side:
 their handlers mostly sleep, and one after the other they would add a minute to the suite. The
 SQL world takes 60 messages: a transactional handler holds a connection of its pool while it
-runs, and the consumers' pools (consumer.POOL_BUDGET) run about 15 at once, so its 150 took
-130 s, one at a time through the pools, where 60 still keep every connection busy through the
-kills.
+runs, and the consumers' pools (consumer.POOL_BUDGET) run about 15 at once, so its 150 waited
+their turn for a connection and took 130 s, where 60 still keep every connection busy through
+the kills.
 """
 
 from __future__ import annotations
