@@ -85,7 +85,6 @@ def providers(variant: str) -> tuple[dict[str, Any], list[Any]]:
     return options, owned
 
 
-
 def floor_seconds(variant: str, messages: int, system: str = "memory",
                   open_spans: int = 1) -> float:
     """Seconds the SDK takes, with ``variant``'s providers, for what a Subscriber records for
@@ -136,4 +135,3 @@ def floor_seconds(variant: str, messages: int, system: str = "memory",
     finally:
         for provider in owned:
             provider.shutdown()
-

@@ -143,7 +143,6 @@ async def test_a_stalled_consumer_cannot_snatch_back_a_reclaimed_entry(names) ->
     await live.close()
 
 
-
 async def test_one_ack_call_acks_exactly_what_is_still_ours_among_many_pending(names) -> None:
     """The ack script asks XPENDING once for the call's id range (at most as many entries as
     the call acks): entries it does not list -- more of ours pending in the range, one taken by
@@ -169,6 +168,7 @@ async def test_one_ack_call_acks_exactly_what_is_still_ours_among_many_pending(n
     assert set(left) == set(ids) - acked
     assert left[ids[4]] == (b"thief", 1) and left[ids[10]] == (b"c1", 2)
     await adapter.close()
+
 
 async def test_nack_parks_the_entry_and_delays_it_without_a_copy(names) -> None:
     url, topic, prefix = names

@@ -39,14 +39,12 @@ class Settings:
     clock: Clock
 
 
-
 @dataclass
 class Heartbeat:
     """A running call's renewals: set ``stop`` to end them; ``task`` ends with them."""
 
     stop: asyncio.Event
     task: asyncio.Future[None]
-
 
 
 class AfterCall:

@@ -57,7 +57,6 @@ class IdempotentResult(Generic[T]):
     key: str
 
 
-
 class Core(AfterCall):
     """One decorated function's settings and the steps of a call, on the store's side."""
 
@@ -342,4 +341,3 @@ def owner_of(store: DedupStore) -> str:
         return check_owner(owner if isinstance(owner, str) else None, "store")
     except ConfigurationError:
         return check_owner(None, "store")
-
