@@ -63,6 +63,7 @@ from reliable_sub.telemetry.publishing import InstrumentedPublishing
 try:
     import aio_pika
     import aio_pika.exceptions
+    import aiormq.abc
     from aio_pika.abc import AbstractIncomingMessage
     from aiormq.exceptions import ChannelNotFoundEntity
 
@@ -439,25 +440,39 @@ class RabbitMQAdapter(InstrumentedPublishing):
             if delay <= 0:
                 await consumer.requeue(tags)
                 continue
+            known = self._links.get().delay_queues
             try:
-                queue = await self._topology.delay_queue(subscription, delay,
-                                                         self._links.get().delay_queues)
-                await self._hold_back(consumer, queue, tags, attempts)
+                queue = await self._topology.delay_queue(subscription, delay, known)
+                unrouted = await self._hold_back(consumer, queue, tags, attempts)
             except Exception as error:  # the copy is not confirmed: give it back at once
                 logger.warning("holding %d deliveries of %r back for %gs failed (%s); given "
                                "back at once", len(tags), subscription, delay, error)
                 await consumer.requeue(t for t in tags if t in consumer.held)
+                continue
+            if unrouted:
+                # the delay queue is gone (deleted behind this adapter's back): declared
+                # again on the next nack; these go back now rather than nowhere
+                known.discard(queue)
+                logger.warning("delay queue %r of %r does not exist (any more): %d deliveries "
+                               "given back at once", queue, subscription, len(unrouted))
+                await consumer.requeue(t for t in unrouted if t in consumer.held)
 
     async def _hold_back(self, consumer: Consumer, queue: str, tags: list[int],
-                         attempts: dict[str, int]) -> None:
-        """Each delivery's copy into ``queue`` (confirmed), then the delivery acked."""
+                         attempts: dict[str, int]) -> list[int]:
+        """Each delivery's copy into ``queue`` (confirmed), then the delivery acked; returns
+        the tags whose copies the broker could not route (no such queue), still held."""
         channel = await self._links.get().publishing(CONNECT_TIMEOUT)
         copies = [delayed_copy(consumer.held[tag].message,
                                attempts.get(f"{consumer.generation}.{tag}", 1))
                   for tag in tags]
-        await asyncio.gather(*(channel.default_exchange.publish(copy, routing_key=queue)
-                               for copy in copies))
-        await consumer.ack(tags)
+        # a confirmed publish is the broker's Basic.Ack; an unroutable one (mandatory, the
+        # default) comes back as the returned message, confirmed too: that copy is nowhere
+        results = await asyncio.gather(*(channel.default_exchange.publish(copy, routing_key=queue)
+                                         for copy in copies))
+        unrouted = [tag for tag, result in zip(tags, results, strict=True)
+                    if isinstance(result, aiormq.abc.DeliveredMessage)]
+        await consumer.ack([tag for tag in tags if tag not in unrouted])
+        return unrouted
 
     async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
         live, stale = self._live(deliveries)

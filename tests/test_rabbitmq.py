@@ -180,6 +180,39 @@ async def test_a_delayed_copy_comes_back_with_its_count_and_takes_no_prefetch(
     await adapter.close()
 
 
+async def test_a_copy_for_a_deleted_delay_queue_goes_back_at_once_not_nowhere(
+        names: Names) -> None:
+    """A delay queue deleted behind the adapter's back (an operator's clean-up): the broker
+    routes the copy nowhere and confirms it all the same. Acking the delivery then would lose
+    the message; it goes back at once, and the next nack declares the delay queue again."""
+    url = rabbitmq_url()
+    adapter = RabbitMQAdapter(url, prefix=names.prefix)
+    topic, queue = names.topic("orders"), names.subscription("billing")
+    delay_queue = f"{names.prefix}.delay.{queue}.{delay_bucket(0.1)}"
+    names.queues.append(delay_queue)
+    await adapter.ensure_subscription(topic, queue, ack_deadline=10)
+    message_id = await adapter.publish(topic, b"first")
+    [first] = await adapter.receive(queue, 10, 5.0)
+    await adapter.nack([first], 0.1)  # declares the delay queue, and remembers it
+    [second] = await adapter.receive(queue, 10, 5.0)
+    assert (second.message.id, second.message.delivery_attempt) == (message_id, 2)
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        await channel.queue_delete(delay_queue)
+        await adapter.nack([second], 0.1)
+        [third] = await adapter.receive(queue, 10, 5.0)
+        assert (third.message.id, third.message.delivery_attempt) == (message_id, 3)
+        await adapter.nack([third], 0.1)
+        [fourth] = await adapter.receive(queue, 10, 5.0)
+        assert (fourth.message.id, fourth.message.delivery_attempt) == (message_id, 4)
+        await channel.declare_queue(delay_queue, passive=True)  # declared again (or raises)
+    finally:
+        await connection.close()
+    assert await adapter.ack([fourth]) == []
+    await adapter.close()
+
+
 async def test_a_subscriber_sets_the_prefetch_to_its_flow_control_window(
         names: Names) -> None:
     adapter = RabbitMQAdapter(rabbitmq_url(), prefix=names.prefix, prefetch=500)
