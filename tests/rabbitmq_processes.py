@@ -152,6 +152,14 @@ class RabbitNode(ServerProcess):
             return log.read().decode(errors="replace")
         return ""
 
+    def node_log(self, lines: int = 60) -> str:
+        """The end of the node's own log (its output has the boot banner and little else)."""
+        path = self.directory / "log" / f"{self.node}.log"
+        try:
+            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as error:
+            return f"(no log: {error})"
+
     def _listening(self) -> bool:
         ports = (self.port, self.management_port) if self.management else (self.port,)
         try:

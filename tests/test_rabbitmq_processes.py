@@ -406,6 +406,7 @@ class Run:
     # (time.monotonic(), message id, body, delivery attempt, outcome)
     outcomes: list[tuple[float, str, str, int, Outcome]] = field(default_factory=list)
     waiting: int = 0
+    published: list[str] = field(default_factory=list)  # each publish's outcome
     release: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def publish(self, n: int) -> None:
@@ -416,8 +417,10 @@ class Run:
             try:
                 await self.publisher.publish("orders", f"order-{n}".encode(),
                                              {"idempotency-key": f"order-{n}"})
+                self.published.append("published")
                 return
-            except Exception:
+            except Exception as error:
+                self.published.append(type(error).__name__)
                 if time.monotonic() > give_up:
                     raise
                 await asyncio.sleep(0.1)
@@ -476,13 +479,9 @@ async def running(node: RabbitNode, dedup_prefix: str) -> AsyncIterator[Run]:
             try:
                 await poll_until(run.all_settled, "every message handled and settled", WITHIN)
             except AssertionError as error:
-                # what the queue still holds (not consumed) vs nothing (never arrived), and
-                # the node's own account, for a failure seen once in CI and not reproduced
-                queued = await run.publisher.receive("billing", 100, timeout=ACK_DEADLINE)
-                log = "\n".join(node.log().splitlines()[-40:])
                 raise AssertionError(f"{error}: {len(run.effects)} handled, unsettled "
-                                     f"{run.unsettled()}; {figures(run)}; {len(queued)} "
-                                     f"still in the queue; the node's log ends:\n{log}"
+                                     f"{run.unsettled()}; {figures(run)}\n"
+                                     f"{await where_they_are(node, run)}"
                                      ) from None
             assert sub.running
         leftover = await adapter.receive("billing", 100, timeout=2 * ACK_DEADLINE)
@@ -493,6 +492,33 @@ async def running(node: RabbitNode, dedup_prefix: str) -> AsyncIterator[Run]:
         await adapter.close()
         await publisher.close()
         await store.close()
+
+
+async def where_they_are(node: RabbitNode, run: Run) -> str:
+    """For a failure seen twice in CI and not reproduced: what the broker holds (ready, or
+    unacked on which channel), what the subscriber's consumers hold, what publishes returned,
+    and the end of the node's own log."""
+    queues = await asyncio.to_thread(node.ctl, "list_queues", "name", "messages_ready",
+                                     "messages_unacknowledged", "consumers")
+    channels = await asyncio.to_thread(node.ctl, "list_channels", "connection", "number",
+                                       "consumer_count", "messages_unacknowledged",
+                                       "prefetch_count")
+    # the quorum queue's own state: its counts, and each publishing channel's next expected
+    # sequence number (an enqueue out of sequence, or taken for a duplicate, is confirmed to
+    # the publisher and dropped: RabbitMQ 3.10's rabbit_fifo)
+    fifo = await asyncio.to_thread(
+        node.ctl, "eval", "S = {'%2F_billing', node()}, "
+        "{ok, {_, O}, _} = ra:local_query(S, fun rabbit_fifo:overview/1), "
+        "{ok, {_, E}, _} = ra:local_query(S, fun(F) -> [M || M <- tuple_to_list(F), "
+        "is_map(M), map_size(M) > 0, lists:all(fun erlang:is_pid/1, maps:keys(M))] end), "
+        "{maps:with([num_messages, num_ready_messages, num_checked_out, num_consumers, "
+        "num_enqueuers], O), E}.")
+    consumers = {name: (c.generation, c.alive, c.consumer_tag, len(c.buffer), len(c.held))
+                 for name, c in run.adapter._links.get().consumers.items()}
+    return (f"queues:\n{queues}channels:\n{channels}the quorum queue's state (counts; "
+            f"enqueuers): {fifo}subscriber's consumers (generation, alive, tag, buffered, "
+            f"held): {consumers}; publish results: {Counter(run.published)}\nthe node's log "
+            f"ends:\n{node.node_log()}")
 
 
 def exactly_once(run: Run) -> None:
