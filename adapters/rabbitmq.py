@@ -23,8 +23,9 @@ count of its deliveries so far) to a *delay queue* of the subscription, then ack
 A delay queue holds copies for one length (``x-message-ttl``) and dead-letters them, when it
 ends, to the subscription's queue. Its lengths step by a factor of the square root of two from
 0.1 s, so a delay is rounded up by at most 41% (``{prefix}.delay.{subscription}.{ms}``,
-classic queues declared when first used). The delay survives a crash of the consumer; a crash
-between the copy's confirm and the ack leaves both: the dedup store sees a duplicate.
+classic queues declared when first used; ``_rabbitmq_delays``). The delay survives a crash of
+the consumer; a crash between the copy's confirm and the ack leaves both: the dedup store sees
+a duplicate.
 Acks of deliveries whose channel is gone or whose lease ran out are refused without being sent
 (``refuses_stale_acks``). The broker closes a channel whose delivery stays unacked past its
 ``consumer_timeout`` (30 minutes by default): keep ``LeasePolicy.max_lease_duration`` under it.
@@ -63,13 +64,13 @@ from reliable_sub.telemetry.publishing import InstrumentedPublishing
 try:
     import aio_pika
     import aio_pika.exceptions
-    import aiormq.abc
     from aio_pika.abc import AbstractIncomingMessage
     from aiormq.exceptions import ChannelNotFoundEntity
 
+    from reliable_sub.adapters._rabbitmq_delays import hold_back
     from reliable_sub.adapters._rabbitmq_link import Consumer, Link
     from reliable_sub.adapters._rabbitmq_management import DEFAULT_TIMEOUT, ManagementAPI, Unlisted
-    from reliable_sub.adapters._rabbitmq_messages import delayed_copy, incoming, outgoing
+    from reliable_sub.adapters._rabbitmq_messages import incoming, outgoing
     from reliable_sub.adapters._rabbitmq_topology import (
         SETTINGS_WAIT,
         Settings,
@@ -439,40 +440,9 @@ class RabbitMQAdapter(InstrumentedPublishing):
         for subscription, (consumer, tags) in live.items():
             if delay <= 0:
                 await consumer.requeue(tags)
-                continue
-            known = self._links.get().delay_queues
-            try:
-                queue = await self._topology.delay_queue(subscription, delay, known)
-                unrouted = await self._hold_back(consumer, queue, tags, attempts)
-            except Exception as error:  # the copy is not confirmed: give it back at once
-                logger.warning("holding %d deliveries of %r back for %gs failed (%s); given "
-                               "back at once", len(tags), subscription, delay, error)
-                await consumer.requeue(t for t in tags if t in consumer.held)
-                continue
-            if unrouted:
-                # the delay queue is gone (deleted behind this adapter's back): declared
-                # again on the next nack; these go back now rather than nowhere
-                known.discard(queue)
-                logger.warning("delay queue %r of %r does not exist (any more): %d deliveries "
-                               "given back at once", queue, subscription, len(unrouted))
-                await consumer.requeue(t for t in unrouted if t in consumer.held)
-
-    async def _hold_back(self, consumer: Consumer, queue: str, tags: list[int],
-                         attempts: dict[str, int]) -> list[int]:
-        """Each delivery's copy into ``queue`` (confirmed), then the delivery acked; returns
-        the tags whose copies the broker could not route (no such queue), still held."""
-        channel = await self._links.get().publishing(CONNECT_TIMEOUT)
-        copies = [delayed_copy(consumer.held[tag].message,
-                               attempts.get(f"{consumer.generation}.{tag}", 1))
-                  for tag in tags]
-        # a confirmed publish is the broker's Basic.Ack; an unroutable one (mandatory, the
-        # default) comes back as the returned message, confirmed too: that copy is nowhere
-        results = await asyncio.gather(*(channel.default_exchange.publish(copy, routing_key=queue)
-                                         for copy in copies))
-        unrouted = [tag for tag, result in zip(tags, results, strict=True)
-                    if isinstance(result, aiormq.abc.DeliveredMessage)]
-        await consumer.ack([tag for tag in tags if tag not in unrouted])
-        return unrouted
+            else:
+                await hold_back(self._topology, self._links.get(), CONNECT_TIMEOUT,
+                                subscription, consumer, tags, attempts, delay)
 
     async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
         live, stale = self._live(deliveries)

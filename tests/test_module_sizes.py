@@ -16,7 +16,7 @@ CEILINGS = {
     "adapters/memory.py": 567,
     "adapters/nats_jetstream.py": 888,
     "adapters/pubsub.py": 801,
-    "adapters/rabbitmq.py": 482,
+    "adapters/rabbitmq.py": 467,
     "adapters/redis_streams.py": 884,
     "reliable_sub/dedup/_redis.py": 457,
     "reliable_sub/outbox/relay.py": 494,
