@@ -498,16 +498,15 @@ async def where_they_are(node: RabbitNode, run: Run) -> str:
     """For a failure seen twice in CI and not reproduced: what the broker holds (ready, or
     unacked on which channel), what the subscriber's consumers hold, what publishes returned,
     and the end of the node's own log."""
-    queues = await asyncio.to_thread(node.ctl, "list_queues", "name", "messages_ready",
-                                     "messages_unacknowledged", "consumers")
-    channels = await asyncio.to_thread(node.ctl, "list_channels", "connection", "number",
-                                       "consumer_count", "messages_unacknowledged",
-                                       "prefetch_count")
+    queues = await _told(node, "list_queues", "name", "messages_ready",
+                         "messages_unacknowledged", "consumers")
+    channels = await _told(node, "list_channels", "connection", "number", "consumer_count",
+                           "messages_unacknowledged", "prefetch_count")
     # the quorum queue's own state: its counts, and each publishing channel's next expected
     # sequence number (an enqueue out of sequence, or taken for a duplicate, is confirmed to
     # the publisher and dropped: RabbitMQ 3.10's rabbit_fifo)
-    fifo = await asyncio.to_thread(
-        node.ctl, "eval", "S = {'%2F_billing', node()}, "
+    fifo = await _told(
+        node, "eval", "S = {'%2F_billing', node()}, "
         "{ok, {_, O}, _} = ra:local_query(S, fun rabbit_fifo:overview/1), "
         "{ok, {_, E}, _} = ra:local_query(S, fun(F) -> [M || M <- tuple_to_list(F), "
         "is_map(M), map_size(M) > 0, lists:all(fun erlang:is_pid/1, maps:keys(M))] end), "
@@ -519,6 +518,14 @@ async def where_they_are(node: RabbitNode, run: Run) -> str:
             f"enqueuers): {fifo}subscriber's consumers (generation, alive, tag, buffered, "
             f"held): {consumers}; publish results: {Counter(run.published)}\nthe node's log "
             f"ends:\n{node.node_log()}")
+
+
+async def _told(node: RabbitNode, *args: str) -> str:
+    """What ``rabbitmqctl ARGS`` printed, or why it failed (the test's own failure comes first)."""
+    try:
+        return await asyncio.to_thread(node.ctl, *args)
+    except Exception as error:
+        return f"({error})\n"
 
 
 def exactly_once(run: Run) -> None:
