@@ -326,6 +326,7 @@ class Link:
     consumers: dict[str, Consumer] = field(default_factory=dict)
     topics: set[str] = field(default_factory=set)  # exchanges known to exist
     delay_queues: set[str] = field(default_factory=set)  # declared by this link
+    copying: dict[str, asyncio.Event] = field(default_factory=dict)  # see _rabbitmq_delays
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def connected(self, timeout: float) -> aio_pika.abc.AbstractConnection:

@@ -180,11 +180,11 @@ async def test_a_delayed_copy_comes_back_with_its_count_and_takes_no_prefetch(
     await adapter.close()
 
 
-async def test_a_copy_for_a_deleted_delay_queue_goes_back_at_once_not_nowhere(
-        names: Names) -> None:
+async def test_a_delay_queue_deleted_behind_the_adapters_back_is_declared_again(
+        names: Names, caplog: pytest.LogCaptureFixture) -> None:
     """A delay queue deleted behind the adapter's back (an operator's clean-up): the broker
     routes the copy nowhere and confirms it all the same. Acking the delivery then would lose
-    the message; it goes back at once, and the next nack declares the delay queue again."""
+    the message; the adapter declares the queue again and the copy goes into it."""
     url = rabbitmq_url()
     adapter = RabbitMQAdapter(url, prefix=names.prefix)
     topic, queue = names.topic("orders"), names.subscription("billing")
@@ -201,15 +201,75 @@ async def test_a_copy_for_a_deleted_delay_queue_goes_back_at_once_not_nowhere(
         channel = await connection.channel()
         await channel.queue_delete(delay_queue)
         await adapter.nack([second], 0.1)
-        [third] = await adapter.receive(queue, 10, 5.0)
-        assert (third.message.id, third.message.delivery_attempt) == (message_id, 3)
-        await adapter.nack([third], 0.1)
-        [fourth] = await adapter.receive(queue, 10, 5.0)
-        assert (fourth.message.id, fourth.message.delivery_attempt) == (message_id, 4)
+        third = await adapter.receive(queue, 10, 5.0)
+        assert third, "the delivery was acked with its copy routed nowhere: lost"
+        assert (third[0].message.id, third[0].message.delivery_attempt) == (message_id, 3)
         await channel.declare_queue(delay_queue, passive=True)  # declared again (or raises)
     finally:
         await connection.close()
-    assert await adapter.ack([fourth]) == []
+    assert await adapter.ack(third) == []
+    assert "does not exist (any more): 1 copies routed nowhere; declaring it again" in (
+        caplog.text)
+    await adapter.close()
+
+
+async def test_a_copy_that_cannot_be_routed_at_all_goes_back_at_once(
+        names: Names, caplog: pytest.LogCaptureFixture) -> None:
+    """The delay queue gone even when declared again (here: a name the broker never has):
+    the delivery is given back at once, not acked. With a 60 s delay, getting it back within
+    seconds tells it was given back, not held back."""
+    adapter = RabbitMQAdapter(rabbitmq_url(), prefix=names.prefix)
+    topic, queue = names.topic("orders"), names.subscription("billing")
+    await adapter.ensure_subscription(topic, queue, ack_deadline=10)
+
+    async def nowhere(subscription: str, delay: float, known: set[str]) -> str:
+        return f"{names.prefix}.nowhere"
+
+    adapter._topology.delay_queue = nowhere  # type: ignore[method-assign]
+    message_id = await adapter.publish(topic, b"first")
+    [first] = await adapter.receive(queue, 10, 5.0)
+    await adapter.nack([first], 60.0)
+    again = await adapter.receive(queue, 10, 5.0)
+    assert again, "the delivery was acked with its copy routed nowhere: lost"
+    assert (again[0].message.id, again[0].message.delivery_attempt) == (message_id, 2)
+    assert await adapter.ack(again) == []
+    assert "1 copies routed nowhere; given back at once" in caplog.text
+    await adapter.close()
+
+
+async def test_copies_of_one_message_for_two_delay_queues_keep_their_own_results(
+        names: Names) -> None:
+    """aiormq matches a returned message to its publish by message id, and a delayed copy keeps
+    its message's id. One message on two subscriptions, nacked on both at once, the first's
+    delay queue deleted: its copy's return must not be taken for the second's (one delivery
+    acked with its copy nowhere, or the other's copy published twice)."""
+    url = rabbitmq_url()
+    adapter = RabbitMQAdapter(url, prefix=names.prefix)
+    topic = names.topic("orders")
+    first, second = names.subscription("billing"), names.subscription("audit")
+    for queue in (first, second):
+        await adapter.ensure_subscription(topic, queue, ack_deadline=10)
+        names.queues.append(f"{names.prefix}.delay.{queue}.{delay_bucket(0.1)}")
+    message_id = await adapter.publish(topic, b"order")
+    for queue in (first, second):  # each delay queue declared, and remembered
+        [delivery] = await adapter.receive(queue, 10, 5.0)
+        await adapter.nack([delivery], 0.1)
+    [on_first] = await adapter.receive(first, 10, 5.0)
+    [on_second] = await adapter.receive(second, 10, 5.0)
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        await channel.queue_delete(f"{names.prefix}.delay.{first}.{delay_bucket(0.1)}")
+    finally:
+        await connection.close()
+    # the first's copy goes out first, the second's right after, both unconfirmed at once
+    await asyncio.gather(adapter.nack([on_first], 0.1), adapter.nack([on_second], 0.1))
+    for queue in (first, second):
+        back = await adapter.receive(queue, 10, 5.0)
+        assert [(d.message.id, d.message.delivery_attempt) for d in back] == [
+            (message_id, 3)], queue
+        assert await adapter.ack(back) == []
+    assert await adapter.receive(second, 10, 1.0) == [], "the second's delivery came twice"
     await adapter.close()
 
 
