@@ -354,8 +354,7 @@ async def delete_rabbitmq_names(url: str, prefix: str, harness: Harness) -> None
     connection = await aio_pika.connect(url)
     try:
         channel = await connection.channel()
-        # the delay queues a nack may have made: one per length, the lengths stepping by the
-        # square root of two from 0.1 s (up to about 20 hours)
+        # the delay queues a nack may have made: every length the adapter steps through
         lengths = sorted({delay_bucket(0.1 * 2 ** (step / 2)) for step in range(40)})
         for name in harness.names:
             targets = [("queue_delete", name), ("exchange_delete", name),
