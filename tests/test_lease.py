@@ -380,3 +380,28 @@ async def test_an_outage_is_logged_once_and_summed_up_when_it_ends(
     assert summary.levelno == logging.INFO
     assert f"after {failed} failed tries over" in summary.getMessage()
     await lease.stop()
+
+
+async def test_loop_stalls_measures_how_long_the_loop_was_kept_from_running() -> None:
+    """The conformance suite's lease test puts a refused extension down to the machine only
+    when this saw a stall: it must see one (time.sleep blocks the loop; it never returns early)
+    and see none on a ManualClock, whose time a blocked loop does not move."""
+    import time as real_time
+
+    from reliable_sub.clock import ManualClock, SystemClock
+    from reliable_sub.testing.timing import LoopStalls
+
+    async with LoopStalls(SystemClock(), interval=0.01) as stalls:
+        await asyncio.sleep(0)  # the watcher starts, and waits on its interval
+        real_time.sleep(0.3)  # noqa: ASYNC251 - the loop kept from running is the point
+        for _ in range(1000):  # loop turns until its late wake-up has run
+            if stalls.longest:
+                break
+            await asyncio.sleep(0)
+    assert stalls.longest >= 0.3 - 0.01
+    async with LoopStalls(ManualClock(), interval=0.01) as unwatched:
+        await asyncio.sleep(0)
+        real_time.sleep(0.05)  # noqa: ASYNC251
+        for _ in range(10):
+            await asyncio.sleep(0)
+    assert unwatched.longest == 0.0

@@ -156,3 +156,35 @@ async def run_driven(clock: Clock, awaitable: Awaitable[T], within: float) -> T:
 
 
 __all__ = ["REAL_WAIT_SLACK", "drive_until", "pass_time", "run_driven", "settle"]
+
+
+class LoopStalls:
+    """The longest time, in real seconds, the event loop (or the whole process) was kept from
+    running: a task asks to be woken every ``interval`` and records how late each wake-up was.
+
+    Leases hold only while the process runs: one kept from the CPU past the lease manager's
+    safety margin lets its lease lapse, whatever the library does. A test of leases on a real
+    clock can tell that case from a failure of its own with ``longest``. On a ManualClock
+    nothing is watched (its time does not pass while the loop is kept from running)."""
+
+    def __init__(self, clock: Clock, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.longest = 0.0
+        self._watched = not isinstance(clock, ManualClock)
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> LoopStalls:
+        if self._watched:
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _watch(self) -> None:
+        while True:
+            asked = time.perf_counter()
+            await asyncio.sleep(self.interval)
+            self.longest = max(self.longest, time.perf_counter() - asked - self.interval)

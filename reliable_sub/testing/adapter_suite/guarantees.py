@@ -14,6 +14,11 @@ from reliable_sub import (
     Subscriber,
 )
 from reliable_sub.testing.harness import Harness, Recorder, drain
+from reliable_sub.testing.timing import LoopStalls
+
+# Seconds the event loop must have been kept from running for a refused lease extension to be
+# put down to the machine (half of MIN_SAFETY_MARGIN, the least margin a lease is renewed with).
+STALL_EXCUSE = 0.5
 
 
 async def test_every_published_message_is_handled_and_acked(harness: Harness) -> None:
@@ -76,14 +81,20 @@ async def test_lease_keeps_a_long_handler_from_being_redelivered(harness: Harnes
         await harness.clock.sleep(runtime)
 
     await adapter.publish(topic, b"slow")
-    async with harness.serving(subscriber):
+    async with LoopStalls(harness.clock) as stalls, harness.serving(subscriber):
         await harness.wait_until(lambda: recorder.count(Outcome.ACKED) == 1,
                                  within=runtime + harness.ack_deadline, what="the slow ack")
         lease_stats = subscriber.lease_manager(sub).stats
 
     assert [m.delivery_attempt for m in recorder.handled] == [1]
     assert lease_stats.extend_calls >= 2
-    assert lease_stats.refused == 0
+    # An extension is sent with a second (or half a short lease) to spare. Only a process kept
+    # from running that long (a loaded machine) lets the lease lapse and the extension be
+    # refused; then the entry may be taken back meanwhile, by a peer or this consumer's own
+    # receive. Half that margin excuses a refusal; without such a stall it fails the test.
+    assert lease_stats.refused == 0 or stalls.longest >= STALL_EXCUSE, (
+        f"{lease_stats.refused} extensions refused; the loop never stalled over "
+        f"{stalls.longest:.3f}s")
     assert await drain(harness, sub) == []
 
 
