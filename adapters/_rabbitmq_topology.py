@@ -61,6 +61,12 @@ def delay_bucket(delay: float) -> int:
     return millis if millis >= wanted else math.ceil(wanted)
 
 
+def delay_lengths() -> list[int]:
+    """Every delay queue length (ms) ``delay_bucket`` gives, up to about 20 hours: what a clean-up
+    tries, as AMQP cannot list a subscription's delay queues."""
+    return sorted({delay_bucket(_FIRST_DELAY_MS / 1000 * 2 ** (step / 2)) for step in range(40)})
+
+
 class Topology:
     """Settings and delay queues under one prefix, on connections ``connect`` gives."""
 

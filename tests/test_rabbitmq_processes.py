@@ -50,7 +50,7 @@ for _module, _extra in (("aio_pika", "rabbitmq"), ("redis", "redis")):
 import aio_pika  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 
-from reliable_sub.adapters._rabbitmq_topology import delay_bucket  # noqa: E402
+from reliable_sub.adapters._rabbitmq_topology import delay_lengths  # noqa: E402
 from reliable_sub.adapters.rabbitmq import RabbitMQAdapter  # noqa: E402
 from reliable_sub.dedup import RedisDedupStore  # noqa: E402
 
@@ -188,9 +188,9 @@ class Scene:
         connection = self.amqp or await aio_pika.connect(self.amqp_url)
         try:
             channel = await connection.channel()
-            delays = {delay_bucket(0.1 * 2 ** (step / 2)) for step in range(40)}
             for queue in [self.subscription, f"{self.prefix}.settings.{self.subscription}",
-                          *(f"{self.prefix}.delay.{self.subscription}.{ms}" for ms in delays)]:
+                          *(f"{self.prefix}.delay.{self.subscription}.{ms}"
+                            for ms in delay_lengths())]:
                 await channel.queue_delete(queue)  # a queue that does not exist: fine
             await channel.exchange_delete(self.topic)
         finally:

@@ -349,13 +349,12 @@ async def delete_rabbitmq_names(url: str, prefix: str, harness: Harness) -> None
     settings queues; a name never used is fine."""
     import aio_pika
 
-    from reliable_sub.adapters._rabbitmq_topology import delay_bucket
+    from reliable_sub.adapters._rabbitmq_topology import delay_lengths
 
     connection = await aio_pika.connect(url)
     try:
         channel = await connection.channel()
-        # the delay queues a nack may have made: every length the adapter steps through
-        lengths = sorted({delay_bucket(0.1 * 2 ** (step / 2)) for step in range(40)})
+        lengths = delay_lengths()  # the delay queues a nack may have made
         for name in harness.names:
             targets = [("queue_delete", name), ("exchange_delete", name),
                        ("queue_delete", f"{prefix}.settings.{name}")]
