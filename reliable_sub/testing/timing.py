@@ -155,9 +155,6 @@ async def run_driven(clock: Clock, awaitable: Awaitable[T], within: float) -> T:
     return task.result()
 
 
-__all__ = ["REAL_WAIT_SLACK", "drive_until", "pass_time", "run_driven", "settle"]
-
-
 class LoopStalls:
     """The longest time, in real seconds, the event loop (or the whole process) was kept from
     running: a task asks to be woken every ``interval`` and records how late each wake-up was.
@@ -188,3 +185,6 @@ class LoopStalls:
             asked = time.perf_counter()
             await asyncio.sleep(self.interval)
             self.longest = max(self.longest, time.perf_counter() - asked - self.interval)
+
+
+__all__ = ["REAL_WAIT_SLACK", "LoopStalls", "drive_until", "pass_time", "run_driven", "settle"]
