@@ -54,7 +54,7 @@ from .lease_basics import (
     due_at,
     margin,
 )
-from .members import RUNNING
+from .members import RUNNING, SETTLING
 
 # The name this module's records always had (it was public): logging set-ups name it.
 logger = logging.getLogger("reliable_sub.runtime.lease")
@@ -361,7 +361,12 @@ class LeaseManager:
             moved = []
             for item in group:
                 if item.delivery.ack_id in refused_ids:
-                    self._refused(item)
+                    if item.stage >= SETTLING:
+                        # its own ack or nack landed first (the two calls raced): no lease lapsed
+                        item.held = False
+                        self.stats.refused_after_settle += 1
+                    else:
+                        self._refused(item)
                 else:
                     item.deadline = now + seconds
                     item.length = seconds

@@ -61,6 +61,9 @@ class LeaseStats:
     claim_renew_calls: int = 0
     renewed_claims: int = 0
     refused: int = 0
+    """Extensions the broker refused while the handler ran or waited: the lease had lapsed."""
+    refused_after_settle: int = 0
+    """Extensions refused because the delivery's own ack or nack, sent meanwhile, landed first."""
     max_lease_reached: int = 0
     extend_errors: int = 0
     renew_errors: int = 0
