@@ -1,9 +1,12 @@
-"""The RabbitMQ adapter's connection in one event loop, and its consumers.
+"""The RabbitMQ adapter's connections in one event loop, and its consumers.
 
-A :class:`Link` is one AMQP connection with a publishing channel (publisher confirms) and, per
-subscription, a :class:`Consumer`: a channel of its own (its prefetch is ``basic.qos``) with a
-``basic.consume`` on the subscription's queue. What the broker pushes waits in the consumer's
-buffer until ``receive`` hands it out.
+A :class:`Link` is two AMQP connections: one for consuming (per subscription a
+:class:`Consumer`: a channel of its own, its prefetch is ``basic.qos``, with a
+``basic.consume`` on the subscription's queue) and one for publishing (a channel with publisher
+confirms: publishes, delayed copies, dead letters). Apart, as RabbitMQ advises: during a
+resource alarm the broker blocks every connection that publishes and stops reading from it, and
+acks written on a blocked connection would wait with it. What the broker pushes waits in the
+consumer's buffer until ``receive`` hands it out.
 
 RabbitMQ has no ack deadline: a delivery stays with its channel until acked, rejected, or the
 channel closes. The consumer keeps the deadline itself. A handed-out delivery is *held* until a
@@ -11,7 +14,15 @@ loop time; when that passes without an ack or an extension, the consumer rejects
 requeue, and the broker delivers it again (the quorum queue counting ``x-delivery-count``).
 What the broker pushed and no ``receive`` took within the ack deadline (a Subscriber that stopped
 asking: its workers all busy) is given back too, and the consumer cancelled until the next
-``receive``: a message does not wait in one process while others could run it.
+``receive``: a message does not wait in one process while others could run it. Work given back
+untaken goes with ``basic.nack``, which RabbitMQ 4.3 and later does not count as a delivery
+(``basic.reject``, for a lease that ran out, counts); earlier versions count every return, so
+the Subscriber sizes the prefetch by what its handlers can take (``set_prefetch``) and such
+give-backs stay rare.
+
+The broker may cancel a consumer itself (``basic.cancel``: its queue was deleted). The consumer
+then gives back its buffer and consumes again at the next ``receive``; while the queue is
+missing, that fails, so every receive fails and the Subscriber's health says so.
 
 Delivery tags belong to a channel. Each consumer channel has a *generation*; an ack id is
 ``"<generation>.<tag>"``. An ack, nack or extend of an id whose channel is gone, or whose
@@ -34,9 +45,9 @@ import aio_pika
 import aiormq.abc
 from aio_pika.abc import (
     AbstractChannel,
+    AbstractConnection,
     AbstractIncomingMessage,
     AbstractQueue,
-    AbstractRobustConnection,
 )
 
 logger = logging.getLogger("reliable_sub.adapters.rabbitmq")
@@ -63,7 +74,7 @@ class Consumer:
     """One subscription's consumer on its own channel (see the module's docstring)."""
 
     def __init__(self, queue: AbstractQueue, channel: AbstractChannel, prefetch: int,
-                 idle_limit: float) -> None:
+                 idle_limit: float, stats: dict[str, int]) -> None:
         self.queue = queue
         self.channel = channel
         self.prefetch = prefetch
@@ -86,16 +97,35 @@ class Consumer:
         self._expiry: asyncio.TimerHandle | None = None
         self._idle_check: asyncio.TimerHandle | None = None
         self._resuming = asyncio.Lock()
+        self.cancelled_by_broker = False  # until it consumes again
+        self._stats = stats  # the adapter's counters
 
     @property
     def alive(self) -> bool:
         return not self.channel.is_closed
 
+    async def watch_cancels(self) -> None:
+        """Hear the broker's own ``basic.cancel`` of this consumer."""
+        (await self._amqp()).on_consumer_cancel_callbacks.add(self._cancelled)
+
+    async def _cancelled(self, frame: Any) -> None:
+        if self.consumer_tag is None or frame.consumer_tag != self.consumer_tag:
+            return
+        self.consumer_tag = None
+        self.cancelled_by_broker = True
+        self._stats["consumers_cancelled"] += 1
+        logger.warning("the broker cancelled the consumer of queue %r (was the queue deleted?); "
+                       "consuming again at the next receive", self.queue.name)
+        given_back = [message.delivery_tag or 0 for message in self.buffer]
+        self.buffer.clear()
+        self.arrived.set()  # a receive waiting on it looks again, and consumes anew
+        await self._give_back(given_back)
+
     async def pushed(self, message: AbstractIncomingMessage) -> None:
         """basic.consume's callback: the broker pushed ``message`` (aiormq runs it as a task
         per message, whatever it is). One that comes after a pause began goes back."""
         if self.consumer_tag is None:
-            await self._reject([message.delivery_tag or 0])
+            await self._give_back([message.delivery_tag or 0])
             return
         self.buffer.append(message)
         self.arrived.set()
@@ -109,6 +139,7 @@ class Consumer:
             if self.consumer_tag is None and self.alive:
                 self._last_take = asyncio.get_running_loop().time()
                 self.consumer_tag = await self.queue.consume(self.pushed)
+                self.cancelled_by_broker = False
 
     def take(self, count: int, lease: float, asked_at: float) -> list[AbstractIncomingMessage]:
         """Up to ``count`` buffered messages, held for ``lease`` seconds from now; not one this
@@ -262,9 +293,20 @@ class Consumer:
         logger.debug("no receive took %d deliveries of %r within %gs: given back, consumer "
                      "paused until the next receive", len(given_back), self.queue.name,
                      self._idle_limit)
-        await self._reject(given_back)
+        await self._give_back(given_back)
 
-    async def _reject(self, tags: list[int]) -> None:
+    async def give_back_buffer(self) -> None:
+        """Give back what was pushed and not taken (before the channel closes)."""
+        given_back = [message.delivery_tag or 0 for message in self.buffer]
+        self.buffer.clear()
+        await self._give_back(given_back)
+
+    async def _give_back(self, tags: list[int]) -> None:
+        """Requeue ``tags`` that no handler took: ``basic.nack``, not counted as a delivery by
+        RabbitMQ 4.3 and later."""
+        await self._reject(tags, counted=False)
+
+    async def _reject(self, tags: list[int], counted: bool = True) -> None:
         if not tags or not self.alive:
             self.unsent.difference_update(tags)
             return  # the broker requeued them with the channel
@@ -272,7 +314,10 @@ class Consumer:
         try:
             channel = await self._amqp()
             for tag in tags:
-                await channel.basic_reject(tag, requeue=True)
+                if counted:
+                    await channel.basic_reject(tag, requeue=True)
+                else:
+                    await channel.basic_nack(tag, multiple=False, requeue=True)
         finally:
             self.unsent.difference_update(tags)
 
@@ -317,11 +362,13 @@ def _log_failure(task: asyncio.Future[None]) -> None:
 
 @dataclass
 class Link:
-    """This event loop's connection, its publishing channel and its consumers."""
+    """This event loop's two connections (consuming, publishing), its publishing channel and
+    its consumers."""
 
     url: str
     name: str
-    connection: AbstractRobustConnection | None = None
+    connection: AbstractConnection | None = None
+    publisher_connection: AbstractConnection | None = None
     publisher: AbstractChannel | None = None
     consumers: dict[str, Consumer] = field(default_factory=dict)
     topics: set[str] = field(default_factory=set)  # exchanges known to exist
@@ -330,36 +377,59 @@ class Link:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def connected(self, timeout: float) -> aio_pika.abc.AbstractConnection:
+        """The consuming connection (also for declares and reads of settings)."""
         if self.connection is None or self.connection.is_closed:
             async with self.lock:
                 if self.connection is None or self.connection.is_closed:
                     self._drop_consumers()
-                    self.publisher = None
-                    connection = await aio_pika.connect(
-                        self.url, timeout=timeout, client_properties={
-                            "connection_name": self.name})
+                    connection = await self._connect(timeout, "")
                     # aio-pika's is_closed tells only a close asked for on this side: a
                     # connection the broker closed, or that dropped, would be kept for ever
                     connection.close_callbacks.add(lambda *_: self._lost(connection))
-                    self.connection = connection  # type: ignore[assignment]
+                    self.connection = connection
         assert self.connection is not None
         return self.connection
+
+    async def _connect(self, timeout: float, role: str) -> aio_pika.abc.AbstractConnection:
+        return await aio_pika.connect(self.url, timeout=timeout, client_properties={
+            "connection_name": f"{self.name}{role}"})
 
     def _lost(self, connection: aio_pika.abc.AbstractConnection) -> None:
         """``connection`` closed, whoever closed it: the next call connects anew (what its
         channels held, the broker requeued)."""
         if self.connection is connection:
             self._drop_consumers()
-            self.connection, self.publisher = None, None
+            self.connection = None
+        if self.publisher_connection is connection:
+            self.publisher_connection, self.publisher = None, None
 
     async def publishing(self, timeout: float) -> AbstractChannel:
+        """The publishing channel (publisher confirms), on the publishing connection."""
         if self.publisher is None or self.publisher.is_closed:
-            connection = await self.connected(timeout)
-            self.publisher = await connection.channel(publisher_confirms=True)
+            async with self.lock:
+                if self.publisher is None or self.publisher.is_closed:
+                    connection = self.publisher_connection
+                    if connection is None or connection.is_closed:
+                        connection = await self._connect(timeout, " (publishing)")
+                        connection.close_callbacks.add(
+                            lambda *_, c=connection: self._lost(c))
+                        self.publisher_connection = connection
+                    self.publisher = await connection.channel(publisher_confirms=True)
         return self.publisher
 
+    @property
+    def publishing_blocked(self) -> bool:
+        """Whether the broker blocked the publishing connection (``connection.blocked``: a
+        memory or disk alarm); publishes wait until it lifts. aiormq keeps this to itself, in
+        the event its writer waits on."""
+        connection = self.publisher_connection
+        transport = None if connection is None else connection.transport
+        unblocked = getattr(getattr(transport, "connection", None),
+                            "_Connection__connection_unblocked", None)
+        return isinstance(unblocked, asyncio.Event) and not unblocked.is_set()
+
     async def consumer(self, queue: str, timeout: float, prefetch: int,
-                       idle_limit: float) -> Consumer:
+                       idle_limit: float, stats: dict[str, int]) -> Consumer:
         """The consumer of ``queue`` (a new channel and ``basic.consume`` if it has none, its
         channel closed, or its prefetch is another); resumed if it was paused."""
         found = self.consumers.get(queue)
@@ -377,8 +447,9 @@ class Link:
         channel = await connection.channel(publisher_confirms=False)
         await channel.set_qos(prefetch_count=prefetch)
         amqp_queue = await channel.get_queue(queue, ensure=True)
-        consumer = Consumer(amqp_queue, channel, prefetch, idle_limit)
+        consumer = Consumer(amqp_queue, channel, prefetch, idle_limit, stats)
         channel.close_callbacks.add(lambda *_: consumer.forget())
+        await consumer.watch_cancels()
         consumer.consumer_tag = await amqp_queue.consume(consumer.pushed)
         self.consumers[queue] = consumer
         return consumer
@@ -392,8 +463,11 @@ class Link:
         for consumer in list(self.consumers.values()):
             with contextlib.suppress(Exception):  # a channel gone: the broker requeued them
                 await consumer.flush_acks()
+                await consumer.give_back_buffer()
         self._drop_consumers()
-        connection, self.connection, self.publisher = self.connection, None, None
-        if connection is not None and not connection.is_closed:
-            with contextlib.suppress(Exception):
-                await connection.close()
+        connections = (self.connection, self.publisher_connection)
+        self.connection = self.publisher_connection = self.publisher = None
+        for connection in connections:
+            if connection is not None and not connection.is_closed:
+                with contextlib.suppress(Exception):
+                    await connection.close()

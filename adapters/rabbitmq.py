@@ -158,11 +158,27 @@ class RabbitMQAdapter(InstrumentedPublishing):
         self._topology = Topology(self._prefix,
                                   lambda: self._links.get().connected(CONNECT_TIMEOUT))
         self._subscriptions: dict[str, Settings] = {}
-        self.stats = {"refused_as_stale": 0, "malformed": 0, "expired": 0}
+        self.stats = {"refused_as_stale": 0, "malformed": 0, "expired": 0,
+                      "consumers_cancelled": 0}
 
     @property
     def capabilities(self) -> Capabilities:
         return self._capabilities
+
+    def problems(self) -> list[str]:
+        """What the broker does to this adapter that no call fails on: a publishing connection
+        it blocked (a memory or disk alarm: publishes, delayed nacks and dead letters wait)."""
+        if any(link.publishing_blocked for link in self._links.values()):
+            return ["the broker blocked the publishing connection (connection.blocked: a memory "
+                    "or disk alarm); publishes, delayed nacks and dead letters wait until it "
+                    "lifts (rabbitmq-diagnostics alarms)"]
+        return []
+
+    def consuming(self, subscription: str) -> bool:
+        """Whether this loop's consumer of ``subscription`` is consuming (False before the
+        first receive, while paused, and after the broker cancelled it)."""
+        consumer = self._links.get().consumers.get(subscription)
+        return consumer is not None and consumer.alive and consumer.consumer_tag is not None
 
     def connection_attributes(self) -> dict[str, str | int]:
         """The broker's host and port from the URL, and the connection's name, for spans."""
@@ -362,7 +378,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
         prefetch = self._prefetch.get(subscription, self._default_prefetch)
         try:
             return await self._links.get().consumer(subscription, CONNECT_TIMEOUT, prefetch,
-                                                    idle_limit=settings.ack_deadline)
+                                                    settings.ack_deadline, self.stats)
         except ChannelNotFoundEntity:
             raise UnknownSubscriptionError(
                 f"queue {subscription!r} does not exist; create it with ensure_subscription"

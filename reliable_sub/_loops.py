@@ -58,6 +58,11 @@ class PerLoop(Generic[T]):
             self._forget_closed()
             return self._values.pop(loop, None)
 
+    def values(self) -> list[T]:
+        """Every loop's value (of loops not closed), from any thread."""
+        with self._lock:
+            return [value for loop, value in self._values.items() if not loop.is_closed()]
+
     def pop_all(self) -> list[tuple[asyncio.AbstractEventLoop, T]]:
         """Remove and return every value with its loop (closed loops' values are dropped)."""
         with self._lock:

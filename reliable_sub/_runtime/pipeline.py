@@ -36,7 +36,7 @@ from ..message import Message
 from ..middleware.dead_letter import DeadLetterOrBackoff
 from ..outcome import DeliveryEvent, Outcome, SubscriberStats
 from ..policy import FlowControl
-from ..ports import Capabilities, DescribesConnection, Inspectable, Prefetches
+from ..ports import Capabilities, DescribesConnection, Inspectable, Prefetches, ReportsProblems
 from ..telemetry.backlog import BacklogSampler, Sampled
 from ..telemetry.consumer import DeliveryTelemetry
 from .batches import Batches
@@ -116,8 +116,10 @@ class Runtime:
         )
         connection = self._connection_attributes() if telemetry is not None else {}
         for route in self.routes:
-            if isinstance(adapter, Prefetches):
-                adapter.set_prefetch(route.subscription, config.flow_control.max_messages)
+            if isinstance(adapter, Prefetches):  # what the handler can take at once
+                adapter.set_prefetch(route.subscription, min(
+                    config.flow_control.max_messages,
+                    route.max_concurrency or config.flow_control.max_messages))
             _check_lease_limit(adapter.capabilities, route)
             deadline = await adapter.subscription_ack_deadline(route.subscription)
             route_telemetry = on_extended = None
@@ -244,7 +246,14 @@ class Runtime:
     def problems(self) -> list[str]:
         """What is wrong with this run (empty when healthy): loops being restarted, and calls
         that have kept failing for ``unhealthy_after`` seconds."""
-        return self.supervisor.problems() + self.health.problems()
+        found = self.supervisor.problems() + self.health.problems()
+        adapter = self.config.adapter
+        if isinstance(adapter, ReportsProblems):
+            try:
+                found += adapter.problems()
+            except Exception as error:  # a bug of the adapter's: it must not break a probe
+                found.append(f"{type(adapter).__name__}.problems() failed: {error!r}")
+        return found
 
     def _on_settled(self, settles: list[Settle], refused: set[str]) -> None:
         """The settler confirmed ``settles`` (the broker refused the acks of ``refused``): let

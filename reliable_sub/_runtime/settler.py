@@ -4,8 +4,10 @@ A handler's result is recorded as soon as it returns, in a lane of its own, neve
 nacks or releases in flight: between a handler's effect and its durable record a crash makes the
 redelivery run it again, so that window is one store call. Recorded, it is acked with the rest
 (the Redis fast path records inside its ack script). Everything else settled since the last call
-goes out together: releases in one store call, acks in one broker call, nacks in one call per
-delay; up to ``MAX_CALLS_IN_FLIGHT`` calls of each lane at once.
+goes out together: releases in one store call, acks in one broker call; nacks, in a lane of their
+own, in one call per delay (a nack may publish a delayed copy, and a broker that blocks
+publishing must not hold the acks back); up to ``MAX_CALLS_IN_FLIGHT`` calls of each lane at
+once.
 
 A failed call is retried with backoff until it succeeds: a message whose result is not recorded
 must not be acked, and its lease and claim stay alive meanwhile. Only when a stop's deadline has
@@ -185,9 +187,11 @@ class Settler:
         self._on_settled = on_settled
         self._clock: Clock = clock or SystemClock()
         self._health = health or Health(self._clock.now, math.inf)
-        # results to record first; then the rest: acks (releases first) and nacks
+        # results to record first; then the rest: acks (releases first), and nacks apart
         self._recording = _Lane(self._record, gather=False)
         self._settling = _Lane(self._send, gather=True)
+        self._nacking = _Lane(self._send, gather=True)
+        self._lanes = (self._recording, self._settling, self._nacking)
         self._give_up_at: float | None = None
         self._combined: AcksWithCompletions | None = None
         store = claims.store
@@ -198,7 +202,7 @@ class Settler:
     @property
     def pending(self) -> int:
         """Settles queued or in a call not yet confirmed."""
-        return self._recording.pending + self._settling.pending
+        return sum(lane.pending for lane in self._lanes)
 
     def add(self, settle: Settle) -> None:
         """Queue ``settle``: a result to record goes out at once (with those already
@@ -206,25 +210,31 @@ class Settler:
         settle.item.stage = SETTLING
         if settle.completion is not None and settle.release is None:
             self._recording.add(settle)
-        else:
+        elif settle.ack:
             self._settling.add(settle)
+        else:
+            self._nacking.add(settle)
 
     def add_many(self, settles: list[Settle]) -> None:
         """Queue ``settles``, none of which has a result to record, for the next batch."""
         for settle in settles:
             settle.item.stage = SETTLING
-        self._settling.extend(settles)
+        acks = [settle for settle in settles if settle.ack]
+        if len(acks) < len(settles):
+            self._nacking.extend([settle for settle in settles if not settle.ack])
+        if acks:
+            self._settling.extend(acks)
 
     async def drain(self, give_up_at: float) -> None:
         """Wait until everything queued is confirmed; calls still failing at ``give_up_at``
         (the event loop's clock) give up."""
         self._give_up_at = give_up_at
-        lanes = (self._recording, self._settling)
+        lanes = self._lanes
         while any(lane.pending for lane in lanes):
             for lane in lanes:
                 if lane.can_send:
                     lane.send_waiting()
-            calls = self._recording.calls | self._settling.calls
+            calls = set().union(*(lane.calls for lane in lanes))
             if calls:
                 await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
             else:
@@ -237,7 +247,7 @@ class Settler:
     async def run(self) -> None:
         """Record results and send batches as settles arrive, until cancelled."""
         loop = asyncio.get_running_loop()
-        lanes = {loop.create_task(self._recording.run()), loop.create_task(self._settling.run())}
+        lanes = {loop.create_task(lane.run()) for lane in self._lanes}
         try:
             done, _ = await asyncio.wait(lanes, return_when=asyncio.FIRST_COMPLETED)
             for lane in done:

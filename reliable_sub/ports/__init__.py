@@ -22,6 +22,8 @@ elsewhere (``adapters/``, a third party's package) implement them using public n
   subscription to a time or a snapshot, and keep snapshots (``Capabilities.seek``).
 * :class:`Inspectable` and :class:`SubscriptionStats` -- an optional capability of an adapter:
   what a subscription holds (the ``reliable-sub stats`` command).
+* :class:`ReportsProblems` -- an optional capability of an adapter: trouble it sees that no call
+  fails on, for the Subscriber's ``healthy()``.
 
 Every method that takes deliveries takes a batch and should cost one broker round trip per batch
 where the broker allows it.
@@ -49,6 +51,7 @@ from ._capabilities import (
     Inspectable,
     InstrumentsPublishes,
     Prefetches,
+    ReportsProblems,
     Seekable,
     Snapshot,
     SubscriptionStats,
@@ -89,6 +92,7 @@ __all__ = [
     "Payload",
     "Prefetches",
     "Publisher",
+    "ReportsProblems",
     "Seekable",
     "Snapshot",
     "SubscriptionStats",

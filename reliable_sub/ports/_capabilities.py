@@ -89,12 +89,24 @@ class InstrumentsPublishes(Protocol):
 @runtime_checkable
 class Prefetches(Protocol):
     """An optional capability of a broker that pushes deliveries ahead (RabbitMQ): how many of
-    a subscription's it may push before they are acked. A Subscriber sets its flow-control
-    window (``FlowControl.max_messages``) when it starts, so the broker keeps the rest for
-    the subscription's other consumers."""
+    a subscription's it may push before they are acked. A Subscriber sets what the subscription's
+    handler can take at once (its ``max_concurrency``, at most ``FlowControl.max_messages``)
+    when it starts, so the broker keeps the rest for the subscription's other consumers."""
 
     def set_prefetch(self, subscription: str, messages: int) -> None:
         """Push at most ``messages`` unacked deliveries of ``subscription`` from now on."""
+        ...
+
+
+@runtime_checkable
+class ReportsProblems(Protocol):
+    """An optional capability of an adapter: trouble it sees that no call of the Subscriber's
+    fails on (a broker that blocked the publishing connection, a delay path that cannot
+    declare its queues). A Subscriber's ``healthy()`` is False while this list is not empty,
+    and ``problems()`` includes it. Called from any thread: read state, do no I/O."""
+
+    def problems(self) -> list[str]:
+        """What is wrong now, one line each naming the cause (empty when nothing is)."""
         ...
 
 
