@@ -17,7 +17,8 @@ import aio_pika
 import aiormq.abc
 from aio_pika.abc import AbstractChannel
 
-from reliable_sub.adapters._rabbitmq_link import Consumer, Link
+from reliable_sub.adapters._rabbitmq_consumer import Consumer
+from reliable_sub.adapters._rabbitmq_link import Link
 from reliable_sub.adapters._rabbitmq_messages import delayed_copy
 from reliable_sub.adapters._rabbitmq_topology import Topology
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
+from reliable_sub.adapters._memory_queue import Entry, Queue
 from reliable_sub.clock import Clock, SystemClock, sleep_or_event
 from reliable_sub.errors import (
     ConfigurationError,
@@ -31,6 +32,7 @@ from reliable_sub.errors import (
     UnknownSnapshotError,
     UnknownSubscriptionError,
     UnknownTopicError,
+    UnroutableError,
 )
 from reliable_sub.message import Delivery, Message
 from reliable_sub.ports import (
@@ -44,8 +46,6 @@ from reliable_sub.replay import check_target
 from reliable_sub.telemetry.publishing import InstrumentedPublishing
 
 DEFAULT_ACK_DEADLINE = 10.0
-# Stale lease-heap entries tolerated beyond twice the live leases before the heap is rebuilt.
-LEASE_HEAP_SLACK = 1024
 # How long acked messages are kept when a subscription asks for it (retain_acked_messages=True);
 # seven days, Pub/Sub's default. Unacked messages are kept until acked, however long that takes.
 DEFAULT_MESSAGE_RETENTION = 7 * 24 * 3600.0
@@ -65,18 +65,6 @@ CAPABILITIES = Capabilities(
 
 
 @dataclass(eq=False)
-class _Entry:
-    """One message as stored in one subscription."""
-
-    id: str
-    data: bytes
-    attributes: dict[str, str]
-    publish_time: datetime
-    ordering_key: str | None
-    attempts: int = 0
-
-
-@dataclass(eq=False)
 class _Snapshot:
     """A subscription's unacked messages when the snapshot was taken, the last message id
     published by then, and the messages published later and acked since (as on Pub/Sub, the
@@ -84,33 +72,9 @@ class _Snapshot:
     are unacked after a seek to it."""
 
     info: Snapshot
-    unacked: list[_Entry]
+    unacked: list[Entry]
     last_message_id: int
-    acked_since: list[_Entry] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class _Lease:
-    entry: _Entry
-    deadline: float
-
-
-@dataclass(eq=False)
-class _Subscription:
-    name: str
-    topic: str
-    ack_deadline: float
-    retain_acked_messages: bool
-    message_retention: float
-    ordering: bool
-    ready: deque[_Entry] = field(default_factory=deque)
-    delayed: list[tuple[float, int, _Entry]] = field(default_factory=list)
-    leased: dict[str, _Lease] = field(default_factory=dict)
-    lease_heap: list[tuple[float, int, str]] = field(default_factory=list)
-    waiting_by_key: dict[str, deque[_Entry]] = field(default_factory=dict)
-    busy_keys: set[str] = field(default_factory=set)
-    acked: deque[tuple[float, _Entry]] = field(default_factory=deque)
-    waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=set)
+    acked_since: list[Entry] = field(default_factory=list)
 
 
 class MemoryAdapter(InstrumentedPublishing):
@@ -123,8 +87,8 @@ class MemoryAdapter(InstrumentedPublishing):
     def __init__(self, *, clock: Clock | None = None) -> None:
         self._clock: Clock = clock or SystemClock()
         self._lock = threading.Lock()
-        self._topics: dict[str, list[_Subscription]] = {}
-        self._subscriptions: dict[str, _Subscription] = {}
+        self._topics: dict[str, list[Queue]] = {}
+        self._subscriptions: dict[str, Queue] = {}
         self._message_ids = itertools.count(1)
         self._last_message_id = 0
         self._snapshots: dict[str, _Snapshot] = {}
@@ -156,6 +120,11 @@ class MemoryAdapter(InstrumentedPublishing):
     async def topic_exists(self, topic: str) -> bool:
         with self._lock:
             return topic in self._topics
+
+    async def topic_subscriptions(self, topic: str) -> list[str] | None:
+        """The names of ``topic``'s subscriptions."""
+        with self._lock:
+            return [sub.name for sub in self._topics.get(topic, [])]
 
     def dedup_namespace(self, subscription: str) -> str:
         """``memory:<this broker instance>:<subscription>``: message ids restart at 1 in
@@ -205,7 +174,7 @@ class MemoryAdapter(InstrumentedPublishing):
                         f"{existing.topic!r}, not {topic!r}"
                     )
                 return
-            state = _Subscription(
+            state = Queue(
                 name=subscription,
                 topic=topic,
                 ack_deadline=ack_deadline,
@@ -241,7 +210,7 @@ class MemoryAdapter(InstrumentedPublishing):
 
     def _publish(
         self, topic: str, data: Payload, attributes: dict[str, str] | None,
-        ordering_key: str | None,
+        ordering_key: str | None, routed: bool = False,
     ) -> str:
         payload, attrs = checked_message(data, attributes)
         with self._lock:
@@ -251,12 +220,16 @@ class MemoryAdapter(InstrumentedPublishing):
                     f"topic {topic!r} does not exist; create it with ensure_subscription or "
                     f"ensure_topic (known topics: {sorted(self._topics)})"
                 )
+            if routed and not subscriptions:
+                raise UnroutableError(
+                    f"topic {topic!r} has no subscription: the message would be dropped; "
+                    f"create one with ensure_subscription({topic!r}, ...)")
             self._last_message_id = next(self._message_ids)
             message_id = str(self._last_message_id)
             published = datetime.fromtimestamp(self._clock.wall(), tz=timezone.utc)
             for sub in subscriptions:
-                entry = _Entry(message_id, payload, dict(attrs), published, ordering_key or None)
-                self._enqueue(sub, entry)
+                entry = Entry(message_id, payload, dict(attrs), published, ordering_key or None)
+                sub.enqueue(entry)
         return message_id
 
     async def publish(
@@ -267,6 +240,13 @@ class MemoryAdapter(InstrumentedPublishing):
         ordering_key: str | None = None,
     ) -> str:
         return self.publish_sync(topic, data, attributes, ordering_key)
+
+    async def publish_routed(self, topic: str, data: bytes,
+                             attributes: dict[str, str] | None = None) -> str:
+        """Publish as :meth:`publish` does; ``UnroutableError`` (nothing kept) when ``topic``
+        has no subscription."""
+        with self._publishing.send(topic, attributes) as attributes:
+            return self._publish(topic, data, attributes, None, routed=True)
 
     # -- consuming -------------------------------------------------------------------------
 
@@ -283,10 +263,10 @@ class MemoryAdapter(InstrumentedPublishing):
             with self._lock:
                 sub = self._subscription(subscription)
                 now = self._clock.now()
-                batch = self._take(sub, max_messages, now)
+                batch = sub.take(max_messages, now, self._ack_ids, self._sequence)
                 if batch or self._closings != closings or now >= give_up_at:
                     return batch
-                wake_at = min(give_up_at, self._next_due(sub))
+                wake_at = min(give_up_at, sub.next_due())
                 waiter = (loop, event)
                 sub.waiters.add(waiter)
             try:
@@ -307,13 +287,13 @@ class MemoryAdapter(InstrumentedPublishing):
                     continue
                 if sub.retain_acked_messages:
                     sub.acked.append((now, lease.entry))
-                    self._prune_acked(sub, now)
+                    sub.prune_acked(now)
                 for taken in self._snapshots.values():
                     if (taken.info.subscription == sub.name
                             and int(lease.entry.id) > taken.last_message_id):
                         taken.acked_since.append(lease.entry)
-                self._release_key(sub, lease.entry)
-                self._compact_lease_heap(sub)
+                sub.release_key(lease.entry)
+                sub.compact_lease_heap(self._sequence)
         return refused
 
     async def nack(self, deliveries: Sequence[Delivery], delay: float = 0.0) -> None:
@@ -326,11 +306,11 @@ class MemoryAdapter(InstrumentedPublishing):
                     continue
                 if delay <= 0:
                     sub.ready.appendleft(lease.entry)
-                    self._notify(sub)
+                    sub.notify()
                 else:
                     heapq.heappush(sub.delayed, (available_at, next(self._sequence), lease.entry))
-                    self._notify(sub)  # a waiting receiver must learn of the new due time
-                self._compact_lease_heap(sub)
+                    sub.notify()  # a waiting receiver must learn of the new due time
+                sub.compact_lease_heap(self._sequence)
 
     async def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
         refused: list[Delivery] = []
@@ -344,8 +324,8 @@ class MemoryAdapter(InstrumentedPublishing):
                     continue
                 lease.deadline = deadline
                 heapq.heappush(sub.lease_heap, (deadline, next(self._sequence), delivery.ack_id))
-                self._notify(sub)
-                self._compact_lease_heap(sub)
+                sub.notify()
+                sub.compact_lease_heap(self._sequence)
         return refused
 
     async def close(self) -> None:
@@ -356,7 +336,7 @@ class MemoryAdapter(InstrumentedPublishing):
         with self._lock:
             self._closings += 1
             for sub in self._subscriptions.values():
-                self._notify(sub)
+                sub.notify()
 
     # -- seek and snapshots (the Seekable capability) ------------------------------------------
 
@@ -370,10 +350,10 @@ class MemoryAdapter(InstrumentedPublishing):
         with self._lock:
             sub = self._subscription(subscription)
             now = self._clock.now()
-            self._prune_acked(sub, now)
+            sub.prune_acked(now)
             retained = {entry.id: at for at, entry in sub.acked}
             known = {entry.id: entry for _, entry in sub.acked}
-            known.update((entry.id, entry) for entry in self._unacked(sub))
+            known.update((entry.id, entry) for entry in sub.unacked())
             if to is not None:
                 again = {id_ for id_, entry in known.items() if entry.publish_time >= to}
             else:
@@ -386,13 +366,13 @@ class MemoryAdapter(InstrumentedPublishing):
                 known.update((entry.id, entry) for entry in kept)
                 again = {id_ for id_ in known if int(id_) > taken.last_message_id}
                 again.update(entry.id for entry in kept)
-            self._clear(sub)
+            sub.clear()
             if sub.retain_acked_messages:
                 stays_acked = [(retained.get(id_, now), entry) for id_, entry in known.items()
                                if id_ not in again]
                 sub.acked = deque(sorted(stays_acked, key=lambda pair: (pair[0], int(pair[1].id))))
             for id_ in sorted(again, key=int):
-                self._enqueue(sub, known[id_])
+                sub.enqueue(known[id_])
 
     async def create_snapshot(self, subscription: str, name: str) -> Snapshot:
         """Take a snapshot of ``subscription``: its unacked messages now, and everything
@@ -405,7 +385,7 @@ class MemoryAdapter(InstrumentedPublishing):
                 raise ConfigurationError(f"a snapshot needs a non-empty name, got {name!r}")
             created = datetime.fromtimestamp(self._clock.wall(), tz=timezone.utc)
             info = Snapshot(name, subscription, sub.topic, created, None)
-            self._snapshots[name] = _Snapshot(info, self._unacked(sub), self._last_message_id)
+            self._snapshots[name] = _Snapshot(info, sub.unacked(), self._last_message_id)
             return info
 
     async def delete_snapshot(self, name: str) -> None:
@@ -431,7 +411,7 @@ class MemoryAdapter(InstrumentedPublishing):
         """Backlog, leased messages, the oldest unacked one's age and the ack deadline."""
         with self._lock:
             sub = self._subscription(subscription)
-            unacked = self._unacked(sub)
+            unacked = sub.unacked()
             oldest = min((entry.publish_time for entry in unacked), default=None)
             age = None if oldest is None else max(0.0, self._clock.wall() - oldest.timestamp())
             return SubscriptionStats(len(unacked), len(sub.leased), age, sub.ack_deadline)
@@ -440,12 +420,12 @@ class MemoryAdapter(InstrumentedPublishing):
         """Acked messages still retained by ``subscription`` (retain_acked_messages=True)."""
         with self._lock:
             sub = self._subscription(subscription)
-            self._prune_acked(sub, self._clock.now())
-            return [self._message(sub, entry) for _, entry in sub.acked]
+            sub.prune_acked(self._clock.now())
+            return [sub.message(entry) for _, entry in sub.acked]
 
     # -- internals (call with the lock held) ------------------------------------------------
 
-    def _subscription(self, name: str) -> _Subscription:
+    def _subscription(self, name: str) -> Queue:
         try:
             return self._subscriptions[name]
         except KeyError:
@@ -459,109 +439,6 @@ class MemoryAdapter(InstrumentedPublishing):
         except KeyError:
             raise UnknownSnapshotError(
                 f"snapshot {name!r} does not exist; known: {sorted(self._snapshots)}") from None
-
-    @staticmethod
-    def _unacked(sub: _Subscription) -> list[_Entry]:
-        """Every message of ``sub`` not yet acked, in publish order."""
-        entries = [*sub.ready, *(entry for _, _, entry in sub.delayed),
-                   *(lease.entry for lease in sub.leased.values()),
-                   *(entry for queue in sub.waiting_by_key.values() for entry in queue)]
-        return sorted(entries, key=lambda entry: int(entry.id))
-
-    def _clear(self, sub: _Subscription) -> None:
-        """Forget every delivery state of ``sub`` (its leases' ack ids become stale)."""
-        sub.ready.clear()
-        sub.delayed.clear()
-        sub.leased.clear()
-        sub.lease_heap.clear()
-        sub.waiting_by_key.clear()
-        sub.busy_keys.clear()
-        sub.acked.clear()
-        self._notify(sub)
-
-    def _enqueue(self, sub: _Subscription, entry: _Entry) -> None:
-        key = entry.ordering_key
-        if key is not None and sub.ordering:
-            if key in sub.busy_keys:
-                sub.waiting_by_key.setdefault(key, deque()).append(entry)
-                return
-            sub.busy_keys.add(key)
-        sub.ready.append(entry)
-        self._notify(sub)
-
-    def _release_key(self, sub: _Subscription, entry: _Entry) -> None:
-        """After an ack, let the next message of the same ordering key go."""
-        key = entry.ordering_key
-        if key is None or not sub.ordering:
-            return
-        queue = sub.waiting_by_key.get(key)
-        if queue:
-            sub.ready.append(queue.popleft())
-            if not queue:
-                del sub.waiting_by_key[key]
-            self._notify(sub)
-        else:
-            sub.busy_keys.discard(key)
-
-    def _compact_lease_heap(self, sub: _Subscription) -> None:
-        """Drop the heap entries of leases that ended (acked, nacked) or moved (extended).
-
-        Entries are only popped when their deadline passes; under load, acks and extensions
-        leave stale ones much faster, so without this the heap held every delivery of the
-        last ack deadline (tens of MB at full speed). Rebuilt when mostly stale: O(1) per
-        entry, amortised.
-        """
-        if len(sub.lease_heap) <= 2 * len(sub.leased) + LEASE_HEAP_SLACK:
-            return
-        sub.lease_heap = [(lease.deadline, next(self._sequence), ack_id)
-                          for ack_id, lease in sub.leased.items()]
-        heapq.heapify(sub.lease_heap)
-
-    def _promote(self, sub: _Subscription, now: float) -> None:
-        """Move expired leases and elapsed nack delays back to the ready queue."""
-        while sub.lease_heap and sub.lease_heap[0][0] <= now:
-            deadline, _, ack_id = heapq.heappop(sub.lease_heap)
-            lease = sub.leased.get(ack_id)
-            if lease is not None and lease.deadline == deadline:
-                del sub.leased[ack_id]
-                sub.ready.append(lease.entry)
-        while sub.delayed and sub.delayed[0][0] <= now:
-            sub.ready.append(heapq.heappop(sub.delayed)[2])
-
-    def _take(self, sub: _Subscription, max_messages: int, now: float) -> list[Delivery]:
-        self._promote(sub, now)
-        batch: list[Delivery] = []
-        deadline = now + sub.ack_deadline
-        while sub.ready and len(batch) < max_messages:
-            entry = sub.ready.popleft()
-            entry.attempts += 1
-            ack_id = str(next(self._ack_ids))
-            sub.leased[ack_id] = _Lease(entry, deadline)
-            heapq.heappush(sub.lease_heap, (deadline, next(self._sequence), ack_id))
-            batch.append(Delivery(self._message(sub, entry), ack_id, now))
-        return batch
-
-    def _message(self, sub: _Subscription, entry: _Entry) -> Message:
-        return Message.received(entry.id, entry.data, dict(entry.attributes),
-                                max(1, entry.attempts), entry.publish_time, entry.ordering_key,
-                                sub.name)
-
-    def _next_due(self, sub: _Subscription) -> float:
-        due = float("inf")
-        if sub.lease_heap:
-            due = sub.lease_heap[0][0]
-        if sub.delayed:
-            due = min(due, sub.delayed[0][0])
-        return due
-
-    def _prune_acked(self, sub: _Subscription, now: float) -> None:
-        while sub.acked and sub.acked[0][0] + sub.message_retention <= now:
-            sub.acked.popleft()
-
-    def _notify(self, sub: _Subscription) -> None:
-        for loop, event in sub.waiters:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(event.set)
 
 
 __all__ = ["CAPABILITIES", "MemoryAdapter"]

@@ -24,7 +24,7 @@ import logging
 import math
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -32,13 +32,9 @@ from typing import Any
 from reliable_sub._loops import PerLoop
 from reliable_sub.entries import read_each
 from reliable_sub.errors import (
-    AccessDeniedError,
     ConfigurationError,
     InvalidMessageError,
     MissingExtraError,
-    SnapshotExistsError,
-    UnknownSnapshotError,
-    UnknownSubscriptionError,
     UnknownTopicError,
 )
 from reliable_sub.message import Delivery, Message
@@ -64,6 +60,13 @@ try:
     from google.pubsub_v1.types import DeadLetterPolicy as NativeDeadLetterPolicy
     from google.pubsub_v1.types import PubsubMessage, Subscription
     from google.pubsub_v1.types import RetryPolicy as NativeRetryPolicy
+
+    from reliable_sub.adapters._pubsub_errors import (
+        failed_ack_ids,
+        named,
+        named_errors,
+        snapshot_errors,
+    )
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("PubSubAdapter", "pubsub", "google-cloud-pubsub") from error
 
@@ -82,9 +85,6 @@ MAX_ACK_IDS_PER_REQUEST = 2500
 MAX_PULL_MESSAGES = 1000
 # Per-process delivery counts are kept for this many recent message ids.
 ATTEMPT_MEMORY = 100_000
-# ErrorInfo reason of a partly failed acknowledge/modifyAckDeadline on exactly-once delivery;
-# its metadata maps each failed ack id to PERMANENT_FAILURE_* or TRANSIENT_FAILURE_*.
-EXACTLY_ONCE_FAILURE = "EXACTLY_ONCE_ACKID_FAILURE"
 # The shortest deadline given to one pull call.
 MIN_PULL_TIMEOUT = 0.1
 # No further pull once less than this is left of a receive's timeout: the server answers an
@@ -222,7 +222,7 @@ class PubSubAdapter(InstrumentedPublishing):
 
     def ensure_topic_sync(self, topic: str) -> None:
         """Create ``topic`` if it does not exist."""
-        with contextlib.suppress(google_errors.AlreadyExists), _named_errors(topic=topic):
+        with contextlib.suppress(google_errors.AlreadyExists), named_errors(topic=topic):
             self._publisher.create_topic(name=self.topic_path(topic))
 
     async def ensure_topic(self, topic: str) -> None:
@@ -231,13 +231,22 @@ class PubSubAdapter(InstrumentedPublishing):
     async def topic_exists(self, topic: str) -> bool:
         def exists() -> bool:
             try:
-                with _named_errors(topic=topic):
+                with named_errors(topic=topic):
                     self._publisher.get_topic(topic=self.topic_path(topic))
             except UnknownTopicError:
                 return False
             return True
 
         return await asyncio.to_thread(exists)
+
+    async def topic_subscriptions(self, topic: str) -> list[str] | None:
+        """The names of ``topic``'s subscriptions (a topic keeps nothing without one)."""
+        def listed() -> list[str]:
+            with named_errors(topic=topic):
+                paths = self._publisher.list_topic_subscriptions(topic=self.topic_path(topic))
+                return [str(path).rsplit("/", 1)[-1] for path in paths]
+
+        return await asyncio.to_thread(listed)
 
     def ensure_subscription_sync(
         self,
@@ -311,11 +320,11 @@ class PubSubAdapter(InstrumentedPublishing):
                 maximum_backoff=f"{min(retry.max_backoff, MAX_ACK_DEADLINE)}s",
             )
         self.ensure_topic_sync(topic)
-        with contextlib.suppress(google_errors.AlreadyExists), _named_errors(
+        with contextlib.suppress(google_errors.AlreadyExists), named_errors(
             topic=topic, subscription=subscription
         ):
             self._admin.create_subscription(request=request)
-        with _named_errors(subscription=subscription):
+        with named_errors(subscription=subscription):
             found = self._admin.get_subscription(subscription=request["name"])
         if found.topic != request["topic"]:
             raise ConfigurationError(
@@ -330,7 +339,7 @@ class PubSubAdapter(InstrumentedPublishing):
     async def subscription_ack_deadline(self, subscription: str) -> float:
         path = self.subscription_path(subscription)
         if path not in self._deadlines:
-            with _named_errors(subscription=subscription):
+            with named_errors(subscription=subscription):
                 found = await asyncio.to_thread(self._admin.get_subscription, subscription=path)
             self._remember(found)
         return self._deadlines[path]
@@ -338,7 +347,7 @@ class PubSubAdapter(InstrumentedPublishing):
     async def subscription_topic(self, subscription: str) -> str:
         path = self.subscription_path(subscription)
         if path not in self._topics_of:
-            with _named_errors(subscription=subscription):
+            with named_errors(subscription=subscription):
                 found = await asyncio.to_thread(self._admin.get_subscription, subscription=path)
             self._remember(found)
         return self._topics_of[path]
@@ -368,7 +377,7 @@ class PubSubAdapter(InstrumentedPublishing):
             request["time"] = to
         else:
             request["snapshot"] = self.snapshot_path(snapshot or "")
-        with _named_errors(subscription=subscription), _snapshot_errors(snapshot):
+        with named_errors(subscription=subscription), snapshot_errors(snapshot):
             await asyncio.to_thread(self._admin.seek, request=request)
 
     async def create_snapshot(self, subscription: str, name: str) -> Snapshot:
@@ -380,13 +389,13 @@ class PubSubAdapter(InstrumentedPublishing):
                                    "subscription": self.subscription_path(subscription)}
         if _label_safe(subscription):
             request["labels"] = {SNAPSHOT_SUBSCRIPTION_LABEL: subscription}
-        with _named_errors(subscription=subscription), _snapshot_errors(name):
+        with named_errors(subscription=subscription), snapshot_errors(name):
             made = await asyncio.to_thread(self._admin.create_snapshot, request=request)
         return dataclasses.replace(_snapshot_of(made), subscription=subscription,
                                    created=datetime.now(timezone.utc))
 
     async def delete_snapshot(self, name: str) -> None:
-        with _snapshot_errors(name):
+        with snapshot_errors(name):
             await asyncio.to_thread(self._admin.delete_snapshot,
                                     request={"snapshot": self.snapshot_path(name)})
 
@@ -436,7 +445,7 @@ class PubSubAdapter(InstrumentedPublishing):
     def _publish_alone(self, topic: str, payload: bytes, attributes: dict[str, str]) -> str:
         """One message with attributes named like ``PUBLISH_PARAMETERS``: the Publish call of
         the client's GAPIC base class, which takes attributes as a mapping (blocking)."""
-        with _named_errors(topic=topic):
+        with named_errors(topic=topic):
             response = GapicPublisherClient.publish(
                 self._publisher, topic=self.topic_path(topic),
                 messages=[PubsubMessage(data=payload, attributes=attributes)],
@@ -456,7 +465,7 @@ class PubSubAdapter(InstrumentedPublishing):
                 return await asyncio.to_thread(self._publish_alone, topic, payload, checked)
             future = self._publish_future(topic, payload, checked, ordering_key)
             try:
-                with _named_errors(topic=topic):
+                with named_errors(topic=topic):
                     return await asyncio.wrap_future(future)
             except Exception:
                 self._resume(topic, ordering_key)
@@ -475,7 +484,7 @@ class PubSubAdapter(InstrumentedPublishing):
                 return self._publish_alone(topic, payload, checked)
             future = self._publish_future(topic, payload, checked, ordering_key)
             try:
-                with _named_errors(topic=topic):
+                with named_errors(topic=topic):
                     return future.result()
             except Exception:
                 self._resume(topic, ordering_key)
@@ -507,7 +516,7 @@ class PubSubAdapter(InstrumentedPublishing):
             remaining = give_up_at - loop.time()
             self.stats["pull_calls"] += 1
             try:
-                with _named_errors(subscription=subscription):
+                with named_errors(subscription=subscription):
                     response = await client.pull(
                         subscription=path,
                         max_messages=min(max_messages, MAX_PULL_MESSAGES),
@@ -613,9 +622,9 @@ class PubSubAdapter(InstrumentedPublishing):
                 try:
                     await call(path, [d.ack_id for d in chunk], *args)
                 except (google_errors.NotFound, google_errors.PermissionDenied) as error:
-                    raise _named(error, subscription=path) from error
+                    raise named(error, subscription=path) from error
                 except google_errors.GoogleAPICallError as error:
-                    failed = _failed_ack_ids(error)
+                    failed = failed_ack_ids(error)
                     if failed is None:
                         if not isinstance(error, google_errors.InvalidArgument):
                             raise
@@ -719,44 +728,6 @@ def _publishable(
     return payload, checked
 
 
-def _named(
-    error: google_errors.GoogleAPICallError, *, topic: str | None = None,
-    subscription: str | None = None,
-) -> Exception:
-    """``error`` as the library's named error, or itself when it is neither kind."""
-    text = getattr(error, "message", None) or str(error)
-    if isinstance(error, google_errors.PermissionDenied):
-        what = f"subscription {subscription!r}" if subscription else f"topic {topic!r}"
-        return AccessDeniedError(
-            f"Pub/Sub refused access to {what} ({text}); grant the service account the "
-            "Pub/Sub subscriber/publisher role on it"
-        )
-    if isinstance(error, google_errors.NotFound):
-        if subscription is not None and (topic is None or "ubscription" in text):
-            return UnknownSubscriptionError(
-                f"subscription {subscription!r} does not exist on Pub/Sub ({text}); create it "
-                "with ensure_subscription"
-            )
-        return UnknownTopicError(
-            f"topic {topic!r} does not exist on Pub/Sub ({text}); create it with ensure_topic "
-            "or ensure_subscription"
-        )
-    return error
-
-
-@contextlib.contextmanager
-def _snapshot_errors(name: str | None) -> Iterator[None]:
-    """Raise a snapshot's NotFound and AlreadyExists as the library's named errors."""
-    try:
-        yield
-    except google_errors.AlreadyExists as error:
-        raise SnapshotExistsError(f"snapshot {name!r} already exists") from error
-    except google_errors.NotFound as error:
-        if name is not None and "napshot" in (getattr(error, "message", None) or str(error)):
-            raise UnknownSnapshotError(f"snapshot {name!r} does not exist ({error})") from error
-        raise
-
-
 def _label_safe(value: str) -> bool:
     return 0 < len(value) <= 63 and all(c.islower() or c.isdigit() or c in "-_" for c in value)
 
@@ -769,29 +740,6 @@ def _snapshot_of(raw: Any) -> Snapshot:
         topic=raw.topic.rsplit("/", 1)[-1],
         expires=expires,
     )
-
-
-@contextlib.contextmanager
-def _named_errors(*, topic: str | None = None, subscription: str | None = None) -> Iterator[None]:
-    """Raise NotFound and PermissionDenied as the library's named errors."""
-    try:
-        yield
-    except (google_errors.NotFound, google_errors.PermissionDenied) as error:
-        raise _named(error, topic=topic, subscription=subscription) from error
-
-
-def _failed_ack_ids(
-    error: google_errors.GoogleAPICallError,
-) -> tuple[set[str], set[str]] | None:
-    """(permanently, transiently) failed ack ids of an exactly-once subscription's partial
-    failure, from the error's ErrorInfo; None when the error carries no such list (then
-    nothing in the request took effect)."""
-    if error.reason != EXACTLY_ONCE_FAILURE:
-        return None
-    metadata = error.metadata or {}
-    permanent = {ack for ack, why in metadata.items() if why.startswith("PERMANENT_FAILURE")}
-    transient = {ack for ack, why in metadata.items() if why.startswith("TRANSIENT_FAILURE")}
-    return permanent, transient
 
 
 def _chunks(items: list[Delivery], size: int) -> list[list[Delivery]]:

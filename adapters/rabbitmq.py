@@ -8,24 +8,21 @@ ack deadline) are kept by the broker, so every consumer agrees on them and
 ``{prefix}.settings.{subscription}`` (at most one message; a second publish is refused, so the
 first settings recorded are kept), read with ``basic.get`` and given back.
 
-Publishing waits for the broker's confirm (publisher confirms); ``publish_many`` publishes its
-messages on one channel with their confirms in flight together. See ``_rabbitmq_messages`` for
-how a message is written and read.
+Publishing, on a connection of its own, waits for the broker's confirm; ``publish_many``
+publishes its messages with their confirms in flight together (``_rabbitmq_publishing``;
+``_rabbitmq_messages`` for how a message is written and read).
 
 Consuming. Each subscription has a channel with ``basic.qos(prefetch)`` and a
 ``basic.consume``; ``receive`` hands out what the broker pushed. RabbitMQ has no ack deadline,
-so this adapter keeps it (``_rabbitmq_link``): a delivery not acked or extended within it is
+so this adapter keeps it (``_rabbitmq_consumer``): a delivery not acked or extended within it is
 rejected with requeue and delivered again, with ``x-delivery-count`` one higher. The prefetch is
-the Subscriber's flow-control window (``set_prefetch``).
+what the subscription's handler can take at once (``set_prefetch``).
 
 Delays. A nack with a delay publishes a copy of the message (same id, body and headers, and the
-count of its deliveries so far) to a *delay queue* of the subscription, then acks the delivery.
-A delay queue holds copies for one length (``x-message-ttl``) and dead-letters them, when it
-ends, to the subscription's queue. Its lengths step by a factor of the square root of two from
-0.1 s, so a delay is rounded up by at most 41% (``{prefix}.delay.{subscription}.{ms}``,
-classic queues declared when first used; ``_rabbitmq_delays``). The delay survives a crash of
-the consumer; a crash between the copy's confirm and the ack leaves both: the dedup store sees
-a duplicate.
+count of its deliveries so far) to a *delay queue* of the subscription, which dead-letters it
+back when its length ends (rounded up by at most 41%; ``_rabbitmq_topology``,
+``_rabbitmq_delays``), then acks the delivery. The delay survives a crash of the consumer; a
+crash between the copy's confirm and the ack leaves both: the dedup store sees a duplicate.
 Acks of deliveries whose channel is gone or whose lease ran out are refused without being sent
 (``refuses_stale_acks``). The broker closes a channel whose delivery stays unacked past its
 ``consumer_timeout`` (30 minutes by default): keep ``LeasePolicy.max_lease_duration`` under it.
@@ -67,10 +64,12 @@ try:
     from aio_pika.abc import AbstractIncomingMessage
     from aiormq.exceptions import ChannelNotFoundEntity
 
+    from reliable_sub.adapters._rabbitmq_consumer import Consumer, held_tags
     from reliable_sub.adapters._rabbitmq_delays import hold_back
-    from reliable_sub.adapters._rabbitmq_link import Consumer, Link
+    from reliable_sub.adapters._rabbitmq_link import BLOCKED, Link
     from reliable_sub.adapters._rabbitmq_management import DEFAULT_TIMEOUT, ManagementAPI, Unlisted
     from reliable_sub.adapters._rabbitmq_messages import incoming, outgoing
+    from reliable_sub.adapters._rabbitmq_publishing import send
     from reliable_sub.adapters._rabbitmq_topology import (
         SETTINGS_WAIT,
         Settings,
@@ -168,11 +167,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
     def problems(self) -> list[str]:
         """What the broker does to this adapter that no call fails on: a publishing connection
         it blocked (a memory or disk alarm: publishes, delayed nacks and dead letters wait)."""
-        if any(link.publishing_blocked for link in self._links.values()):
-            return ["the broker blocked the publishing connection (connection.blocked: a memory "
-                    "or disk alarm); publishes, delayed nacks and dead letters wait until it "
-                    "lifts (rabbitmq-diagnostics alarms)"]
-        return []
+        return [BLOCKED] if any(link.publishing_blocked for link in self._links.values()) else []
 
     def consuming(self, subscription: str) -> bool:
         """Whether this loop's consumer of ``subscription`` is consuming (False before the
@@ -325,25 +320,26 @@ class RabbitMQAdapter(InstrumentedPublishing):
             payload, checked = checked_message(data, attributes)
             return await self._publish(topic, outgoing(payload, checked, ordering_key))
 
-    async def _publish(self, topic: str, message: aio_pika.Message) -> str:
+    async def publish_routed(self, topic: str, data: bytes,
+                             attributes: dict[str, str] | None = None) -> str:
+        """Publish as :meth:`publish` does, with ``mandatory``: ``UnroutableError`` when the
+        exchange has no queue bound (the broker returned the message; nothing was kept). Dead
+        letters go this way."""
+        with self._publishing.send(topic, attributes) as attributes:
+            payload, checked = checked_message(data, attributes)
+            return await self._publish(topic, outgoing(payload, checked, None), routed=True)
+
+    async def _publish(self, topic: str, message: aio_pika.Message,
+                       routed: bool = False) -> str:
         check_name("topic", topic)
         link = self._links.get()
-        channel = await link.publishing(CONNECT_TIMEOUT)
-        if topic not in link.topics:
-            try:
-                await channel.get_exchange(topic, ensure=True)
-            except ChannelNotFoundEntity:
+        if topic not in link.topics:  # checked on a channel of its own: a NOT_FOUND closes it
+            if not await self.topic_exists(topic):
                 raise UnknownTopicError(
                     f"topic {topic!r} does not exist; create it with ensure_topic or "
-                    "ensure_subscription") from None
+                    "ensure_subscription")
             link.topics.add(topic)
-        exchange = await channel.get_exchange(topic, ensure=False)
-        try:
-            await exchange.publish(message, routing_key="")
-        except ChannelNotFoundEntity:
-            link.topics.discard(topic)
-            raise UnknownTopicError(f"topic {topic!r} does not exist (any more)") from None
-        return str(message.message_id)
+        return await send(link, topic, message, routed, CONNECT_TIMEOUT)
 
     async def publish_many(self, messages: Sequence[Outgoing]) -> list[str | Exception]:
         """Publish ``messages`` on one channel, their confirms in flight together; returns
@@ -425,21 +421,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
 
     def _live(self, deliveries: Sequence[Delivery]
               ) -> tuple[dict[str, tuple[Consumer, list[int]]], list[Delivery]]:
-        """The deliveries still held, by subscription (its consumer and their tags), and the
-        others (stale: refused without being sent)."""
-        link = self._links.get()
-        live: dict[str, tuple[Consumer, list[int]]] = {}
-        stale: list[Delivery] = []
-        for delivery in deliveries:
-            subscription = delivery.message.subscription
-            consumer = link.consumers.get(subscription)
-            generation, _, tag_text = delivery.ack_id.partition(".")
-            tag = int(tag_text) if tag_text.isdigit() else -1
-            if (consumer is None or not consumer.alive
-                    or str(consumer.generation) != generation or consumer.live(tag) is None):
-                stale.append(delivery)
-                continue
-            live.setdefault(subscription, (consumer, []))[1].append(tag)
+        live, stale = held_tags(self._links.get().consumers, deliveries)
         if stale:
             self.stats["refused_as_stale"] += len(stale)
         return live, stale

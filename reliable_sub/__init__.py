@@ -37,6 +37,7 @@ from .errors import (
     StoredResultError,
     UnknownSubscriptionError,
     UnknownTopicError,
+    UnroutableError,
 )
 from .message import Delivery, Message
 from .outcome import Outcome, SubscriberStats
@@ -83,6 +84,7 @@ __all__ = [
     "TelemetryPolicy",
     "UnknownSubscriptionError",
     "UnknownTopicError",
+    "UnroutableError",
     "__version__",
     "current_claim",
 ]

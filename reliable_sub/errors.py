@@ -26,6 +26,11 @@ class UnknownTopicError(AdapterError, LookupError):
     """A call named a topic the broker does not have; the message names it and the fix."""
 
 
+class UnroutableError(AdapterError):
+    """The broker took a message but no subscription of its topic would get it (a RabbitMQ
+    exchange with no queue bound): a dead letter published so is redelivered instead."""
+
+
 class UnknownSnapshotError(AdapterError, LookupError):
     """A snapshot name that the broker does not know."""
 
@@ -147,4 +152,5 @@ __all__ = [
     "UnknownSnapshotError",
     "UnknownSubscriptionError",
     "UnknownTopicError",
+    "UnroutableError",
 ]

@@ -12,12 +12,13 @@ from reliable_sub.testing.timing import drive_until
 
 
 def setup(**options: Any) -> tuple[ManualClock, MemoryAdapter, Subscriber]:
-    """A broker with topic ``orders`` (subscription ``billing``) and topic ``orders-dlq``, and a
-    Subscriber on it (short backoffs unless ``retry`` is given)."""
+    """A broker with topic ``orders`` (subscription ``billing``) and topic ``orders-dlq``
+    (subscription ``orders-dlq-sub``), and a Subscriber on it (short backoffs unless ``retry``
+    is given)."""
     clock = ManualClock()
     broker = MemoryAdapter(clock=clock)
     broker.ensure_subscription_sync("orders", "billing")
-    broker.ensure_topic_sync("orders-dlq")
+    broker.ensure_subscription_sync("orders-dlq", "orders-dlq-sub")
     options.setdefault("retry", RetryPolicy(min_backoff=1, max_backoff=2))
     return clock, broker, Subscriber(broker, clock=clock, **options)
 

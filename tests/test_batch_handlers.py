@@ -376,16 +376,17 @@ async def test_current_claim_of_a_message_in_a_batch() -> None:
 
 
 def slow_dead_letters(broker: MemoryAdapter, clock: Any) -> None:
-    """Subscription ``dlq`` on ``orders-dlq``, whose publishes take 1.5 s of ``clock``."""
+    """Subscription ``dlq`` on ``orders-dlq``, whose publishes (dead letters go by
+    ``publish_routed``) take 1.5 s of ``clock``."""
     broker.ensure_subscription_sync("orders-dlq", "dlq")
-    publish_now = broker.publish
+    publish_now = broker.publish_routed
 
     async def slow_publish(topic: str, *args: Any, **kwargs: Any) -> str:
         if topic == "orders-dlq":
             await clock.sleep(1.5)
         return await publish_now(topic, *args, **kwargs)
 
-    broker.publish = slow_publish  # type: ignore[method-assign]
+    broker.publish_routed = slow_publish  # type: ignore[method-assign]
 
 
 async def test_a_stop_while_a_timed_out_batch_is_decided_cuts_no_decision_short() -> None:

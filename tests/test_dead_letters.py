@@ -101,3 +101,47 @@ async def test_replaying_everything_replays_what_was_there_when_it_began() -> No
     assert len(report.replayed) == 1 and broker.copies == 1
     [left] = await queue.peek()
     assert left.original_message_id != "m-1", "the new copy stays for the operator to see"
+
+
+async def test_a_dead_letter_topic_with_no_subscription_is_warned_about_and_loses_nothing(
+        caplog) -> None:
+    """On the in-process broker (as on Pub/Sub and RabbitMQ) a topic keeps nothing without a
+    subscription. The Subscriber says so at start, and a dead letter published there while it
+    has none fails (UnroutableError): the message is redelivered, not acked into nothing."""
+    import asyncio
+    import logging
+
+    from reliable_sub import DeadLetterPolicy, Outcome, RetryPolicy, Subscriber, SystemClock
+    from reliable_sub.adapters.memory import MemoryAdapter
+    from reliable_sub.testing.timing import drive_until
+
+    broker = MemoryAdapter()
+    broker.ensure_subscription_sync("orders", "billing", ack_deadline=10)
+    broker.ensure_topic_sync("orders-dlq")
+    sub = Subscriber(broker, receive_timeout=0.05,
+                     dead_letter=DeadLetterPolicy("orders-dlq", max_delivery_attempts=1),
+                     retry=RetryPolicy(min_backoff=0.01, max_backoff=0.02))
+    runs: list[int] = []
+
+    @sub.handler("billing")
+    def poison(message: Message) -> None:
+        runs.append(message.delivery_attempt)
+        raise ValueError("cannot parse")
+
+    broker.publish_sync("orders", b"poison")
+    with caplog.at_level(logging.WARNING, logger="reliable_sub.subscriber"):
+        task = asyncio.ensure_future(sub.serve())
+        try:
+            await drive_until(SystemClock(), lambda: len(runs) >= 3, 10.0,
+                              what="three tries of the poison message")
+            assert sub.stats[Outcome.DEAD_LETTERED] == 0
+            broker.ensure_subscription_sync("orders-dlq", "orders-dlq-sub")
+            await drive_until(SystemClock(), lambda: sub.stats[Outcome.DEAD_LETTERED] == 1,
+                              10.0, what="the dead letter, once the topic has a subscription")
+        finally:
+            await sub.shutdown(timeout=5)
+            await task
+    assert any("dead-letter topic 'orders-dlq' has no subscription" in r.getMessage()
+               and "are redelivered" in r.getMessage() for r in caplog.records)
+    [letter] = await broker.receive("orders-dlq-sub", 10, 0)
+    assert letter.message.data == b"poison"

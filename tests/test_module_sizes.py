@@ -13,10 +13,10 @@ SLACK = 10  # the "~": subscriber.py's 409 lines pass
 
 # Longer than LIMIT + SLACK today: their ceilings. Splitting one is welcome; growing one is not.
 CEILINGS = {
-    "adapters/memory.py": 567,
+    "adapters/memory.py": 444,
     "adapters/nats_jetstream.py": 888,
-    "adapters/pubsub.py": 801,
-    "adapters/rabbitmq.py": 467,
+    "adapters/pubsub.py": 749,
+    "adapters/rabbitmq.py": 465,
     "adapters/redis_streams.py": 884,
     "reliable_sub/dedup/_redis.py": 457,
     "reliable_sub/outbox/relay.py": 494,

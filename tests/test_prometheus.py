@@ -369,7 +369,7 @@ async def test_every_dashboard_query_returns_data_for_the_chosen_subscription_on
     # real time: a slow message's lease must be extended; shipping, quick, is the other line
     await broker.ensure_subscription(orders, billing, ack_deadline=0.2)
     await broker.ensure_subscription(orders, shipping, ack_deadline=30)
-    await broker.ensure_topic(dlq)
+    await broker.ensure_subscription(dlq, f"{dlq}-sub", ack_deadline=30)  # keeps dead letters
     sub = Subscriber(broker, meter_provider=meter_provider, dedup=MemoryDedupStore(),
                      dead_letter=DeadLetterPolicy(dlq, 1), receive_timeout=0.1,
                      retry=RetryPolicy(min_backoff=0.1, max_backoff=0.2),

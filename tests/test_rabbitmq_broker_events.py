@@ -175,3 +175,82 @@ async def test_a_memory_alarm_blocks_publishing_and_the_acks_go_on(
     await until(sub.healthy, "healthy once the alarm lifted")
     assert all(runs[p] == (2 if p in failing else 1) for p in payloads), runs
     await adapter.close()
+
+
+async def test_a_dead_letter_to_a_topic_with_no_queue_is_redelivered_not_lost(
+        names: Names, serving) -> None:  # noqa: F811
+    """The dead-letter topic exists (an exchange) but no queue is bound: the broker returns the
+    copy. It used to be acked all the same, and the message was gone; now the dead letter
+    fails, the original stays, and once a queue is bound the dead letter arrives there."""
+    adapter = RabbitMQAdapter(rabbitmq_url(), prefix=names.prefix)
+    topic, queue = names.topic("orders"), names.subscription("billing")
+    dlq_topic = names.topic("orders-dlq")
+    await adapter.ensure_subscription(topic, queue, ack_deadline=10)
+    await adapter.ensure_topic(dlq_topic)  # what the old start-up hint said to do: no queue
+    runs: list[int] = []
+    sub = Subscriber(adapter, receive_timeout=0.1,
+                     dead_letter=DeadLetterPolicy(dlq_topic, max_delivery_attempts=1),
+                     retry=RetryPolicy(min_backoff=0.1, max_backoff=0.2))
+
+    @sub.handler(queue)
+    def poison(message: Message) -> None:
+        runs.append(message.delivery_attempt)
+        raise ValueError("cannot parse order")
+
+    await adapter.publish(topic, b"poison")
+    serving(sub)
+    await until(lambda: len(runs) >= 2, "the poison message redelivered after a refused copy")
+    assert sub.stats[Outcome.DEAD_LETTERED] == 0
+    dlq = names.subscription("dlq")
+    await adapter.ensure_subscription(dlq_topic, dlq, ack_deadline=10)
+    await until(lambda: sub.stats[Outcome.DEAD_LETTERED] == 1, "the dead letter, once bound")
+    [letter] = await adapter.receive(dlq, 10, 5.0)
+    assert letter.message.data == b"poison"
+    assert letter.message.attributes["dead-letter-reason"] == "max-delivery-attempts"
+    await adapter.ack([letter])
+    assert await adapter.receive(dlq, 10, 0.3) == []  # one copy, not one per refused try
+    await adapter.close()
+
+
+async def test_a_publish_to_a_missing_topic_fails_alone(names: Names) -> None:  # noqa: F811
+    """One publish to a topic that does not exist, among others in flight: it fails alone,
+    naming its topic; the others are published, and their topic stays known. (The existence
+    check ran on the shared publishing channel, whose NOT_FOUND closed it under every publish
+    in flight: they failed with an UnknownTopicError about a topic that exists.)"""
+    from reliable_sub.errors import UnknownTopicError
+    from reliable_sub.ports import Outgoing
+
+    adapter = RabbitMQAdapter(rabbitmq_url(), prefix=names.prefix)
+    topic, queue = names.topic("orders"), names.subscription("billing")
+    await adapter.ensure_subscription(topic, queue, ack_deadline=10)
+    missing = names.topic("never-made")
+    batch = [Outgoing(topic, f"m{i}".encode(), None, None) for i in range(20)]
+    batch.insert(10, Outgoing(missing, b"lost?", None, None))
+    results = await adapter.publish_many(batch)
+    assert isinstance(results[10], UnknownTopicError) and missing in str(results[10])
+    assert all(isinstance(r, str) for i, r in enumerate(results) if i != 10), results
+    received: list[bytes] = []
+    while len(received) < 20:
+        got = await adapter.receive(queue, 50, 2.0)
+        assert got, f"only {len(received)} of 20 arrived"
+        received += [d.message.data for d in got]
+        await adapter.ack(got)
+    assert sorted(received) == sorted(m.data for m in batch if m.topic == topic)
+
+    # an exchange deleted behind the adapter's back, its name still cached: its publish
+    # closes the channel under the others, which are sent again
+    gone = names.topic("deleted-later")
+    await adapter.ensure_topic(gone)
+    await adapter.publish(gone, b"cached")
+    connection = await aio_pika.connect(rabbitmq_url())
+    try:
+        await (await connection.channel()).exchange_delete(gone)
+    finally:
+        await connection.close()
+    batch = [Outgoing(topic, f"n{i}".encode(), None, None) for i in range(20)]
+    batch.insert(5, Outgoing(gone, b"lost?", None, None))
+    results = await adapter.publish_many(batch)
+    assert isinstance(results[5], UnknownTopicError) and gone in str(results[5])
+    assert all(isinstance(r, str) for i, r in enumerate(results) if i != 5), [
+        (i, r) for i, r in enumerate(results) if not isinstance(r, str)]
+    await adapter.close()

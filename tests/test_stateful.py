@@ -155,6 +155,10 @@ class ProcessAdapter:
         self._process.check("none")
         return await self._broker.publish(*args, **kwargs)
 
+    async def publish_routed(self, *args: Any, **kwargs: Any) -> str:  # dead letters
+        self._process.check("none")
+        return await self._broker.publish_routed(*args, **kwargs)
+
     async def close(self) -> None:
         pass
 

@@ -36,7 +36,15 @@ from ..message import Message
 from ..middleware.dead_letter import DeadLetterOrBackoff
 from ..outcome import DeliveryEvent, Outcome, SubscriberStats
 from ..policy import FlowControl
-from ..ports import Capabilities, DescribesConnection, Inspectable, Prefetches, ReportsProblems
+from ..ports import (
+    Capabilities,
+    DescribesConnection,
+    Inspectable,
+    ListsSubscriptions,
+    Prefetches,
+    PublishesRouted,
+    ReportsProblems,
+)
 from ..telemetry.backlog import BacklogSampler, Sampled
 from ..telemetry.consumer import DeliveryTelemetry
 from .batches import Batches
@@ -91,8 +99,17 @@ class Runtime:
             if not await adapter.topic_exists(topic):
                 raise UnknownTopicError(
                     f"dead-letter topic {topic!r} does not exist; create it before "
-                    f"starting (adapter.ensure_topic_sync({topic!r}))"
+                    f"starting (adapter.ensure_subscription_sync({topic!r}, "
+                    f"{topic + '-sub'!r}): a topic alone may keep nothing)"
                 )
+            if isinstance(adapter, ListsSubscriptions) and (
+                    await adapter.topic_subscriptions(topic) == []):
+                logger.warning(
+                    "dead-letter topic %r has no subscription: the broker keeps nothing "
+                    "published to it, so dead letters %s until one exists "
+                    "(adapter.ensure_subscription_sync(%r, %r))", topic,
+                    "are redelivered" if isinstance(adapter, PublishesRouted) else "are lost",
+                    topic, topic + "-sub")
         telemetry = self.telemetry = config.telemetry.for_run(
             adapter.capabilities.messaging_system, config.rng)
         state, claims, stats, health = self.state, self.claims, self.stats, self.health

@@ -286,8 +286,15 @@ class Settler:
         self._settling.extend(batch)
 
     async def _send(self, batch: list[Settle]) -> None:
+        """Send a lane's batch: all acks, or all nacks (completions come with acks only)."""
+        acking = batch[0].ack
         try:
-            await self._settle(batch)
+            try:
+                refused = await (self._send_acks(batch) if acking else self._send_nacks(batch))
+            except _GiveUp:
+                self._abandon(batch, "acked" if acking else "nacked")
+                return
+            self._on_settled(batch, refused)
         except Exception:
             self._failed_unexpectedly(batch)
 
@@ -301,24 +308,6 @@ class Settler:
         for settle in left:
             settle.outcome = Outcome.STOPPED
         self._on_settled(left, set())
-
-    async def _settle(self, batch: list[Settle]) -> None:
-        acks = [s for s in batch if s.ack]
-        nacks = [s for s in batch if not s.ack]
-        try:
-            refused = await self._send_acks(acks) if acks else set()
-        except _GiveUp:
-            self._abandon(acks, "acked")
-            refused = None
-        if refused is not None:
-            self._on_settled(acks, refused)
-        if nacks:
-            try:
-                await self._send_nacks(nacks)
-            except _GiveUp:
-                self._abandon(nacks, "nacked")
-                return
-            self._on_settled(nacks, set())
 
     async def _send_acks(self, acks: list[Settle]) -> set[str]:
         """Ack ``acks`` (their results, if any, are recorded already)."""
@@ -336,7 +325,7 @@ class Settler:
                         "are deduplicated", len(refused))
         return {delivery.ack_id for delivery in refused}
 
-    async def _send_nacks(self, nacks: list[Settle]) -> None:
+    async def _send_nacks(self, nacks: list[Settle]) -> set[str]:
         releases = [s.release for s in nacks if s.release is not None]
         if releases:
             await self._release(releases)
@@ -346,6 +335,7 @@ class Settler:
         for delay, deliveries in by_delay.items():
             await self._retry("nacking at the broker", len(deliveries), _BROKER, self._adapter.nack,
                               deliveries, delay)
+        return set()  # nothing to refuse
 
     async def _release(self, releases: list[Claimed]) -> None:
         await self._retry("releasing dedup claims", len(releases), _STORE,

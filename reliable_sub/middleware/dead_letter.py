@@ -9,7 +9,7 @@ from typing import Any
 from .._text import describe_error, error_type, safe_str
 from ..message import Message
 from ..policy import DeadLetterPolicy, RetryPolicy
-from ..ports import Publisher
+from ..ports import Publisher, PublishesRouted
 from . import CallNext, Context, Decision, Verdict
 
 logger = logging.getLogger("reliable_sub.subscriber")
@@ -109,11 +109,12 @@ class DeadLetterOrBackoff:
         """Publish ``message`` to the dead-letter topic; redeliver it if that fails."""
         policy = self._policy
         assert policy is not None
+        attributes = dead_letter_attributes(message, failures, error, reason)
         try:
-            await self._publisher.publish(
-                policy.topic, message.data,
-                dead_letter_attributes(message, failures, error, reason),
-            )
+            if isinstance(self._publisher, PublishesRouted):  # no subscription: not dropped
+                await self._publisher.publish_routed(policy.topic, message.data, attributes)
+            else:
+                await self._publisher.publish(policy.topic, message.data, attributes)
         except Exception:
             logger.error(
                 "publishing message %s to dead-letter topic %r failed; it stays on %r and is "

@@ -24,6 +24,9 @@ elsewhere (``adapters/``, a third party's package) implement them using public n
   what a subscription holds (the ``reliable-sub stats`` command).
 * :class:`ReportsProblems` -- an optional capability of an adapter: trouble it sees that no call
   fails on, for the Subscriber's ``healthy()``.
+* :class:`PublishesRouted` and :class:`ListsSubscriptions` -- optional capabilities of an adapter
+  whose broker drops what no subscription gets: a publish that fails then (dead letters use it),
+  and a topic's subscriptions (the start-up warning for a dead-letter topic with none).
 
 Every method that takes deliveries takes a batch and should cost one broker round trip per batch
 where the broker allows it.
@@ -50,7 +53,9 @@ from ._capabilities import (
     DescribesConnection,
     Inspectable,
     InstrumentsPublishes,
+    ListsSubscriptions,
     Prefetches,
+    PublishesRouted,
     ReportsProblems,
     Seekable,
     Snapshot,
@@ -88,10 +93,12 @@ __all__ = [
     "InProgress",
     "Inspectable",
     "InstrumentsPublishes",
+    "ListsSubscriptions",
     "Outgoing",
     "Payload",
     "Prefetches",
     "Publisher",
+    "PublishesRouted",
     "ReportsProblems",
     "Seekable",
     "Snapshot",

@@ -99,6 +99,30 @@ class Prefetches(Protocol):
 
 
 @runtime_checkable
+class PublishesRouted(Protocol):
+    """An optional capability of a broker that drops what no subscription gets (RabbitMQ, and
+    the in-process broker): a publish that fails instead. The Subscriber publishes dead
+    letters with it, so a dead-letter topic with no subscription redelivers the message rather
+    than lose it."""
+
+    async def publish_routed(self, topic: str, data: bytes,
+                             attributes: dict[str, str] | None = None) -> str:
+        """Publish as ``publish`` does; ``UnroutableError`` when no subscription of ``topic``
+        gets the message (then nothing was kept)."""
+        ...
+
+
+@runtime_checkable
+class ListsSubscriptions(Protocol):
+    """An optional capability of an adapter: the subscriptions of a topic, where the broker
+    can tell (a Subscriber warns at start when its dead-letter topic has none)."""
+
+    async def topic_subscriptions(self, topic: str) -> list[str] | None:
+        """The names of ``topic``'s subscriptions, or None when the broker cannot tell."""
+        ...
+
+
+@runtime_checkable
 class ReportsProblems(Protocol):
     """An optional capability of an adapter: trouble it sees that no call of the Subscriber's
     fails on (a broker that blocked the publishing connection, a delay path that cannot

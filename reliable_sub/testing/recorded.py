@@ -166,7 +166,7 @@ async def run_recorded(
                                     ordering=ordering)
     dead_letter = subscriber_options.get("dead_letter")
     if dead_letter is not None:
-        broker.ensure_topic_sync(dead_letter.topic)
+        broker.ensure_subscription_sync(dead_letter.topic, f"{dead_letter.topic}-sub")
 
     injector = faults if isinstance(faults, FaultInjector) or faults is None else (
         FaultInjector(faults))
