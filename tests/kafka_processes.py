@@ -6,9 +6,11 @@ formatted once (``kafka.tools.StorageTool format``), then ``java -cp '<jars>/*' 
 server.properties`` runs it. The jars come from :mod:`tests.kafka_jars` (a per-machine cache).
 
 Like :mod:`tests.redis_processes`: nothing sleeps to synchronise. A node is up when its own start
-says so in its log and a Metadata request (:mod:`tests.kafka_metadata`, no client library) to its
+says so in its log and a Metadata request (:mod:`tests.kafka_requests`, no client library) to its
 port answers with this cluster's id and lists the node (a broker is listed once registered and
-unfenced); everything is polled until a deadline, and every process is stopped by its pid.
+unfenced); then its group and transaction coordinators and producer ids are made ready (a
+client's first use would wait seconds for them otherwise). Everything is polled until a
+deadline, and every process is stopped by its pid.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from pathlib import Path
 
 from reliable_sub.testing.services import missing_service
 from tests.kafka_jars import KafkaJarsUnavailable, kafka_classpath
-from tests.kafka_metadata import Metadata, fetch_metadata
+from tests.kafka_requests import (
+    GROUP,
+    TRANSACTION,
+    Metadata,
+    fetch_metadata,
+    find_coordinator,
+    init_producer_id,
+)
 from tests.redis_processes import (
     EXIT_TIMEOUT,
     POLL_INTERVAL,
@@ -37,7 +46,8 @@ from tests.redis_processes import (
 # Kafka 4.x keeps them in Scala's ``kafka`` package).
 KAFKA_MAIN = "kafka.Kafka"
 STORAGE_TOOL = "kafka.tools.StorageTool"
-# A node starts in about 2 s here (a first, empty one); allow for a loaded machine (xdist, CI).
+# A node starts in about 2 s here (a first, empty one; 4 to 5 s after a SIGKILL, see
+# SESSION_TIMEOUT_MS); allow for a loaded machine (xdist, CI).
 START_TIMEOUT = 60.0
 # A node given SIGTERM shuts down cleanly in a second or two; one whose quorum is gone can hang
 # waiting for it, and is SIGKILLed after this.
@@ -57,8 +67,10 @@ JVM_OPTIONS = (
     "-Dorg.slf4j.simpleLogger.dateTimeFormat=HH:mm:ss.SSS",
 )
 # How long the controller waits for a broker's heartbeat before fencing it (moving its
-# partitions' leadership away): Kafka's 9 s default would make every failover test wait that
-# long after a kill. Heartbeats every HEARTBEAT_MS keep a live one well inside it.
+# partitions' leadership away). It is also how long a SIGKILLed node's next start waits: the
+# controller refuses its new registration (DUPLICATE_BROKER_REGISTRATION) until the old one's
+# session has expired. Kafka's 9 s default would make every failover and crash test wait that
+# long; heartbeats every HEARTBEAT_MS keep a live node well inside 3 s on a loaded machine.
 SESSION_TIMEOUT_MS = 3000
 HEARTBEAT_MS = 500
 # Few partitions for the internal topics (default 50): a group's or a transaction's coordinator
@@ -67,8 +79,13 @@ INTERNAL_TOPIC_PARTITIONS = 4
 
 
 def new_cluster_id() -> str:
-    """A random cluster id in Kafka's format (a UUID, URL-safe base64, unpadded)."""
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+    """A random cluster id in Kafka's format (a UUID, URL-safe base64, unpadded), never one
+    that starts with "-": the storage tool's argument parser takes that for an option and
+    fails ("--cluster-id: expected one argument"), as Kafka's own Uuid.randomUuid avoids."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 def _classpath() -> str:
@@ -175,6 +192,7 @@ class KafkaBroker(ServerProcess):
     def _launch(self) -> None:
         self.spawn()
         self.wait_until_serving()
+        self.warm_up()
 
     def spawn(self) -> None:
         """Start the JVM (again, on the same ports and data), not waiting for it."""
@@ -209,6 +227,31 @@ class KafkaBroker(ServerProcess):
                 raise AssertionError(f"Kafka node {self.node_id} on port {self.port} did not "
                                      f"serve within {timeout}s:\n{self.log()}")
             time.sleep(POLL_INTERVAL)
+
+    def warm_up(self, timeout: float = START_TIMEOUT) -> None:
+        """Ask until a group coordinator, a transaction coordinator and a producer id can be
+        had: the first asks create the internal topics (``__consumer_offsets``,
+        ``__transaction_state``) and fetch a block of producer ids from the controller."""
+        asks = {
+            "a group coordinator": lambda: find_coordinator(self.port, "warm-up", GROUP),
+            "a transaction coordinator":
+                lambda: find_coordinator(self.port, "warm-up", TRANSACTION),
+            "a producer id": lambda: init_producer_id(self.port),
+        }
+        give_up = time.monotonic() + timeout
+        for what, ask in asks.items():
+            while True:
+                error: int | str = "no answer"
+                with contextlib.suppress(OSError):
+                    error = ask()
+                if error == 0:
+                    break
+                if self.process is None or self.process.poll() is not None:
+                    raise self.exited(f"Kafka node {self.node_id}", self.port)
+                if time.monotonic() > give_up:
+                    raise AssertionError(f"Kafka node {self.node_id} gave no {what} within "
+                                         f"{timeout}s (last error: {error}):\n{self.log()}")
+                time.sleep(POLL_INTERVAL)
 
     def _this_start(self) -> str:
         with contextlib.suppress(OSError), self.log_path.open("rb") as log:
@@ -268,6 +311,7 @@ class KafkaCluster:
                     broker.spawn()
                 for broker in self.brokers:
                     broker.wait_until_serving()
+                self.brokers[0].warm_up()  # internal topics of three replicas: all must serve
             except PortTaken:
                 first_start = not any(broker.started for broker in self.brokers)
                 self.kill()
