@@ -118,9 +118,15 @@ def kafka_classpath(pom: Path = POM) -> str:
     return str(ensure_jars(pom) / "*")
 
 
-def main() -> int:
+def main(arguments: list[str]) -> int:
     """``python3 tests/kafka_jars.py``: resolve if needed, say where the jars are and how long
-    it took; exit 1 with the reason when they cannot be had."""
+    it took; exit 1 with the reason when they cannot be had. With ``--check``: only say
+    whether this machine has them (exit 1 if not), resolving nothing."""
+    if arguments == ["--check"]:
+        directory = jars_directory()
+        cached = _complete(directory, _digest(POM))
+        print(f"kafka jars: {'cached in' if cached else 'not resolved yet, for'} {directory}")
+        return 0 if cached else 1
     began = time.monotonic()
     try:
         directory = ensure_jars()
@@ -132,4 +138,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
