@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -89,20 +88,17 @@ def test_a_single_broker_takes_records_and_gives_them_to_a_group(
     assert sum(partition.offset for partition in committed) == 10
 
 
-def test_a_killed_broker_starts_again_with_its_records(tmp_path: Path) -> None:
-    broker = KafkaBroker(tmp_path)
-    try:
-        broker.start()
-        topic = _topic("crash")
-        create_topic(broker.bootstrap, topic, partitions=1)
-        assert produce(broker.bootstrap, topic, [b"before the crash"]) == [None]
-        port = broker.port
-        broker.kill()
-        broker.start()
-        assert broker.port == port
-        assert [r.value() for r in consume(broker.bootstrap, topic, 1)] == [b"before the crash"]
-    finally:
-        broker.kill()
+def test_a_killed_broker_starts_again_with_its_records(kafka_broker: KafkaBroker) -> None:
+    """On the session's broker (a JVM less to start): it runs again, on its ports, after."""
+    topic = _topic("crash")
+    create_topic(kafka_broker.bootstrap, topic, partitions=1)
+    assert produce(kafka_broker.bootstrap, topic, [b"before the crash"]) == [None]
+    port = kafka_broker.port
+    kafka_broker.kill()
+    kafka_broker.start()
+    assert kafka_broker.port == port
+    values = [record.value() for record in consume(kafka_broker.bootstrap, topic, 1)]
+    assert values == [b"before the crash"]
 
 
 def test_a_cluster_keeps_taking_acks_all_writes_when_a_leader_dies(
