@@ -211,10 +211,10 @@ class KafkaBroker(ServerProcess):
 
     def wait_until_serving(self, timeout: float = START_TIMEOUT) -> None:
         """Wait until this start is over and the node serves (it answers Metadata with this
-        cluster's id and lists itself, and every node of the cluster); raise with the log's
-        tail otherwise."""
+        cluster's id and lists itself and every other running node of the cluster); raise with
+        the log's tail otherwise."""
         give_up = time.monotonic() + timeout
-        expected = {peer.node_id for peer in self.peers}
+        expected = {peer.node_id for peer in self.peers if peer is self or peer.running}
         while True:
             assert self.process is not None, "not started"
             if self.process.poll() is not None:
