@@ -8,8 +8,10 @@
 # Shared servers, on loopback only: Redis 7 (6379, no persistence), PostgreSQL 15 (5432, trust
 # auth, databases test and root), MariaDB 10.11 (3306, root without a password over TCP,
 # database test), RabbitMQ (5672, guest/guest), NATS with JetStream (4222). Installed only, for
-# the tests that start private ones: nats-server, prometheus, redis-cli, the Pub/Sub emulator and
-# a JRE. On a machine where all of it already runs, `up` changes nothing and takes a second or two.
+# the tests that start private ones: nats-server, prometheus, redis-cli, the Pub/Sub emulator, a
+# JRE and Maven; and the Apache Kafka broker's jars, resolved into a cache outside the repository
+# (tests/kafka_jars.py says where). On a machine where all of it already runs, `up` changes
+# nothing and takes a second or two.
 # A failure names the service, what went wrong and the log to read.
 set -euo pipefail
 
@@ -60,6 +62,7 @@ missing_packages() {  # the Debian packages whose programs are not here
     command -v nats-server >/dev/null || echo nats-server
     command -v prometheus >/dev/null || echo prometheus
     command -v java >/dev/null || echo default-jre-headless
+    command -v mvn >/dev/null || echo maven
     dpkg -s google-cloud-cli-pubsub-emulator >/dev/null 2>&1 || echo google-cloud-cli-pubsub-emulator
 }
 
@@ -197,6 +200,15 @@ nats_up() {
     wait_until nats "$NATS_LOG" port_open 4222
 }
 
+# The Kafka broker the tests start (tests/kafka_processes.py) runs from jars that Maven resolves
+# into a per-machine cache; tests/kafka_jars.py is the one place that does it (and the fixtures
+# call it too): a no-op in well under a second once the cache has them.
+KAFKA_JARS="$(dirname "$0")/../tests/kafka_jars.py"
+
+kafka_jars_up() {
+    python3 "$KAFKA_JARS" || fail kafka "could not resolve the Kafka broker's jars (see above)"
+}
+
 # --- commands ---------------------------------------------------------------------------------
 
 up() {
@@ -207,6 +219,7 @@ up() {
     mariadb_up
     rabbitmq_up
     nats_up
+    kafka_jars_up
     log "all up in $((SECONDS - started)) s"
 }
 
@@ -221,13 +234,14 @@ status() {
             down=1
         fi
     done
+    python3 "$KAFKA_JARS" --check || down=1
     local missing
     missing=$(missing_packages | tr '\n' ' ')
     if [ -n "${missing// /}" ]; then
         printf 'missing packages: %s\n' "$missing"
         down=1
     else
-        printf 'installed: nats-server, prometheus, redis-cli, the Pub/Sub emulator, java\n'
+        printf 'installed: nats-server, prometheus, redis-cli, the Pub/Sub emulator, java, mvn\n'
     fi
     return "$down"
 }

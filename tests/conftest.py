@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from tests.chaos import lane_of
+from tests.kafka_processes import KafkaBroker, KafkaCluster
 from tests.nats_processes import NatsServer
 from tests.rabbitmq_processes import RabbitNode
 from tests.redis_processes import RedisClusterProcesses
@@ -77,7 +78,22 @@ def rabbitmq_management_node(tmp_path_factory: pytest.TempPathFactory) -> Iterat
                                   management=True))
 
 
-Server = TypeVar("Server", RedisClusterProcesses, NatsServer, RabbitNode)
+@pytest.fixture(scope="session")
+def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
+    """A private Kafka node (KRaft, broker and controller in one JVM) for this session's
+    worker: ``kafka_broker.bootstrap`` is its ``127.0.0.1:port``."""
+    yield from running(KafkaBroker(tmp_path_factory.mktemp("kafka-broker")))
+
+
+@pytest.fixture(scope="session")
+def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
+    """A private Kafka cluster of three KRaft nodes (replication factor 3, min.insync.replicas
+    2) for this session's worker; a test that kills a node starts it again."""
+    yield from running(KafkaCluster(tmp_path_factory.mktemp("kafka-cluster")))
+
+
+Server = TypeVar("Server", RedisClusterProcesses, NatsServer, RabbitNode, KafkaBroker,
+                 KafkaCluster)
 
 
 def running(server: Server) -> Iterator[Server]:
