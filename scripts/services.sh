@@ -86,6 +86,20 @@ install_missing() {
     rm -f "$apt_log"
 }
 
+elasticmq_jars_up() {  # the SQS tests' server, from Maven Central, into the cache if missing
+    command -v mvn >/dev/null || {
+        log "installing Maven (ElasticMQ's jars come from Maven Central)"
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            --no-install-recommends maven; } >/dev/null || fail elasticmq "could not install maven"
+    }
+    # tests/sqs_jars.py is the one place that knows the version, the cache and its lock; once
+    # the jars are cached it returns in a tenth of a second
+    local jars
+    jars=$(python3 "$(dirname "$0")/../tests/sqs_jars.py") \
+        || fail elasticmq "could not resolve ElasticMQ's jars (Maven's output above)"
+    log "ElasticMQ's jars in $jars"
+}
+
 # --- the servers ------------------------------------------------------------------------------
 
 redis_up() {
@@ -202,6 +216,7 @@ nats_up() {
 up() {
     local started=$SECONDS
     install_missing
+    elasticmq_jars_up
     redis_up
     postgres_up
     mariadb_up
