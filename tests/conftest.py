@@ -13,6 +13,7 @@ from tests.chaos import lane_of
 from tests.nats_processes import NatsServer
 from tests.rabbitmq_processes import RabbitNode
 from tests.redis_processes import RedisClusterProcesses
+from tests.sqs_processes import SqsServer
 
 # fixtures shared by the outbox tests: outbox (every database), shared_outbox, pg_outbox; and the
 # stacks of a hung test's tasks, printed before its timeout
@@ -77,7 +78,15 @@ def rabbitmq_management_node(tmp_path_factory: pytest.TempPathFactory) -> Iterat
                                   management=True))
 
 
-Server = TypeVar("Server", RedisClusterProcesses, NatsServer, RabbitNode)
+@pytest.fixture(scope="session")
+def sqs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SqsServer]:
+    """A private SQS-compatible server (ElasticMQ: tests/sqs_processes.py) for this session's
+    worker, its queues and messages kept across a restart. Clients take its
+    ``client_options``."""
+    yield from running(SqsServer(tmp_path_factory.mktemp("sqs-server"), persistent=True))
+
+
+Server = TypeVar("Server", RedisClusterProcesses, NatsServer, RabbitNode, SqsServer)
 
 
 def running(server: Server) -> Iterator[Server]:
