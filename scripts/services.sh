@@ -9,8 +9,8 @@
 # auth, databases test and root), MariaDB 10.11 (3306, root without a password over TCP,
 # database test), RabbitMQ (5672, guest/guest), NATS with JetStream (4222). Installed only, for
 # the tests that start private ones: nats-server, prometheus, redis-cli, the Pub/Sub emulator, a
-# JRE and Maven; and the Apache Kafka broker's jars, resolved into a cache outside the repository
-# (tests/kafka_jars.py says where). On a machine where all of it already runs, `up` changes
+# JRE and Maven; and the jars of the Java servers (Kafka, ElasticMQ), resolved into a cache
+# outside the repository (tests/maven_jars.py says where). On a machine where all of it already runs, `up` changes
 # nothing and takes a second or two.
 # A failure names the service, what went wrong and the log to read.
 set -euo pipefail
@@ -200,13 +200,13 @@ nats_up() {
     wait_until nats "$NATS_LOG" port_open 4222
 }
 
-# The Kafka broker the tests start (tests/kafka_processes.py) runs from jars that Maven resolves
-# into a per-machine cache; tests/kafka_jars.py is the one place that does it (and the fixtures
-# call it too): a no-op in well under a second once the cache has them.
-KAFKA_JARS="$(dirname "$0")/../tests/kafka_jars.py"
+# The Java servers the tests start themselves (Apache Kafka, ElasticMQ for SQS) run from jars that
+# Maven resolves into a per-machine cache; tests/maven_jars.py is the one place that does it (the
+# fixtures call it too): a no-op in a tenth of a second once the cache has them.
+MAVEN_JARS="$(dirname "$0")/../tests/maven_jars.py"
 
-kafka_jars_up() {
-    python3 "$KAFKA_JARS" || fail kafka "could not resolve the Kafka broker's jars (see above)"
+java_servers_up() {
+    python3 "$MAVEN_JARS" || fail maven "could not resolve the Kafka or ElasticMQ jars (see above)"
 }
 
 # --- commands ---------------------------------------------------------------------------------
@@ -219,7 +219,7 @@ up() {
     mariadb_up
     rabbitmq_up
     nats_up
-    kafka_jars_up
+    java_servers_up
     log "all up in $((SECONDS - started)) s"
 }
 
@@ -234,7 +234,7 @@ status() {
             down=1
         fi
     done
-    python3 "$KAFKA_JARS" --check || down=1
+    python3 "$MAVEN_JARS" --check || down=1
     local missing
     missing=$(missing_packages | tr '\n' ' ')
     if [ -n "${missing// /}" ]; then

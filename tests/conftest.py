@@ -14,6 +14,7 @@ from tests.kafka_processes import KafkaBroker, KafkaCluster
 from tests.nats_processes import NatsServer
 from tests.rabbitmq_processes import RabbitNode
 from tests.redis_processes import RedisClusterProcesses
+from tests.sqs_processes import SqsServer
 
 # fixtures shared by the outbox tests: outbox (every database), shared_outbox, pg_outbox; and the
 # stacks of a hung test's tasks, printed before its timeout
@@ -92,8 +93,16 @@ def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaClu
     yield from running(KafkaCluster(tmp_path_factory.mktemp("kafka-cluster")))
 
 
+@pytest.fixture(scope="session")
+def sqs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SqsServer]:
+    """A private SQS-compatible server (ElasticMQ: tests/sqs_processes.py) for this session's
+    worker, its queues and messages kept across a restart. Clients take its
+    ``client_options``."""
+    yield from running(SqsServer(tmp_path_factory.mktemp("sqs-server"), persistent=True))
+
+
 Server = TypeVar("Server", RedisClusterProcesses, NatsServer, RabbitNode, KafkaBroker,
-                 KafkaCluster)
+                 KafkaCluster, SqsServer)
 
 
 def running(server: Server) -> Iterator[Server]:

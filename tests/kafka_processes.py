@@ -3,7 +3,7 @@
 Each node is one JVM, broker and controller combined (``process.roles=broker,controller``), on
 free loopback ports, its data and log in its own directory (a pytest tmp dir): the storage is
 formatted once (``kafka.tools.StorageTool format``), then ``java -cp '<jars>/*' kafka.Kafka
-server.properties`` runs it. The jars come from :mod:`tests.kafka_jars` (a per-machine cache).
+server.properties`` runs it. The jars come from :mod:`tests.maven_jars` (a per-machine cache).
 
 Like :mod:`tests.redis_processes`: nothing sleeps to synchronise. A node is up when its own start
 says so in its log and a Metadata request (:mod:`tests.kafka_requests`, no client library) to its
@@ -24,7 +24,6 @@ import uuid
 from pathlib import Path
 
 from reliable_sub.testing.services import missing_service
-from tests.kafka_jars import KafkaJarsUnavailable, kafka_classpath
 from tests.kafka_requests import (
     GROUP,
     TRANSACTION,
@@ -33,6 +32,7 @@ from tests.kafka_requests import (
     find_coordinator,
     init_producer_id,
 )
+from tests.maven_jars import JarsUnavailable, classpath
 from tests.redis_processes import (
     EXIT_TIMEOUT,
     POLL_INTERVAL,
@@ -92,8 +92,8 @@ def new_cluster_id() -> str:
 
 def _classpath() -> str:
     try:
-        return kafka_classpath()
-    except KafkaJarsUnavailable as error:
+        return classpath("kafka")
+    except JarsUnavailable as error:
         missing_service(f"the Kafka broker's jars are unavailable: {error}")
         raise  # not reached: missing_service skips or fails
 
