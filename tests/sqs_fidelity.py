@@ -29,6 +29,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
+from tests.maven_jars import version as jar_version
 from tests.sqs_processes import ElasticMqServer, MotoServer, _HttpSqsServer
 
 REPORT = Path(__file__).resolve().parent / "sqs" / "FIDELITY.md"
