@@ -1,4 +1,4 @@
-"""The shipped adapter suite, run against this package's five adapters.
+"""The shipped adapter suite, run against this package's adapters.
 
 fakeredis stands in for Redis only on a laptop without one; under ``CI=true`` a missing Redis
 fails the Redis class instead.
@@ -18,8 +18,9 @@ from reliable_sub.testing import (
     redis_harness,
 )
 from reliable_sub.testing.adapter_suite import inspection
-from reliable_sub.testing.harness import rabbitmq_harness
+from reliable_sub.testing.harness import kafka_harness, rabbitmq_harness
 from reliable_sub.testing.services import in_ci, rabbitmq_url, redis_available
+from tests.kafka_processes import KafkaBroker
 from tests.nats_processes import NatsServer
 from tests.rabbitmq_processes import RabbitNode
 from tests.redis_processes import RedisClusterProcesses
@@ -95,6 +96,20 @@ class TestRabbitMQAdapter(AdapterSuite):
 
     def make_harness(self) -> Harness:
         return rabbitmq_harness(rabbitmq_url(), ack_deadline=2.0)
+
+
+class TestKafkaAdapter(AdapterSuite):
+    """On a private single-node Kafka (KRaft; tests/conftest.py starts it, one per worker), two
+    partitions per topic, eager rebalancing (see kafka_harness); 2 s leases, as on NATS."""
+
+    bootstrap = ""
+
+    @pytest.fixture(autouse=True)
+    def _on_the_broker(self, kafka_broker: KafkaBroker) -> None:
+        self.bootstrap = kafka_broker.bootstrap
+
+    def make_harness(self) -> Harness:
+        return kafka_harness(self.bootstrap, ack_deadline=2.0)
 
 
 class TestRabbitMQAdapterWithManagement:

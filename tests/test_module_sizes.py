@@ -20,7 +20,7 @@ CEILINGS = {
     "adapters/redis_streams.py": 884,
     "reliable_sub/dedup/_redis.py": 457,
     "reliable_sub/outbox/relay.py": 494,
-    "reliable_sub/testing/harness.py": 432,
+    "reliable_sub/testing/harness.py": 429,
     "reliable_sub/testing/dedup_suite.py": 417,
 }
 

@@ -10,7 +10,6 @@ fails a test instead of silently skipping others).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +31,11 @@ from reliable_sub import (
 from reliable_sub.clock import Clock, ManualClock, SystemClock
 from reliable_sub.message import Delivery
 from reliable_sub.ports import Adapter, Capabilities
+from reliable_sub.testing.broker_cleanup import (
+    delete_kafka_names,
+    delete_nats_streams,
+    delete_rabbitmq_names,
+)
 from reliable_sub.testing.timing import drive_until, pass_time, run_driven
 
 T = TypeVar("T")
@@ -334,7 +338,7 @@ def rabbitmq_harness(url: str, ack_deadline: float = 1.0, management_url: str | 
         return RabbitMQAdapter(url, prefix=prefix, management_url=management_url)
 
     async def cleanup() -> None:
-        await delete_rabbitmq_names(url, prefix, harness)
+        await delete_rabbitmq_names(url, prefix, harness.names)
 
     features = Features() if management_url is None else Features(figures_lag=figures_lag,
                                                                    oldest_age=False)
@@ -344,45 +348,36 @@ def rabbitmq_harness(url: str, ack_deadline: float = 1.0, management_url: str | 
     return harness
 
 
-async def delete_rabbitmq_names(url: str, prefix: str, harness: Harness) -> None:
-    """Delete the queues and exchanges ``harness`` named (AMQP cannot list them), and their
-    settings queues; a name never used is fine."""
-    import aio_pika
+def kafka_harness(bootstrap: str, ack_deadline: float = 2.0) -> Harness:
+    """A real Kafka cluster at ``bootstrap``. Real time, as on NATS; two partitions per topic
+    (two consumers of one subscription both get work). Eager rebalancing: librdkafka sends a
+    JoinGroup at most once a second, so under cooperative-sticky (two rounds) a consumer that
+    joins gets its partitions a second or more later, after the suite's 40-message sharing
+    test is over; the cooperative default has its own tests (tests/test_kafka_rebalance.py).
+    Heartbeats every 100 ms (a statistics timer wakes librdkafka's main thread that often; it
+    otherwise looks at the heartbeat twice a second), so a rebalance starts at once. The run's
+    topics and groups are deleted afterwards."""
+    from reliable_sub.adapters.kafka import KafkaAdapter
 
-    from reliable_sub.adapters._rabbitmq_topology import delay_lengths
+    prefix = f"conf-{uuid.uuid4().hex[:10]}"
+    fast_groups = {"heartbeat.interval.ms": 100, "session.timeout.ms": 6000,
+                   "statistics.interval.ms": 100, "stats_cb": _ignore}
 
-    connection = await aio_pika.connect(url)
-    try:
-        channel = await connection.channel()
-        lengths = delay_lengths()  # the delay queues a nack may have made
-        for name in harness.names:
-            targets = [("queue_delete", name), ("exchange_delete", name),
-                       ("queue_delete", f"{prefix}.settings.{name}")]
-            if "-sub-" in name:
-                targets += [("queue_delete", f"{prefix}.delay.{name}.{ms}") for ms in lengths]
-            for delete, target in targets:
-                if channel.is_closed:
-                    channel = await connection.channel()
-                with contextlib.suppress(Exception):
-                    await getattr(channel, delete)(target)
-    finally:
-        await connection.close()
+    async def new_adapter() -> Adapter:
+        return KafkaAdapter(bootstrap, prefix=prefix, partitions=2, rebalance="eager",
+                            revoke_timeout=ack_deadline, consumer_config=fast_groups)
+
+    async def cleanup() -> None:
+        await delete_kafka_names(bootstrap, [*harness.names, f"{prefix}-subscriptions"])
+
+    harness = Harness(name="kafka", clock=SystemClock(), ack_deadline=ack_deadline, tick=0.1,
+                      new_adapter=new_adapter, prefix=prefix, cleanup=cleanup,
+                      features=Features(ordering=True, cancel_safe_receive=True))
+    return harness
 
 
-async def delete_nats_streams(url: str, fragment: str) -> None:
-    """Delete the streams (and so the consumers and key-value buckets) of the NATS server at
-    ``url`` whose names hold ``fragment``."""
-    import nats
-
-    client = await nats.connect(url, max_reconnect_attempts=0)
-    try:
-        js = client.jetstream()
-        for info in await js.streams_info():
-            name = info.config.name or ""
-            if fragment in name:
-                await js.delete_stream(name)
-    finally:
-        await client.close()
+def _ignore(_: str) -> None:
+    """librdkafka's statistics, unread."""
 
 
 class Recorder:
@@ -420,10 +415,12 @@ __all__ = [
     "Features",
     "Harness",
     "Recorder",
+    "delete_kafka_names",
     "delete_nats_streams",
     "delete_rabbitmq_names",
     "drain",
     "fakeredis_harness",
+    "kafka_harness",
     "memory_harness",
     "nats_harness",
     "pubsub_harness",

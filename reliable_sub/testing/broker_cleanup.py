@@ -1,0 +1,74 @@
+"""Deleting what a conformance run made on a real broker (its harness's names)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Sequence
+from typing import Any
+
+# Seconds a cleanup request may take.
+CLEANUP_TIMEOUT = 30.0
+
+
+async def delete_rabbitmq_names(url: str, prefix: str, names: Any) -> None:
+    """Delete the queues and exchanges a harness named (``names``: its names, or the harness
+    itself; AMQP cannot list them), and their settings queues; a name never used is fine."""
+    import aio_pika
+
+    from reliable_sub.adapters._rabbitmq_topology import delay_lengths
+
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        lengths = delay_lengths()  # the delay queues a nack may have made
+        for name in getattr(names, "names", names):
+            targets = [("queue_delete", name), ("exchange_delete", name),
+                       ("queue_delete", f"{prefix}.settings.{name}")]
+            if "-sub-" in name:
+                targets += [("queue_delete", f"{prefix}.delay.{name}.{ms}") for ms in lengths]
+            for delete, target in targets:
+                if channel.is_closed:
+                    channel = await connection.channel()
+                with contextlib.suppress(Exception):
+                    await getattr(channel, delete)(target)
+    finally:
+        await connection.close()
+
+
+async def delete_nats_streams(url: str, fragment: str) -> None:
+    """Delete the streams (and so the consumers and key-value buckets) of the NATS server at
+    ``url`` whose names hold ``fragment``."""
+    import nats
+
+    client = await nats.connect(url, max_reconnect_attempts=0)
+    try:
+        js = client.jetstream()
+        for info in await js.streams_info():
+            name = info.config.name or ""
+            if fragment in name:
+                await js.delete_stream(name)
+    finally:
+        await client.close()
+
+
+async def delete_kafka_names(bootstrap: str, names: Sequence[str]) -> None:
+    """Delete the topics and consumer groups named ``names`` on the Kafka cluster at
+    ``bootstrap`` (a name that is neither is fine)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    topics = set(admin.list_topics(timeout=CLEANUP_TIMEOUT).topics) & set(names)
+    groups = [name for name in names if name not in topics]
+    futures = list(admin.delete_topics(sorted(topics), operation_timeout=CLEANUP_TIMEOUT
+                                       ).values()) if topics else []
+    if groups:
+        futures += admin.delete_consumer_groups(groups,
+                                                request_timeout=CLEANUP_TIMEOUT).values()
+    for future in futures:
+        with contextlib.suppress(KafkaException):  # a group never made, or one with members
+            await asyncio.wrap_future(future)
+
+
+__all__ = ["delete_kafka_names", "delete_nats_streams", "delete_rabbitmq_names"]
