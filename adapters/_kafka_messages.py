@@ -3,7 +3,7 @@
 Writing: the value is the data; the key is the ordering key in UTF-8 (None without one: the
 partitioner spreads such records); each attribute is a header of its own name with its value in
 UTF-8, unless one cannot be (text that is not valid Unicode, a lone surrogate, or a name of
-ours): then all of them travel as one JSON object in the header ``reliable-sub-attributes``. The
+ours, a name holding NUL): then all of them travel as one JSON object in the header ``reliable-sub-attributes``. The
 idempotency key is the ``idempotency-key`` attribute, a header like the others.
 
 Reading: the message id is ``topic/partition/offset`` (stable across redeliveries, and what
@@ -64,11 +64,13 @@ def outgoing(attributes: dict[str, str], ordering_key: str | None
 
 
 def _plain(name: str) -> bool:
+    """Whether an attribute name can be a header's (librdkafka takes header names as C strings:
+    one with a NUL would be cut there)."""
     try:
         name.encode()
     except UnicodeEncodeError:
         return False
-    return name not in _OURS
+    return "\x00" not in name and name not in _OURS
 
 
 def incoming(record: Any, subscription: str, attempt: int, ordered: bool
