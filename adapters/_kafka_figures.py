@@ -7,9 +7,11 @@ commit), from the commit metadata otherwise. A partition without a commit counts
 earliest retained offset (``auto.offset.reset=earliest``). Offsets that hold no record
 (transaction markers) count as backlog until a consumer passes them.
 
-``in_flight`` counts what this adapter's consumers have out; ``oldest_unacked_age`` is known
-when the oldest unsettled record of every partition with a backlog is in this adapter's hands,
-and unknown otherwise (reading another member's would cost a fetch per partition).
+``in_flight`` is known when this adapter's consumers own every partition (what they have out),
+or when there is no backlog (0); otherwise another group member's deliveries count too, which
+no broker call tells: unknown. ``oldest_unacked_age`` is known when the oldest unsettled record
+of every partition with a backlog is in this adapter's hands, and unknown otherwise (reading
+another member's would cost a fetch per partition).
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ async def figures_of(admin: Admin, subscription: str, settings: Settings,
         elif oldest is None or stamp.timestamp() < oldest:
             oldest = stamp.timestamp()
     age = None if not age_known or oldest is None else max(0.0, time.time() - oldest)
-    return SubscriptionStats(backlog, in_flight, age, settings.ack_deadline)
+    known = not backlog or all(p in owned for p in partitions)
+    return SubscriptionStats(backlog, in_flight if known else None, age, settings.ack_deadline)
 
 
 __all__ = ["figures_of"]

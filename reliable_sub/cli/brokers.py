@@ -106,6 +106,13 @@ def _rabbitmq(url: str, prefix: str | None, amqp_management_url: str | None = No
                            management_url=amqp_management_url)
 
 
+def _kafka(bootstrap: str, prefix: str | None) -> Adapter:
+    from ..adapters.kafka import KafkaAdapter
+
+    assert prefix is not None
+    return KafkaAdapter(bootstrap, prefix=prefix, client_id=CLIENT_NAME)
+
+
 def _pubsub(project: str, _prefix: str | None) -> Adapter:
     from ..adapters.pubsub import PubSubAdapter
 
@@ -152,6 +159,8 @@ BROKERS: tuple[Broker, ...] = (
            settings=(("--amqp-management-url", "The RabbitMQ management plugin's URL "
                       "(http://user:password@host:15672/): stats then show backlog and "
                       "in-flight figures.", ("http", "https")),)),
+    Broker("--kafka-bootstrap", "The Kafka cluster's bootstrap servers (host:port, several "
+           "comma-separated).", _kafka, prefix="reliable-sub"),
     Broker("--pubsub-project", "The Pub/Sub project (PUBSUB_EMULATOR_HOST selects the "
            "emulator).", _pubsub, probe=_reach_pubsub),
 )
