@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import aio_pika
@@ -19,6 +20,9 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from reliable_sub.adapters._rabbitmq_consumer import Consumer
 
+# Seconds a failed delayed nack is reported for, unless one succeeds before: as long as a
+# Subscriber's health remembers a failing call (its default unhealthy_after).
+DELAY_FAILURE_REPORTED = 30.0
 # What health says while the broker blocks the publishing connection.
 BLOCKED = ("the broker blocked the publishing connection (connection.blocked: a memory or disk "
            "alarm); publishes, delayed nacks and dead letters wait until it lifts "
@@ -38,6 +42,9 @@ class Link:
     topics: set[str] = field(default_factory=set)  # exchanges known to exist
     delay_queues: set[str] = field(default_factory=set)  # declared by this link
     copying: dict[str, asyncio.Event] = field(default_factory=dict)  # see _rabbitmq_delays
+    # subscriptions whose last delayed nack failed (given back at once instead): why, and when
+    # (time.monotonic())
+    delays_failing: dict[str, tuple[str, float]] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def connected(self, timeout: float) -> aio_pika.abc.AbstractConnection:
@@ -151,3 +158,14 @@ class Link:
             if connection is not None and not connection.is_closed:
                 with contextlib.suppress(Exception):
                     await connection.close()
+
+
+def problems_of(links: list[Link]) -> list[str]:
+    """What the adapter's links see going wrong that no call fails on (for health)."""
+    found = [BLOCKED] if any(link.publishing_blocked for link in links) else []
+    recent = time.monotonic() - DELAY_FAILURE_REPORTED
+    found += [f"delayed nacks of {subscription!r} fail ({why}): deliveries are given back at "
+              "once instead of after their backoff"
+              for link in links for subscription, (why, when) in list(link.delays_failing.items())
+              if when >= recent]
+    return found

@@ -66,7 +66,7 @@ try:
 
     from reliable_sub.adapters._rabbitmq_consumer import Consumer, held_tags
     from reliable_sub.adapters._rabbitmq_delays import hold_back
-    from reliable_sub.adapters._rabbitmq_link import BLOCKED, Link
+    from reliable_sub.adapters._rabbitmq_link import Link, problems_of
     from reliable_sub.adapters._rabbitmq_management import DEFAULT_TIMEOUT, ManagementAPI, Unlisted
     from reliable_sub.adapters._rabbitmq_messages import incoming, outgoing
     from reliable_sub.adapters._rabbitmq_publishing import send
@@ -75,6 +75,7 @@ try:
         Settings,
         Topology,
         check_name,
+        check_subscription,
     )
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("RabbitMQAdapter", "rabbitmq", "aio-pika") from error
@@ -165,9 +166,10 @@ class RabbitMQAdapter(InstrumentedPublishing):
         return self._capabilities
 
     def problems(self) -> list[str]:
-        """What the broker does to this adapter that no call fails on: a publishing connection
-        it blocked (a memory or disk alarm: publishes, delayed nacks and dead letters wait)."""
-        return [BLOCKED] if any(link.publishing_blocked for link in self._links.values()) else []
+        """What goes wrong that no call of the Subscriber's fails on: a publishing connection
+        the broker blocked (a memory or disk alarm: publishes, delayed nacks and dead letters
+        wait), delayed nacks that fail (and give back at once)."""
+        return problems_of(self._links.values())
 
     def consuming(self, subscription: str) -> bool:
         """Whether this loop's consumer of ``subscription`` is consuming (False before the
@@ -190,7 +192,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
     # -- administration -------------------------------------------------------------------
 
     async def ensure_subscription(self, topic: str, subscription: str, *,
-                                  ack_deadline: float = DEFAULT_ACK_DEADLINE,
+                                  ack_deadline: float | None = None,
                                   delivery_limit: int | None = None,
                                   queue_arguments: dict[str, Any] | None = None,
                                   **options: Any) -> None:
@@ -199,7 +201,9 @@ class RabbitMQAdapter(InstrumentedPublishing):
 
         Args:
             ack_deadline: seconds a delivery may stay unacked before it is given back (kept by
-                the adapter; RabbitMQ has no deadline of its own).
+                the adapter; RabbitMQ has no deadline of its own). Default: 30 for a new
+                subscription; an existing one keeps the deadline it was made with (another
+                one asked for is warned about).
             delivery_limit: the queue's ``x-delivery-limit`` (default: none). The Subscriber
                 dead-letters after ``DeadLetterPolicy.max_delivery_attempts`` itself; a limit
                 above that is a backstop: past it the broker drops the message (or moves it to
@@ -214,7 +218,9 @@ class RabbitMQAdapter(InstrumentedPublishing):
                 f"RabbitMQAdapter.ensure_subscription got unknown options {sorted(options)}; "
                 "allowed: ack_deadline, delivery_limit, queue_arguments, retain_acked_messages")
         check_name("topic", topic)
-        check_name("subscription", subscription)
+        check_subscription(self._prefix, subscription)
+        asked = ack_deadline
+        ack_deadline = DEFAULT_ACK_DEADLINE if ack_deadline is None else ack_deadline
         if not (isinstance(ack_deadline, int | float) and ack_deadline > 0
                 and math.isfinite(ack_deadline)):
             raise ConfigurationError(
@@ -225,19 +231,12 @@ class RabbitMQAdapter(InstrumentedPublishing):
                 f"ensure_subscription: delivery_limit must be an int >= 1, got "
                 f"{delivery_limit!r}")
         await self.ensure_topic(topic)
-        recorded = await self._topology.record(subscription, Settings(topic, ack_deadline))
-        if recorded.topic != topic:
-            raise ConfigurationError(
-                f"subscription {subscription!r} already exists on topic {recorded.topic!r}, "
-                f"not {topic!r}; a subscription (queue) belongs to one topic: choose another "
-                "name")
+        recorded = await self._topology.record(subscription, Settings(topic, ack_deadline),
+                                               asked_deadline=asked)
         arguments: dict[str, Any] = {"x-queue-type": "quorum", **(queue_arguments or {})}
         if delivery_limit is not None:
             arguments["x-delivery-limit"] = delivery_limit
-        async with self._topology.channel() as channel:
-            queue = await channel.declare_queue(subscription, durable=True,
-                                                arguments=arguments)
-            await queue.bind(topic, routing_key="")
+        await self._topology.declare_queue(subscription, topic, arguments)
         self._subscriptions[subscription] = recorded
 
     def ensure_subscription_sync(self, topic: str, subscription: str, **options: Any) -> None:
@@ -285,6 +284,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
     async def _subscription(self, name: str) -> Settings:
         found = self._subscriptions.get(name)
         if found is None:
+            check_subscription(self._prefix, name)
             found = await self._topology.read(name, wait=SETTINGS_WAIT)
             if found is None:
                 raise UnknownSubscriptionError(

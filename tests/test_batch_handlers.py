@@ -375,18 +375,21 @@ async def test_current_claim_of_a_message_in_a_batch() -> None:
     assert seen == {"a": ("k-a", None), "b": ("k-b", None)}
 
 
-def slow_dead_letters(broker: MemoryAdapter, clock: Any) -> None:
+def slow_dead_letters(broker: MemoryAdapter, clock: Any) -> list[float]:
     """Subscription ``dlq`` on ``orders-dlq``, whose publishes (dead letters go by
-    ``publish_routed``) take 1.5 s of ``clock``."""
+    ``publish_routed``) take 1.5 s of ``clock``; returns the clock times they began at."""
     broker.ensure_subscription_sync("orders-dlq", "dlq")
     publish_now = broker.publish_routed
+    began: list[float] = []
 
     async def slow_publish(topic: str, *args: Any, **kwargs: Any) -> str:
         if topic == "orders-dlq":
+            began.append(clock.now())
             await clock.sleep(1.5)
         return await publish_now(topic, *args, **kwargs)
 
     broker.publish_routed = slow_publish  # type: ignore[method-assign]
+    return began
 
 
 async def test_a_stop_while_a_timed_out_batch_is_decided_cuts_no_decision_short() -> None:
@@ -394,7 +397,7 @@ async def test_a_stop_while_a_timed_out_batch_is_decided_cuts_no_decision_short(
     publish). A stop that cancels the batch's task meanwhile must not leave a message
     undecided."""
     clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 1))
-    slow_dead_letters(broker, clock)
+    dead_letters_began = slow_dead_letters(broker, clock)
 
     @sub.handler("billing", batch=True, timeout=5)
     async def handle(messages: list[Message]) -> None:
@@ -403,8 +406,9 @@ async def test_a_stop_while_a_timed_out_batch_is_decided_cuts_no_decision_short(
     publish(broker, 2)
     started = clock.now()
     task = await serving(sub, clock)
-    # past the timeout (5 s), while the dead letters are published (1.5 s each)
-    await drive_until(clock, lambda: clock.now() >= started + 5.5, 60, what="the timeout")
+    # past the timeout (5 s), while the first dead letter is published (1.5 s each)
+    await drive_until(clock, lambda: bool(dead_letters_began), 60, what="the timeout")
+    assert dead_letters_began[0] - started == pytest.approx(5.0, abs=0.1)
     assert sub.stats[Outcome.DEAD_LETTERED] == 0
     stopping = asyncio.ensure_future(sub.shutdown(timeout=0))
     await drive_until(clock, stopping.done, 60, what="the stop")

@@ -13,7 +13,7 @@ SLACK = 10  # the "~": subscriber.py's 409 lines pass
 
 # Longer than LIMIT + SLACK today: their ceilings. Splitting one is welcome; growing one is not.
 CEILINGS = {
-    "adapters/memory.py": 444,
+    "adapters/memory.py": 442,
     "adapters/nats_jetstream.py": 888,
     "adapters/pubsub.py": 749,
     "adapters/rabbitmq.py": 465,
