@@ -172,8 +172,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
         return problems_of(self._links.values())
 
     def consuming(self, subscription: str) -> bool:
-        """Whether this loop's consumer of ``subscription`` is consuming (False before the
-        first receive, while paused, and after the broker cancelled it)."""
+        """Whether this loop's consumer of ``subscription`` consumes (not paused, cancelled)."""
         consumer = self._links.get().consumers.get(subscription)
         return consumer is not None and consumer.alive and consumer.consumer_tag is not None
 
@@ -396,7 +395,8 @@ class RabbitMQAdapter(InstrumentedPublishing):
                     taken, functools.partial(self._delivery, consumer, subscription),
                     functools.partial(self._unreadable, consumer, subscription))
             remaining = give_up - loop.time()
-            if remaining <= 0:
+            if remaining <= 0:  # nothing came: is the connection alive? (it may stall)
+                await self._links.get().check_alive(consumer)
                 return []
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(consumer.arrived.wait(), remaining)

@@ -41,9 +41,9 @@ from tests.nats_processes import NatsServer
 from tests.redis_processes import Child, free_port, poll_until
 
 nats = pytest.importorskip("nats", reason='the NATS tests need "reliable-sub[nats]"')
+from reliable_sub.adapters._nats_connection import CONNECT_TIMEOUT  # noqa: E402
 from reliable_sub.adapters.nats_jetstream import (  # noqa: E402
     ATTRIBUTES_HEADER,
-    CONNECT_TIMEOUT,
     CONSUMER_CHECK_INTERVAL,
     NatsJetStreamAdapter,
 )

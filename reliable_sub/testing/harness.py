@@ -10,7 +10,6 @@ fails a test instead of silently skipping others).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,6 +31,7 @@ from reliable_sub import (
 from reliable_sub.clock import Clock, ManualClock, SystemClock
 from reliable_sub.message import Delivery
 from reliable_sub.ports import Adapter, Capabilities
+from reliable_sub.testing.cleanup import delete_nats_streams, delete_rabbitmq_names
 from reliable_sub.testing.timing import drive_until, pass_time, run_driven
 
 T = TypeVar("T")
@@ -82,6 +82,10 @@ class Harness:
     new_store: Callable[[str], DedupStore] | None = None
     memory_store: MemoryDedupStore | None = None  # whose records the memory stores share
     names: list[str] = field(default_factory=list)  # every name name_for gave
+    # the broker's URL, and how to make an adapter for another URL of it (the stall test's
+    # TCP proxy in front of it); None: the suite's stall test skips
+    url: str | None = None
+    new_adapter_for: Callable[[str], Awaitable[Adapter]] | None = None
 
     @property
     def capabilities(self) -> Capabilities:
@@ -230,8 +234,8 @@ def redis_harness(url: str | None = None, name: str = "redis",
     run = uuid.uuid4().hex[:10]
     consumers = itertools.count(1)
 
-    async def new_adapter() -> Adapter:
-        return RedisStreamsAdapter(url, consumer=f"consumer-{next(consumers)}",
+    async def new_adapter_for(at: str) -> Adapter:
+        return RedisStreamsAdapter(at, consumer=f"consumer-{next(consumers)}",
                                    key_prefix=f"conf-{run}")
 
     async def cleanup() -> None:
@@ -249,9 +253,11 @@ def redis_harness(url: str | None = None, name: str = "redis",
 
         return RedisDedupStore(url, prefix=f"conf-{run}:dedup", owner=owner)
 
+    single = not url.startswith("redis+cluster")  # a cluster's nodes name their own addresses
     return Harness(name=name, clock=SystemClock(), ack_deadline=ack_deadline, tick=0.1,
-                   new_adapter=new_adapter, prefix=f"conf-{run}", cleanup=cleanup,
-                   new_store=new_store)
+                   new_adapter=lambda: new_adapter_for(url), prefix=f"conf-{run}",
+                   cleanup=cleanup, new_store=new_store, url=url if single else None,
+                   new_adapter_for=new_adapter_for if single else None)
 
 
 def fakeredis_harness() -> Harness:
@@ -311,14 +317,15 @@ def nats_harness(url: str, ack_deadline: float = 1.0) -> Harness:
     run = uuid.uuid4().hex[:10]
     prefix = f"conf-{run}"
 
-    async def new_adapter() -> Adapter:
-        return NatsJetStreamAdapter(url, prefix=prefix, deduplicate_publishes=False)
+    async def new_adapter_for(at: str) -> Adapter:
+        return NatsJetStreamAdapter(at, prefix=prefix, deduplicate_publishes=False)
 
     async def cleanup() -> None:
         await delete_nats_streams(url, prefix)
 
     return Harness(name="nats", clock=SystemClock(), ack_deadline=ack_deadline, tick=0.1,
-                   new_adapter=new_adapter, prefix=prefix, cleanup=cleanup)
+                   new_adapter=lambda: new_adapter_for(url), prefix=prefix, cleanup=cleanup,
+                   url=url, new_adapter_for=new_adapter_for)
 
 
 def rabbitmq_harness(url: str, ack_deadline: float = 1.0, management_url: str | None = None,
@@ -330,59 +337,19 @@ def rabbitmq_harness(url: str, ack_deadline: float = 1.0, management_url: str | 
 
     prefix = f"conf-{uuid.uuid4().hex[:10]}"
 
-    async def new_adapter() -> Adapter:
-        return RabbitMQAdapter(url, prefix=prefix, management_url=management_url)
+    async def new_adapter_for(at: str) -> Adapter:
+        return RabbitMQAdapter(at, prefix=prefix, management_url=management_url)
 
     async def cleanup() -> None:
-        await delete_rabbitmq_names(url, prefix, harness)
+        await delete_rabbitmq_names(url, prefix, harness.names)
 
     features = Features() if management_url is None else Features(figures_lag=figures_lag,
                                                                    oldest_age=False)
     harness = Harness(name="rabbitmq", clock=SystemClock(), ack_deadline=ack_deadline,
-                      tick=0.1, new_adapter=new_adapter, prefix=prefix, cleanup=cleanup,
-                      features=features)
+                      tick=0.1, new_adapter=lambda: new_adapter_for(url), prefix=prefix,
+                      cleanup=cleanup, features=features, url=url,
+                      new_adapter_for=new_adapter_for)
     return harness
-
-
-async def delete_rabbitmq_names(url: str, prefix: str, harness: Harness) -> None:
-    """Delete the queues and exchanges ``harness`` named (AMQP cannot list them), and their
-    settings queues; a name never used is fine."""
-    import aio_pika
-
-    from reliable_sub.adapters._rabbitmq_topology import delay_lengths
-
-    connection = await aio_pika.connect(url)
-    try:
-        channel = await connection.channel()
-        lengths = delay_lengths()  # the delay queues a nack may have made
-        for name in harness.names:
-            targets = [("queue_delete", name), ("exchange_delete", name),
-                       ("queue_delete", f"{prefix}.settings.{name}")]
-            if "-sub-" in name:
-                targets += [("queue_delete", f"{prefix}.delay.{name}.{ms}") for ms in lengths]
-            for delete, target in targets:
-                if channel.is_closed:
-                    channel = await connection.channel()
-                with contextlib.suppress(Exception):
-                    await getattr(channel, delete)(target)
-    finally:
-        await connection.close()
-
-
-async def delete_nats_streams(url: str, fragment: str) -> None:
-    """Delete the streams (and so the consumers and key-value buckets) of the NATS server at
-    ``url`` whose names hold ``fragment``."""
-    import nats
-
-    client = await nats.connect(url, max_reconnect_attempts=0)
-    try:
-        js = client.jetstream()
-        for info in await js.streams_info():
-            name = info.config.name or ""
-            if fragment in name:
-                await js.delete_stream(name)
-    finally:
-        await client.close()
 
 
 class Recorder:

@@ -1,0 +1,51 @@
+"""Clean-ups of what a conformance run made on a shared broker (its names hold the run's
+prefix): RabbitMQ cannot list queues over AMQP, so the names given are deleted with every
+queue they may have made; NATS streams are found by a fragment of their name."""
+
+from __future__ import annotations
+
+import contextlib
+
+
+async def delete_rabbitmq_names(url: str, prefix: str, names: list[str]) -> None:
+    """Delete the queues and exchanges of ``names`` (AMQP cannot list them), and their
+    settings queues; a name never used is fine."""
+    import aio_pika
+
+    from reliable_sub.adapters._rabbitmq_topology import delay_lengths
+
+    connection = await aio_pika.connect(url)
+    try:
+        channel = await connection.channel()
+        lengths = delay_lengths()  # the delay queues a nack may have made
+        for name in names:
+            targets = [("queue_delete", name), ("exchange_delete", name),
+                       ("queue_delete", f"{prefix}.settings.{name}")]
+            if "-sub-" in name:
+                targets += [("queue_delete", f"{prefix}.delay.{name}.{ms}") for ms in lengths]
+            for delete, target in targets:
+                if channel.is_closed:
+                    channel = await connection.channel()
+                with contextlib.suppress(Exception):
+                    await getattr(channel, delete)(target)
+    finally:
+        await connection.close()
+
+
+async def delete_nats_streams(url: str, fragment: str) -> None:
+    """Delete the streams (and so the consumers and key-value buckets) of the NATS server at
+    ``url`` whose names hold ``fragment``."""
+    import nats
+
+    client = await nats.connect(url, max_reconnect_attempts=0)
+    try:
+        js = client.jetstream()
+        for info in await js.streams_info():
+            name = info.config.name or ""
+            if fragment in name:
+                await js.delete_stream(name)
+    finally:
+        await client.close()
+
+
+__all__ = ["delete_nats_streams", "delete_rabbitmq_names"]
