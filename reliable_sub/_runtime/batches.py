@@ -26,21 +26,17 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from types import CoroutineType
 from typing import Any
 
 from .._bodies import body_of
-from .._callables import settled_result
-from .._text import safe_repr
 from ..batches import BatchResult, BatchSpec
 from ..clock import sleep_or_event
 from ..dedup import Claimed
 from ..middleware import Decision, Verdict
-from ..middleware.retry import InProcessRetry
 from ..outcome import Outcome
-from .current import CURRENT_BATCH, BatchClaims
+from .batch_calls import BatchCalls
 from .flow import FlowGate
-from .inflight import CancelReason, Stage, cancel_requested
+from .inflight import CancelReason, Stage
 from .lanes import Config, Item, Lane, RunState, SettleCall, new_task
 from .members import RUNNING, SETTLING, WAITING
 from .workers import WorkerThreads
@@ -104,9 +100,8 @@ class Batches:
         self._apply = apply
         self._cancelled = cancelled
         self._release = release
-        self._retried = retried
         self._open: _Batch | None = None
-        self._retries = lane.route.retry.in_process_attempts > 1
+        self._calls = BatchCalls(lane, spec, config.clock, workers, retried)
 
     def add(self, item: Item) -> None:
         """Put ``item`` in the open batch (opening one, and starting its task, if none is)."""
@@ -244,7 +239,7 @@ class Batches:
                 lane.lease.finished_many([item for item, _ in failures])
             items = valid
         if items:
-            decision = await self._decision(items, bodies)
+            decision = await self._calls.decision(items, bodies)
             lane.lease.finished_many(items)
             if decision.verdict is not Verdict.ACK:
                 assert decision.error is not None
@@ -267,87 +262,6 @@ class Batches:
                 item.stage = SETTLING
             # beside this task: the batch's timeout or a stop must not cut the decisions short
             self._state.track(self._fail_each(failures))
-
-    async def _decision(self, items: list[Item], bodies: list[Any] | None) -> Decision:
-        """The handler's call (again, for transient failures, with in-process retries)."""
-        if not self._retries:
-            return await self._decide(items, bodies)
-        on_retry = None
-        if self._retried is not None:
-            retried = self._retried
-
-            def on_retry(attempt: int, error: BaseException | None) -> None:
-                for item in items:
-                    retried(item, attempt, error)
-
-        attempts = InProcessRetry(self._lane.route.retry, self._config.clock, on_retry)
-        fresh = [bodies]  # the first call's bodies; a retry decodes them again
-        return await attempts.run(self._decide_again, items, fresh)
-
-    async def _decide_again(self, items: list[Item], fresh: list[list[Any] | None]) -> Decision:
-        bodies, fresh[0] = fresh[0], None
-        if bodies is None and self._spec.decode is not None:
-            try:
-                bodies = [self._spec.decode(item.delivery.message.data) for item in items]
-            except Exception as error:  # validated before: a validator that changed its mind
-                return Decision.failed(error)
-        return await self._decide(items, bodies)
-
-    async def _decide(self, items: list[Item], bodies: list[Any] | None) -> Decision:
-        """One call of the handler, as a Decision: what it returned, or what it raised."""
-        messages = [item.delivery.message for item in items]  # fresh lists for each call
-        arguments: tuple[Any, ...]
-        if bodies is None:
-            arguments = (messages,)
-        else:
-            arguments = ((list(bodies), messages) if self._spec.takes_messages
-                         else (list(bodies),))
-        try:
-            result = await self._call(items, arguments)
-        except BaseException as error:
-            if isinstance(error, asyncio.CancelledError) and (
-                    cancel_requested() or any(i.cancel_reason is not None for i in items)):
-                raise  # ours: a stop or max_lease_duration
-            return Decision.failed(error)
-        if result is None:
-            return Decision.ack(None)
-        name = self._lane.route.name
-        if not isinstance(result, BatchResult):
-            return Decision.failed(TypeError(
-                f"batch handler {name} returned {safe_repr(result, 80)}; return None (every "
-                "message succeeded) or a BatchResult(failed={message_id: exception}), or "
-                "raise to fail them all"))
-        unknown = result.failed.keys() - {item.message_id for item in items}
-        if unknown:
-            return Decision.failed(TypeError(
-                f"batch handler {name} returned a BatchResult naming messages not in its "
-                f"batch ({', '.join(sorted(unknown)[:5])}); name failed messages by their "
-                "Message.id"))
-        return Decision.ack(result)
-
-    async def _call(self, items: list[Item], arguments: tuple[Any, ...]) -> Any:
-        route = self._lane.route
-        handler = self._lane.handler
-        claims = CURRENT_BATCH.set(BatchClaims(items))
-        try:
-            if route.is_async:
-                result = handler(*arguments)
-                if type(result) is CoroutineType:
-                    result = await result
-            else:
-                future = self._workers.run(handler, *arguments)
-                for item in items:
-                    item.thread_running = True
-                ok, result = await future  # if this task is cancelled, the thread still runs
-                for item in items:
-                    item.thread_running = False
-                if not ok:
-                    raise result
-            if result is not None:
-                result = await settled_result(result, route.name)
-            return result
-        finally:
-            CURRENT_BATCH.reset(claims)
 
     async def _fail_each(self, failures: list[tuple[Item, BaseException]]) -> None:
         """Each item failed with its error: retried or dead-lettered by the lane's policies."""
