@@ -76,12 +76,23 @@ class BatchCalls:
 
     async def _decide_again(self, items: list[Item], fresh: list[list[Any] | None]) -> Decision:
         bodies, fresh[0] = fresh[0], None
-        if bodies is None and self._spec.decode is not None:
-            try:
-                bodies = [self._spec.decode(item.delivery.message.data) for item in items]
-            except Exception as error:  # validated before: a validator that changed its mind
-                return Decision.failed(error)
+        if bodies is None:
+            again = self.fresh_bodies(items)
+            if isinstance(again, Decision):
+                return again
+            bodies = again
         return await self._decide(items, bodies)
+
+    def fresh_bodies(self, items: list[Item]) -> list[Any] | Decision | None:
+        """The bodies of ``items`` decoded again (None when the handler takes Messages), or the
+        failed Decision of a validator that changed its mind."""
+        decode = self._spec.decode
+        if decode is None:
+            return None
+        try:
+            return [decode(item.delivery.message.data) for item in items]
+        except Exception as error:  # validated before: a validator that changed its mind
+            return Decision.failed(error)
 
     async def _decide(self, items: list[Item], bodies: list[Any] | None) -> Decision:
         """One call of the handler, as a Decision: what it returned, or what it raised."""
