@@ -127,9 +127,12 @@ class SqlEngines:
         On PostgreSQL and MariaDB in autocommit: each statement its own transaction, one round
         trip, where a transaction around it would add two (``BEGIN`` and ``COMMIT``; under READ
         COMMITTED each statement of a transaction sees a fresh snapshot anyway). On SQLite a
-        transaction (its claim reads back what it wrote, in a second statement).
+        transaction (its claim reads back what it wrote, in a second statement). On a MariaDB
+        engine you gave, a READ COMMITTED transaction too: its connections are yours to
+        configure, and SQLAlchemy applies the level of a view of a view in the wrong order (an
+        autocommit view of the READ COMMITTED one ran without autocommit, nothing committed).
         """
-        if self.dialect == "sqlite":
+        if self.dialect == "sqlite" or (self.mysql and self._given is not None):
             return self.engine.begin()
         return self._autocommit.get().connect()
 
