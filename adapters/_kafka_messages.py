@@ -2,9 +2,10 @@
 
 Writing: the value is the data; the key is the ordering key in UTF-8 (None without one: the
 partitioner spreads such records); each attribute is a header of its own name with its value in
-UTF-8, unless one cannot be (text that is not valid Unicode, a lone surrogate, or a name of
-ours, a name holding NUL): then all of them travel as one JSON object in the header ``reliable-sub-attributes``. The
-idempotency key is the ``idempotency-key`` attribute, a header like the others.
+UTF-8, unless one cannot be (text that is not valid Unicode, a lone surrogate; a name of ours,
+or one holding NUL): then all of them travel as one JSON object in the header
+``reliable-sub-attributes``. The idempotency key is the ``idempotency-key`` attribute, a
+header like the others.
 
 Reading: the message id is ``topic/partition/offset`` (stable across redeliveries, and what
 ``publish`` returned); ``publish_time`` the record's timestamp; attributes are the headers, a

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import logging
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from reliable_sub.errors import ConfigurationError
 from reliable_sub.message import Delivery, Message
+
+logger = logging.getLogger("reliable_sub.adapters.memory")
 
 # Stale lease-heap entries tolerated beyond twice the live leases before the heap is rebuilt.
 LEASE_HEAP_SLACK = 1024
@@ -58,6 +62,21 @@ class Queue:
     busy_keys: set[str] = field(default_factory=set)
     acked: deque[tuple[float, Entry]] = field(default_factory=deque)
     waiters: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = field(default_factory=set)
+
+    def check_again(self, topic: str, ack_deadline: float | None) -> None:
+        """``ensure_subscription`` once more: the same topic (else ConfigurationError); its ack
+        deadline stays (another one asked for is warned about)."""
+        if topic != self.topic:
+            raise ConfigurationError(f"subscription {self.name!r} already exists on topic "
+                                     f"{self.topic!r}, not {topic!r}")
+        if ack_deadline is not None and ack_deadline != self.ack_deadline:
+            logger.warning("subscription %r keeps its ack deadline of %gs, not the %gs asked "
+                           "for", self.name, self.ack_deadline, ack_deadline)
+
+    def backlog(self) -> int:
+        """Messages not yet acked (ready, leased, delayed or queued by key)."""
+        queued = sum(len(queue) for queue in self.waiting_by_key.values())
+        return len(self.ready) + len(self.delayed) + len(self.leased) + queued
 
     def unacked(self) -> list[Entry]:
         """Every message not yet acked, in publish order."""

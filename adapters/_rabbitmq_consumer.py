@@ -89,6 +89,7 @@ class Consumer:
         self._idle_check: asyncio.TimerHandle | None = None
         self._resuming = asyncio.Lock()
         self.cancelled_by_broker = False  # until it consumes again
+        self.heard = asyncio.get_running_loop().time()  # the broker's last push or reply
         self._stats = stats  # the adapter's counters
 
     @property
@@ -120,6 +121,7 @@ class Consumer:
             return
         self.buffer.append(message)
         self.arrived.set()
+        self.heard = asyncio.get_running_loop().time()
         if self._idle_check is None:
             self._idle_check = asyncio.get_running_loop().call_later(
                 self._idle_limit, self._check_idle)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import aio_pika
 import aiormq.abc
@@ -42,6 +43,7 @@ async def hold_back(topology: Topology, link: Link, timeout: float, subscription
             await consumer.ack([tag for tag in copies if tag not in unrouted
                                 and tag in consumer.held])
             if not unrouted:
+                link.delays_failing.pop(subscription, None)
                 return
             link.delay_queues.discard(queue)  # deleted behind this link's back
             copies = {tag: copies[tag] for tag in unrouted}
@@ -51,6 +53,8 @@ async def hold_back(topology: Topology, link: Link, timeout: float, subscription
     except Exception as error:  # a copy is not confirmed: give them all back at once
         logger.warning("holding %d deliveries of %r back for %gs failed (%s); given back at "
                        "once", len(copies), subscription, delay, error)
+        link.delays_failing[subscription] = (f"{type(error).__name__}: {error}"[:300],
+                                             time.monotonic())
     await consumer.requeue(t for t in copies if t in consumer.held)
 
 

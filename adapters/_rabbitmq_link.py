@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 
 import aio_pika
@@ -19,6 +20,17 @@ from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from reliable_sub.adapters._rabbitmq_consumer import Consumer
 
+# A receive that finds nothing checks the consumer's connection when the broker was not heard
+# from for this long (seconds): about one round trip a second while idle.
+LIVENESS_INTERVAL = 1.0
+# ... and counts it stalled when the check is not answered within this (a local broker answers
+# in a millisecond; under the Subscriber's bound on a receive call, twice its timeout + 2 s).
+LIVENESS_TIMEOUT = 2.0
+# Seconds a stalled connection's close may take before it is left to the garbage collector.
+RETIRE_TIMEOUT = 5.0
+# Seconds a failed delayed nack is reported for, unless one succeeds before: as long as a
+# Subscriber's health remembers a failing call (its default unhealthy_after).
+DELAY_FAILURE_REPORTED = 30.0
 # What health says while the broker blocks the publishing connection.
 BLOCKED = ("the broker blocked the publishing connection (connection.blocked: a memory or disk "
            "alarm); publishes, delayed nacks and dead letters wait until it lifts "
@@ -38,7 +50,11 @@ class Link:
     topics: set[str] = field(default_factory=set)  # exchanges known to exist
     delay_queues: set[str] = field(default_factory=set)  # declared by this link
     copying: dict[str, asyncio.Event] = field(default_factory=dict)  # see _rabbitmq_delays
+    # subscriptions whose last delayed nack failed (given back at once instead): why, and when
+    # (time.monotonic())
+    delays_failing: dict[str, tuple[str, float]] = field(default_factory=dict)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _retiring: set[asyncio.Future[None]] = field(default_factory=set)  # stalled, closing
 
     async def connected(self, timeout: float) -> aio_pika.abc.AbstractConnection:
         """The consuming connection (also for declares and reads of settings)."""
@@ -57,6 +73,29 @@ class Link:
     async def _connect(self, timeout: float, role: str) -> aio_pika.abc.AbstractConnection:
         return await aio_pika.connect(self.url, timeout=timeout, client_properties={
             "connection_name": f"{self.name}{role}"})
+
+    async def check_alive(self, consumer: Consumer) -> None:
+        """After a receive that found nothing: unless the broker was heard from lately, ask it
+        something on the consumer's channel (a ``basic.qos`` of the same prefetch). With no
+        answer the connection stalls (nothing moves, nothing is closed: receive would hand out
+        nothing for ever, and acks are unanswered writes): it is retired, and the call fails so
+        the Subscriber's health tells it."""
+        loop = asyncio.get_running_loop()
+        if loop.time() - consumer.heard < LIVENESS_INTERVAL or not consumer.alive:
+            return
+        try:
+            await asyncio.wait_for(consumer.channel.set_qos(prefetch_count=consumer.prefetch),
+                                   LIVENESS_TIMEOUT)
+        except asyncio.TimeoutError:
+            connection, self.connection = self.connection, None
+            self._drop_consumers()
+            if connection is not None:  # closing waits on the stalled socket: in the background
+                self._retiring.add(task := asyncio.ensure_future(_close(connection)))
+                task.add_done_callback(self._retiring.discard)
+            raise ConnectionError(
+                f"RabbitMQ did not answer on the consumer channel of {consumer.queue.name!r} "
+                f"within {LIVENESS_TIMEOUT:g}s: the connection stalls; connecting again") from None
+        consumer.heard = loop.time()
 
     def _lost(self, connection: aio_pika.abc.AbstractConnection) -> None:
         """``connection`` closed, whoever closed it: the next call connects anew (what its
@@ -151,3 +190,19 @@ class Link:
             if connection is not None and not connection.is_closed:
                 with contextlib.suppress(Exception):
                     await connection.close()
+
+
+def problems_of(links: list[Link]) -> list[str]:
+    """What the adapter's links see going wrong that no call fails on (for health)."""
+    found = [BLOCKED] if any(link.publishing_blocked for link in links) else []
+    recent = time.monotonic() - DELAY_FAILURE_REPORTED
+    found += [f"delayed nacks of {subscription!r} fail ({why}): deliveries are given back at "
+              "once instead of after their backoff"
+              for link in links for subscription, (why, when) in list(link.delays_failing.items())
+              if when >= recent]
+    return found
+
+
+async def _close(connection: aio_pika.abc.AbstractConnection) -> None:
+    with contextlib.suppress(Exception):  # a stalled connection may fail to close any way
+        await asyncio.wait_for(connection.close(), RETIRE_TIMEOUT)

@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aio_pika
 import aio_pika.exceptions
@@ -29,20 +31,45 @@ from aiormq.exceptions import ChannelNotFoundEntity
 
 from reliable_sub.errors import ConfigurationError, UnknownSubscriptionError
 
+logger = logging.getLogger("reliable_sub.adapters.rabbitmq")
+
 # How long a reader waits for the settings message another reader holds for a moment.
 SETTINGS_WAIT = 2.0
 # Delay queues: lengths from 0.1 s, each the square root of two longer than the last.
 _FIRST_DELAY_MS = 100
-_NAME = re.compile(r"^[^\x00-\x1f]{1,200}$")
+# What an exchange or queue name may hold: the characters the AMQP client (pamqp) sends, at
+# most the 255 bytes of an AMQP short string.
+_NAME = re.compile(r"^[a-zA-Z0-9_.:@#,/+ -]{1,255}$")
+_MAX_NAME_BYTES = 255
+# The delay-queue suffix a subscription's name must leave room for: ".<ms>", 12 digits (delays of
+# up to 31 years; the longest stepped length is about 20 hours, longer delays are their own ms).
+_LONGEST_DELAY_SUFFIX = len(".") + 12
 
 
 def check_name(kind: str, name: str) -> str:
     """``name`` if it may name an exchange or queue, else a ConfigurationError."""
     if not isinstance(name, str) or not _NAME.match(name) or name.startswith("amq."):
         raise ConfigurationError(
-            f"a RabbitMQ {kind} name must be 1-200 characters without control characters and "
-            f"not start with 'amq.' (reserved by the broker), got {name!r}")
+            f"a RabbitMQ {kind} name must be 1-255 letters, digits, spaces or any of - _ . : @ "
+            f"# , / + (what an AMQP client sends) and not start with 'amq.' (reserved by the "
+            f"broker), got {name!r}")
     return name
+
+
+def check_subscription(prefix: str, subscription: str) -> str:
+    """``subscription`` if it and the queues named after it (its settings and delay queues,
+    ``{prefix}.settings.{name}``, ``{prefix}.delay.{name}.{ms}``) fit AMQP's 255 bytes: with a
+    name that just fits, every backoff would fail to declare its delay queue."""
+    check_name("subscription", subscription)
+    longest = max(len(f"{prefix}.settings.{subscription}"),
+                  len(f"{prefix}.delay.{subscription}") + _LONGEST_DELAY_SUFFIX)
+    if longest > _MAX_NAME_BYTES:
+        room = _MAX_NAME_BYTES - (longest - len(subscription))
+        raise ConfigurationError(
+            f"RabbitMQ subscription name {subscription[:60]!r}... is {len(subscription)} "
+            f"characters; with the prefix {prefix!r} its delay queues' names would pass AMQP's "
+            f"{_MAX_NAME_BYTES} bytes: use at most {room} characters (or a shorter prefix)")
+    return subscription
 
 
 @dataclass(frozen=True)
@@ -89,8 +116,40 @@ class Topology:
     def settings_queue(self, subscription: str) -> str:
         return f"{self.prefix}.settings.{subscription}"
 
-    async def record(self, subscription: str, settings: Settings) -> Settings:
-        """Record ``settings`` unless some are; the recorded ones."""
+    async def declare_queue(self, subscription: str, topic: str,
+                            arguments: dict[str, Any]) -> None:
+        """Declare the durable queue ``subscription`` with ``arguments``, bound to ``topic``."""
+        async with self.channel() as channel:
+            try:
+                queue = await channel.declare_queue(subscription, durable=True,
+                                                    arguments=arguments)
+            except aio_pika.exceptions.ChannelPreconditionFailed as error:
+                raise ConfigurationError(
+                    f"queue {subscription!r} exists with other arguments than "
+                    f"{sorted(arguments.items())} ({error}); a queue's arguments cannot "
+                    "change: delete the queue (its messages with it), or set the limit by a "
+                    "policy (rabbitmqctl set_policy ... '{\"delivery-limit\": N}')") from None
+            await queue.bind(topic, routing_key="")
+
+    async def record(self, subscription: str, settings: Settings,
+                     asked_deadline: float | None = None) -> Settings:
+        """Record ``settings`` unless some are; the recorded ones. A subscription belongs to
+        one topic (ConfigurationError); its ack deadline is the first recorded (another one
+        asked for, ``asked_deadline``, is warned about)."""
+        recorded = await self._record(subscription, settings)
+        if recorded.topic != settings.topic:
+            raise ConfigurationError(
+                f"subscription {subscription!r} already exists on topic {recorded.topic!r}, "
+                f"not {settings.topic!r}; a subscription (queue) belongs to one topic: choose "
+                "another name")
+        if asked_deadline is not None and recorded.ack_deadline != asked_deadline:
+            logger.warning("subscription %r keeps the ack deadline it was made with, %gs, not "
+                           "the %gs asked for (its settings are recorded once: delete the queue "
+                           "and %r to change them)", subscription, recorded.ack_deadline,
+                           asked_deadline, self.settings_queue(subscription))
+        return recorded
+
+    async def _record(self, subscription: str, settings: Settings) -> Settings:
         name = self.settings_queue(subscription)
         async with self.channel() as channel:
             await channel.declare_queue(name, durable=True, arguments={

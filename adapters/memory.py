@@ -136,7 +136,7 @@ class MemoryAdapter(InstrumentedPublishing):
         topic: str,
         subscription: str,
         *,
-        ack_deadline: float = DEFAULT_ACK_DEADLINE,
+        ack_deadline: float | None = None,
         retain_acked_messages: bool = False,
         message_retention: float = DEFAULT_MESSAGE_RETENTION,
         ordering: bool = False,
@@ -145,7 +145,9 @@ class MemoryAdapter(InstrumentedPublishing):
         """Create ``topic`` and ``subscription`` (idempotent).
 
         Args:
-            ack_deadline: seconds a fresh delivery may stay unacked before redelivery (> 0).
+            ack_deadline: seconds a fresh delivery may stay unacked before redelivery (> 0;
+                default 10 for a new subscription, an existing one keeps its own: another one
+                asked for is warned about).
             retain_acked_messages: keep acked messages for ``message_retention`` seconds.
             message_retention: how long retained acked messages are kept (> 0).
             ordering: deliver messages of one ordering key one at a time, in publish order
@@ -156,6 +158,8 @@ class MemoryAdapter(InstrumentedPublishing):
                 f"MemoryAdapter.ensure_subscription got unknown options {sorted(options)}; "
                 "allowed: ack_deadline, retain_acked_messages, message_retention, ordering"
             )
+        asked = ack_deadline
+        ack_deadline = DEFAULT_ACK_DEADLINE if ack_deadline is None else ack_deadline
         if not ack_deadline > 0:
             raise ConfigurationError(
                 f"ensure_subscription: ack_deadline must be in (0, inf), got {ack_deadline!r}"
@@ -168,11 +172,7 @@ class MemoryAdapter(InstrumentedPublishing):
         with self._lock:
             existing = self._subscriptions.get(subscription)
             if existing is not None:
-                if existing.topic != topic:
-                    raise ConfigurationError(
-                        f"subscription {subscription!r} already exists on topic "
-                        f"{existing.topic!r}, not {topic!r}"
-                    )
+                existing.check_again(topic, asked)
                 return
             state = Queue(
                 name=subscription,
@@ -403,9 +403,7 @@ class MemoryAdapter(InstrumentedPublishing):
     def backlog(self, subscription: str) -> int:
         """Messages of ``subscription`` not yet acked (ready, leased, delayed or queued by key)."""
         with self._lock:
-            sub = self._subscription(subscription)
-            queued = sum(len(q) for q in sub.waiting_by_key.values())
-            return len(sub.ready) + len(sub.delayed) + len(sub.leased) + queued
+            return self._subscription(subscription).backlog()
 
     async def subscription_stats(self, subscription: str) -> SubscriptionStats:
         """Backlog, leased messages, the oldest unacked one's age and the ack deadline."""

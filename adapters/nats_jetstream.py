@@ -11,8 +11,9 @@ consumer agrees on them and ``subscription_topic`` works from the name alone.
 A message carries its attributes as one JSON header (``Reliable-Sub-Attributes``: a header can
 hold neither every attribute name nor a value with a line break) and its ordering key as a JSON
 string in ``Reliable-Sub-Ordering-Key``. Plain headers from other publishers are read as
-attributes too. The message id is the stream sequence, ``delivery_attempt`` the server's
-delivery count (``num_delivered``), the publish time the time the stream stored the message.
+attributes too, and their ``Nats-Msg-Id`` as ``nats-msg-id`` (adapters/_nats_headers.py).
+The message id is the stream sequence, ``delivery_attempt`` the server's delivery count
+(``num_delivered``), the publish time the time the stream stored the message.
 
 Leasing. ``extend`` sends in-progress acks (``+WPI``), which restart the consumer's ``AckWait``:
 an extension is limited to the ack deadline, as on Redis. ``nack(delay)`` is a ``-NAK`` with
@@ -41,14 +42,19 @@ import logging
 import math
 import re
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Coroutine, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from reliable_sub._loops import PerLoop
-from reliable_sub.adapters._nats_liveness import Retirer, reader_stopped
+from reliable_sub.adapters._nats_headers import (
+    ATTRIBUTES_HEADER,
+    MSG_ID_HEADER,
+    ORDERING_KEY_HEADER,
+    read_headers,
+)
 from reliable_sub.adapters._nats_replies import delivery_fields
 from reliable_sub.adapters._nats_urls import servers_of
 from reliable_sub.dead_letters import REPLAYED_FROM_ATTRIBUTE
@@ -67,7 +73,6 @@ from reliable_sub.ports import (
     Outgoing,
     Payload,
     SubscriptionStats,
-    attributes_from_json,
     checked_message,
 )
 from reliable_sub.telemetry.publishing import InstrumentedPublishing
@@ -75,7 +80,6 @@ from reliable_sub.telemetry.publishing import InstrumentedPublishing
 try:
     import nats
     import nats.errors
-    from nats.aio.client import Client as NatsClient
     from nats.aio.msg import Msg
     from nats.js import JetStreamContext
     from nats.js.api import (
@@ -88,6 +92,8 @@ try:
     )
     from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NotFoundError
     from nats.js.kv import KeyValue
+
+    from reliable_sub.adapters._nats_connection import Connection
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("NatsJetStreamAdapter", "nats", "nats-py") from error
 
@@ -99,18 +105,10 @@ DEFAULT_ACK_DEADLINE = 30.0
 DEFAULT_PREFIX = "reliable-sub"
 # JetStream's own default; how long the stream remembers a Nats-Msg-Id.
 DEFAULT_DUPLICATE_WINDOW = 120.0
-ATTRIBUTES_HEADER = "Reliable-Sub-Attributes"
-ORDERING_KEY_HEADER = "Reliable-Sub-Ordering-Key"
-MSG_ID_HEADER = "Nats-Msg-Id"
 EXPECTED_STREAM_HEADER = "Nats-Expected-Stream"
 # A longer idempotency key is sent in Nats-Msg-Id as its SHA-256 (the header is kept per message
 # for the duplicate window).
 MAX_PLAIN_MSG_ID = 128
-# Seconds to reach the server before a call gives up (nats-py would otherwise retry for minutes).
-CONNECT_TIMEOUT = 5.0
-# Seconds a JetStream API call, a publish's PubAck or a flush may take.
-REQUEST_TIMEOUT = 5.0
-FLUSH_TIMEOUT = 5  # nats-py takes whole seconds
 # A fetch needs a positive timeout; a receive with timeout 0 waits this long at most.
 MIN_FETCH_TIMEOUT = 0.01
 # Every nak carries at least this delay (seconds); see nack.
@@ -156,154 +154,6 @@ class _Subscription:
     def lease_length(self) -> float:
         margin = min(STALE_MARGIN_MAX, self.ack_deadline * STALE_MARGIN_FRACTION)
         return self.ack_deadline - margin
-
-
-@dataclass(eq=False)
-class _Connection:
-    """One event loop's connection, made on first use."""
-
-    url: str
-    name: str
-    client: NatsClient | None = None
-    js: JetStreamContext | None = None
-    fetching: dict[str, asyncio.Lock] = field(default_factory=dict)
-    kv: KeyValue | None = None
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    closing: bool = False
-    erring: bool = False
-    # the client found dead (a flush got no PONG) and why; replaced on next use
-    dead: tuple[NatsClient, str] | None = None
-    retirer: Retirer = field(default_factory=Retirer)
-
-    async def jetstream(self) -> JetStreamContext:
-        if self.js is None or (self.client is not None and self._unusable(self.client)):
-            async with self.lock:
-                client = self.client
-                if client is not None and client.is_closed:
-                    # closed for good (the server closed it, or reconnecting gave up): anew
-                    logger.warning("NATS connection to %s was closed; connecting again",
-                                   self.url)
-                    self.client, self.js, self.kv = None, None, None
-                elif client is not None and (reason := self._why_dead(client)):
-                    # open by nats-py's account, but nothing it is sent is read: anew
-                    self.retirer.retire(client, self.url, reason)
-                    self.client, self.js, self.kv, self.dead = None, None, None, None
-                if self.js is None:
-                    self.client = await _connect(self)
-                    self.js = self.client.jetstream(timeout=REQUEST_TIMEOUT)
-        return self.js
-
-    async def nats(self) -> NatsClient:
-        await self.jetstream()
-        assert self.client is not None
-        return self.client
-
-    def _unusable(self, client: NatsClient) -> bool:
-        return client.is_closed or self._why_dead(client) is not None
-
-    def _why_dead(self, client: NatsClient) -> str | None:
-        if self.dead is not None and self.dead[0] is client:
-            return self.dead[1]
-        if reader_stopped(client):
-            return "its read loop ended"
-        return None
-
-    def mark_dead(self, client: NatsClient, reason: str) -> None:
-        """Count ``client`` as dead: the next use connects anew."""
-        if client is self.client:
-            self.dead = (client, reason)
-
-    def raise_if_dead(self) -> None:
-        """Raise ConnectionError if this connection's client is known dead (an empty fetch
-        from it is a failure, not "nothing came")."""
-        client = self.client
-        reason = None if client is None else self._why_dead(client)
-        if reason is not None:
-            raise ConnectionError(f"NATS connection to {self.url} is dead ({reason}); the "
-                                  "next call connects again")
-
-    async def flush(self, client: NatsClient) -> None:
-        """One PING and its PONG: when it returns, the server has what was written before.
-        No PONG within FLUSH_TIMEOUT: the connection is dead (ConnectionError); its
-        replacement is made on next use."""
-        try:
-            await client.flush(timeout=FLUSH_TIMEOUT)
-        except nats.errors.FlushTimeoutError as error:
-            reason = f"no PONG within {FLUSH_TIMEOUT}s"
-            self.mark_dead(client, reason)
-            raise ConnectionError(f"NATS connection to {self.url} is dead ({reason}); the "
-                                  "next call connects again") from error
-        # with its read loop gone, nats-py's flush returns without a PING: nothing is confirmed
-        if reader_stopped(client):
-            self.mark_dead(client, "its read loop ended")
-            self.raise_if_dead()
-
-    @contextlib.asynccontextmanager
-    async def pull(self, sub: _Subscription) -> AsyncIterator[JetStreamContext.PullSubscription]:
-        """A pull subscription on a fresh inbox for one fetch, unsubscribed after it: a message
-        the server sends after the fetch returned (the server's pull request can outlive the
-        client's by a trip, and a cancelled fetch's lives on) reaches no one and comes back
-        after AckWait. Kept in the inbox, it would be handed to a later fetch with a lease
-        that had long been running."""
-        js = await self.jetstream()
-        pull = await js.pull_subscribe_bind(durable=sub.name, stream=sub.stream)
-        try:
-            yield pull
-        finally:
-            with contextlib.suppress(nats.errors.Error):
-                await pull.unsubscribe()
-
-    def fetch_lock(self, subscription: str) -> asyncio.Lock:
-        # one fetch at a time per subscription on this connection, so that a nak without delay
-        # can go between two fetches (see nack)
-        return self.fetching.setdefault(subscription, asyncio.Lock())
-
-    async def close(self) -> None:
-        self.closing = True
-        client, self.client, self.js, self.kv = self.client, None, None, None
-        if client is not None and not client.is_closed:
-            try:
-                await asyncio.wait_for(client.close(), REQUEST_TIMEOUT)
-            except (asyncio.TimeoutError, nats.errors.Error):
-                logger.warning("closing the NATS connection to %s timed out", self.url)
-        await self.retirer.wait()
-
-
-async def _connect(connection: _Connection) -> NatsClient:
-    url = connection.url
-    made: list[NatsClient] = []
-
-    def retired() -> bool:  # closed by the adapter, or replaced as dead: nothing to report
-        return connection.closing or (bool(made) and made[0] is not connection.client)
-
-    async def on_error(error: Exception) -> None:
-        # once per outage at WARNING: a reconnect attempt fails every half second
-        level = logging.DEBUG if retired() or connection.erring else logging.WARNING
-        connection.erring = True
-        logger.log(level, "NATS connection to %s: %r", url, error)
-
-    async def on_disconnect() -> None:
-        if not retired():
-            logger.warning("NATS connection to %s lost; reconnecting", url)
-
-    async def on_reconnect() -> None:
-        connection.erring = False
-        logger.info("NATS connection to %s is back", url)
-
-    try:
-        client = await asyncio.wait_for(
-            nats.connect(servers_of(url), name=connection.name,
-                         connect_timeout=CONNECT_TIMEOUT / 2,
-                         allow_reconnect=True, max_reconnect_attempts=-1,
-                         reconnect_time_wait=0.5, error_cb=on_error,
-                         disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
-            CONNECT_TIMEOUT)
-    except (asyncio.TimeoutError, OSError, nats.errors.Error) as error:
-        raise ConnectionError(
-            f"cannot reach NATS at {url} within {CONNECT_TIMEOUT:g}s: {error!r}") from error
-    made.append(client)
-    connection.erring = False  # the next outage is reported again
-    return client
 
 
 def stream_name(topic: str) -> str:
@@ -380,7 +230,7 @@ class NatsJetStreamAdapter(InstrumentedPublishing):
                 f"{sorted(unknown)}")
         self._bucket = f"{prefix}-subscriptions"
         self._name = name
-        self._connections: PerLoop[_Connection] = PerLoop(lambda: _Connection(url, name))
+        self._connections: PerLoop[Connection] = PerLoop(lambda: Connection(url, name))
         self._background = BackgroundLoop()
         self._subscriptions: dict[str, _Subscription] = {}
         # this process's deliveries still leased: ack id -> the loop time the lease ends
@@ -696,15 +546,16 @@ class NatsJetStreamAdapter(InstrumentedPublishing):
             raise ConfigurationError(f"receive: max_messages must be >= 1, got {max_messages}")
         sub = await self._subscription(subscription)
         connection = self._connections.get()
-        async with connection.fetch_lock(sub.name), connection.pull(sub) as pull:
+        async with connection.fetch_lock(sub.name), connection.pull(sub.name, sub.stream) as pull:
             try:
                 msgs = await pull.fetch(max_messages, timeout=max(MIN_FETCH_TIMEOUT, timeout))
             except asyncio.TimeoutError:  # nats.errors.TimeoutError: nothing came
                 msgs = []
         if not msgs:
-            connection.raise_if_dead()
+            await connection.check_alive()
             await self._recreate_if_gone(sub)
             return []
+        connection.heard()
         now = asyncio.get_running_loop().time()
         self._prune(now)
         deliveries = read_each(msgs, functools.partial(self._delivery, sub),
@@ -717,7 +568,7 @@ class NatsJetStreamAdapter(InstrumentedPublishing):
     def _delivery(self, sub: _Subscription, msg: Msg) -> Delivery:
         message_id, delivered, stored_at = delivery_fields(msg.reply)
         # a publish without attributes has no headers: nothing else to read
-        attributes, ordering_key, problem = (_read_headers(msg.headers) if msg.headers
+        attributes, ordering_key, problem = (read_headers(msg.headers) if msg.headers
                                              else ({}, None, None))
         message = Message.received(message_id, msg.data, attributes, delivered, stored_at,
                                    ordering_key, sub.name)
@@ -827,7 +678,6 @@ def _subscription_of(name: str, settings: dict[str, Any]) -> _Subscription:
                          settings.get("max_ack_pending"), settings.get("max_deliver"))
 
 
-_OUR_HEADERS = frozenset({ATTRIBUTES_HEADER, ORDERING_KEY_HEADER})
 # "NATS/1.0\r\n" before the headers and "\r\n" after them
 _HEADER_FRAMING = 12
 
@@ -857,32 +707,6 @@ def _msg_id(attributes: dict[str, str]) -> str | None:
     if len(msg_id) <= MAX_PLAIN_MSG_ID and msg_id.isascii() and msg_id.isprintable():
         return msg_id
     return "sha256:" + hashlib.sha256(msg_id.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _read_headers(headers: dict[str, str]) -> tuple[dict[str, str], str | None, str | None]:
-    """A message's attributes and ordering key from its headers, and what was wrong with them
-    (None: nothing)."""
-    problem = None
-    attributes = {name: value for name, value in headers.items()
-                  if not name.startswith("Nats-") and name not in _OUR_HEADERS}
-    raw = headers.get(ATTRIBUTES_HEADER)
-    if raw is not None:
-        try:
-            attributes.update(attributes_from_json(raw))
-        except ValueError as error:
-            problem = f"{ATTRIBUTES_HEADER} header: {error}"
-    ordering_key = None
-    raw_key = headers.get(ORDERING_KEY_HEADER)
-    if raw_key:
-        # only a JSON string is parsed: a hostile header nested deep would make json.loads
-        # recurse to the interpreter's limit
-        if raw_key.startswith('"'):
-            with contextlib.suppress(ValueError):
-                ordering_key = json.loads(raw_key)
-        if not isinstance(ordering_key, str):
-            ordering_key = None
-            problem = f"{ORDERING_KEY_HEADER} header is not a JSON string: {raw_key[:100]!r}"
-    return attributes, ordering_key, problem
 
 
 __all__ = ["CAPABILITIES", "DEFAULT_URL", "NatsJetStreamAdapter"]

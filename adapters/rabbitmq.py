@@ -54,7 +54,7 @@ from reliable_sub.errors import (
     UnknownTopicError,
 )
 from reliable_sub.idempotency._background_loop import BackgroundLoop
-from reliable_sub.message import Delivery, Message
+from reliable_sub.message import Delivery
 from reliable_sub.ports import Capabilities, Outgoing, Payload, SubscriptionStats, checked_message
 from reliable_sub.telemetry.publishing import InstrumentedPublishing
 
@@ -66,15 +66,16 @@ try:
 
     from reliable_sub.adapters._rabbitmq_consumer import Consumer, held_tags
     from reliable_sub.adapters._rabbitmq_delays import hold_back
-    from reliable_sub.adapters._rabbitmq_link import BLOCKED, Link
+    from reliable_sub.adapters._rabbitmq_link import Link, problems_of
     from reliable_sub.adapters._rabbitmq_management import DEFAULT_TIMEOUT, ManagementAPI, Unlisted
-    from reliable_sub.adapters._rabbitmq_messages import incoming, outgoing
+    from reliable_sub.adapters._rabbitmq_messages import incoming, outgoing, unreadable
     from reliable_sub.adapters._rabbitmq_publishing import send
     from reliable_sub.adapters._rabbitmq_topology import (
         SETTINGS_WAIT,
         Settings,
         Topology,
         check_name,
+        check_subscription,
     )
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("RabbitMQAdapter", "rabbitmq", "aio-pika") from error
@@ -165,13 +166,13 @@ class RabbitMQAdapter(InstrumentedPublishing):
         return self._capabilities
 
     def problems(self) -> list[str]:
-        """What the broker does to this adapter that no call fails on: a publishing connection
-        it blocked (a memory or disk alarm: publishes, delayed nacks and dead letters wait)."""
-        return [BLOCKED] if any(link.publishing_blocked for link in self._links.values()) else []
+        """What goes wrong that no call of the Subscriber's fails on: a publishing connection
+        the broker blocked (a memory or disk alarm: publishes, delayed nacks and dead letters
+        wait), delayed nacks that fail (and give back at once)."""
+        return problems_of(self._links.values())
 
     def consuming(self, subscription: str) -> bool:
-        """Whether this loop's consumer of ``subscription`` is consuming (False before the
-        first receive, while paused, and after the broker cancelled it)."""
+        """Whether this loop's consumer of ``subscription`` consumes (not paused, cancelled)."""
         consumer = self._links.get().consumers.get(subscription)
         return consumer is not None and consumer.alive and consumer.consumer_tag is not None
 
@@ -190,7 +191,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
     # -- administration -------------------------------------------------------------------
 
     async def ensure_subscription(self, topic: str, subscription: str, *,
-                                  ack_deadline: float = DEFAULT_ACK_DEADLINE,
+                                  ack_deadline: float | None = None,
                                   delivery_limit: int | None = None,
                                   queue_arguments: dict[str, Any] | None = None,
                                   **options: Any) -> None:
@@ -199,7 +200,9 @@ class RabbitMQAdapter(InstrumentedPublishing):
 
         Args:
             ack_deadline: seconds a delivery may stay unacked before it is given back (kept by
-                the adapter; RabbitMQ has no deadline of its own).
+                the adapter; RabbitMQ has no deadline of its own). Default: 30 for a new
+                subscription; an existing one keeps the deadline it was made with (another
+                one asked for is warned about).
             delivery_limit: the queue's ``x-delivery-limit`` (default: none). The Subscriber
                 dead-letters after ``DeadLetterPolicy.max_delivery_attempts`` itself; a limit
                 above that is a backstop: past it the broker drops the message (or moves it to
@@ -214,7 +217,9 @@ class RabbitMQAdapter(InstrumentedPublishing):
                 f"RabbitMQAdapter.ensure_subscription got unknown options {sorted(options)}; "
                 "allowed: ack_deadline, delivery_limit, queue_arguments, retain_acked_messages")
         check_name("topic", topic)
-        check_name("subscription", subscription)
+        check_subscription(self._prefix, subscription)
+        asked = ack_deadline
+        ack_deadline = DEFAULT_ACK_DEADLINE if ack_deadline is None else ack_deadline
         if not (isinstance(ack_deadline, int | float) and ack_deadline > 0
                 and math.isfinite(ack_deadline)):
             raise ConfigurationError(
@@ -225,19 +230,12 @@ class RabbitMQAdapter(InstrumentedPublishing):
                 f"ensure_subscription: delivery_limit must be an int >= 1, got "
                 f"{delivery_limit!r}")
         await self.ensure_topic(topic)
-        recorded = await self._topology.record(subscription, Settings(topic, ack_deadline))
-        if recorded.topic != topic:
-            raise ConfigurationError(
-                f"subscription {subscription!r} already exists on topic {recorded.topic!r}, "
-                f"not {topic!r}; a subscription (queue) belongs to one topic: choose another "
-                "name")
+        recorded = await self._topology.record(subscription, Settings(topic, ack_deadline),
+                                               asked_deadline=asked)
         arguments: dict[str, Any] = {"x-queue-type": "quorum", **(queue_arguments or {})}
         if delivery_limit is not None:
             arguments["x-delivery-limit"] = delivery_limit
-        async with self._topology.channel() as channel:
-            queue = await channel.declare_queue(subscription, durable=True,
-                                                arguments=arguments)
-            await queue.bind(topic, routing_key="")
+        await self._topology.declare_queue(subscription, topic, arguments)
         self._subscriptions[subscription] = recorded
 
     def ensure_subscription_sync(self, topic: str, subscription: str, **options: Any) -> None:
@@ -285,6 +283,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
     async def _subscription(self, name: str) -> Settings:
         found = self._subscriptions.get(name)
         if found is None:
+            check_subscription(self._prefix, name)
             found = await self._topology.read(name, wait=SETTINGS_WAIT)
             if found is None:
                 raise UnknownSubscriptionError(
@@ -396,7 +395,8 @@ class RabbitMQAdapter(InstrumentedPublishing):
                     taken, functools.partial(self._delivery, consumer, subscription),
                     functools.partial(self._unreadable, consumer, subscription))
             remaining = give_up - loop.time()
-            if remaining <= 0:
+            if remaining <= 0:  # nothing came: is the connection alive? (it may stall)
+                await self._links.get().check_alive(consumer)
                 return []
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(consumer.arrived.wait(), remaining)
@@ -415,9 +415,8 @@ class RabbitMQAdapter(InstrumentedPublishing):
     def _unreadable(self, consumer: Consumer, subscription: str,
                     raw: AbstractIncomingMessage, problem: str) -> Delivery:
         self.stats["malformed"] += 1
-        message = Message(id=str(raw.message_id or f"tag-{raw.delivery_tag}"),
-                          data=bytes(raw.body), subscription=subscription)
-        return Delivery(message, f"{consumer.generation}.{raw.delivery_tag}", malformed=problem)
+        return Delivery(unreadable(raw, subscription), f"{consumer.generation}.{raw.delivery_tag}",
+                        malformed=problem)
 
     def _live(self, deliveries: Sequence[Delivery]
               ) -> tuple[dict[str, tuple[Consumer, list[int]]], list[Delivery]]:

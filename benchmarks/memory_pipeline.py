@@ -191,7 +191,8 @@ STAGES = (RECEIVE, LEASE, DEDUP, TASK, SETTLE, FLOW, LOOP, HARNESS)
 STAGE_RULES = (
     *pipeline_rules(receive=RECEIVE, lease=LEASE, task=TASK, settle=SETTLE, flow=FLOW,
                     loop=LOOP),
-    rule(RECEIVE, "adapters/memory.py", "receive", "_take", "_promote", "_message", "_next_due"),
+    rule(RECEIVE, "adapters/memory.py", "receive"),
+    rule(RECEIVE, "adapters/_memory_queue.py", "take", "promote", "message", "next_due"),
     rule(DEDUP, "reliable_sub/dedup/_memory.py"),
     rule(DEDUP, "reliable_sub/dedup/_store_base.py"),
     rule(DEDUP, "reliable_sub/_runtime/claims.py"),
@@ -199,7 +200,8 @@ STAGE_RULES = (
     rule(TASK, "reliable_sub/_runtime/decisions.py", "encode"),
     rule(TASK, "benchmarks/memory_pipeline.py", "noop_handler", "bare_loop",
          "bare_task_per_message", "<genexpr>"),
-    rule(SETTLE, "adapters/memory.py", "ack", "_release_key", "_prune_acked"),
+    rule(SETTLE, "adapters/memory.py", "ack"),
+    rule(SETTLE, "adapters/_memory_queue.py", "release_key", "prune_acked", "compact_lease_heap"),
     rule(HARNESS, "benchmarks/memory_pipeline.py", "wait_drained"),
 )
 

@@ -21,7 +21,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any, TypeVar
 
 from ._loops import PerLoop
@@ -29,10 +29,12 @@ from .errors import ConfigurationError, MissingExtraError
 
 try:
     import sqlalchemy as sa
-    from sqlalchemy.engine import URL, Engine, make_url
+    from sqlalchemy.engine import URL, Connection, Engine, make_url
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 except ImportError as error:  # the sql extra is not installed
     raise MissingExtraError("The SQL store and outbox", "sql", "SQLAlchemy") from error
+
+from . import _sql_begin
 
 T = TypeVar("T")
 
@@ -63,7 +65,9 @@ class SqlEngines:
         retried: the owner runs every statement of its own engines through
             :meth:`standalone_call` (which runs one again on a fresh connection when it met a
             dead one), so those engines need no pre-ping, a round trip per checkout. Handlers'
-            transactions, which cannot be run again, keep it.
+            transactions cannot be run again: :meth:`begin` starts them with a statement of
+            its own instead, before the handler's first (see :mod:`._sql_begin`), so the
+            handlers' pool needs no pre-ping either.
     """
 
     def __init__(
@@ -127,9 +131,12 @@ class SqlEngines:
         On PostgreSQL and MariaDB in autocommit: each statement its own transaction, one round
         trip, where a transaction around it would add two (``BEGIN`` and ``COMMIT``; under READ
         COMMITTED each statement of a transaction sees a fresh snapshot anyway). On SQLite a
-        transaction (its claim reads back what it wrote, in a second statement).
+        transaction (its claim reads back what it wrote, in a second statement). On a MariaDB
+        engine you gave, a READ COMMITTED transaction too: its connections are yours to
+        configure, and SQLAlchemy applies the level of a view of a view in the wrong order (an
+        autocommit view of the READ COMMITTED one ran without autocommit, nothing committed).
         """
-        if self.dialect == "sqlite":
+        if self.dialect == "sqlite" or (self.mysql and self._given is not None):
             return self.engine.begin()
         return self._autocommit.get().connect()
 
@@ -146,6 +153,16 @@ class SqlEngines:
                 raise
         async with self.standalone() as connection:  # the pool was emptied of the dead ones
             return await work(connection)
+
+    def begin(self) -> AbstractAsyncContextManager[AsyncConnection]:
+        """A connection of :attr:`transaction_engine` in a transaction (committed on exit,
+        rolled back on error), begun by a statement of ours: a connection found dead there is
+        replaced before the caller's first statement (see :mod:`._sql_begin`)."""
+        return _sql_begin.begin(self.transaction_engine)
+
+    def begin_sync(self) -> AbstractContextManager[Connection]:
+        """:meth:`begin` on :attr:`sync_engine`, for sync handlers on their worker threads."""
+        return _sql_begin.begin_sync(self.sync_engine)
 
     @property
     def transaction_engine(self) -> AsyncEngine:
@@ -172,7 +189,8 @@ class SqlEngines:
         """An asyncio engine; ``own_session``: for the library's own statements (on MariaDB
         READ COMMITTED and a short lock wait), else for handlers' transactions."""
         url = self.url.set(drivername=f"{self.dialect}+{ASYNC_DRIVERS[self.dialect]}")
-        options = {**self._pool_options(ping=not (self._retried and own_session)), **options}
+        # the handlers' pool neither: its transactions are begun by a statement of ours
+        options = {**self._pool_options(ping=own_session and not self._retried), **options}
         engine: AsyncEngine = _driven(create_async_engine, url, **options)
         if self.dialect == "sqlite":
             sa.event.listen(engine.sync_engine, "connect", self._sqlite_pragmas)

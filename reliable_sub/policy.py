@@ -56,6 +56,23 @@ def check_count(owner: str, name: str, value: object) -> None:
         raise ConfigurationError(f"{owner}.{name} must be an int in [1, inf), got {value!r}")
 
 
+class _Default(float):
+    """A default number of seconds, told apart from the same value given by a user: the
+    Subscriber may fit it to what the broker allows, never a user's own."""
+
+    __slots__ = ()
+
+
+# An hour, or just under the broker's own limit where that is shorter (RabbitMQ's
+# consumer_timeout: 30 minutes by default).
+DEFAULT_MAX_LEASE_DURATION: float = _Default(3600.0)
+
+
+def is_default(value: float) -> bool:
+    """Whether ``value`` is a policy's default, not one a user gave."""
+    return isinstance(value, _Default)
+
+
 @dataclass(frozen=True)
 class LeasePolicy:
     """How the lease manager keeps in-flight messages' ack deadlines ahead of their handlers.
@@ -65,13 +82,14 @@ class LeasePolicy:
             broker accepts (Pub/Sub: 10..600).
         max_extension: longest extension in seconds (>= min_extension).
         max_lease_duration: seconds after receipt when extension stops and the message is nacked
-            for redelivery (> 0).
+            for redelivery (> 0). Default: an hour, or just under the broker's own limit for
+            an unacked delivery where that is shorter (RabbitMQ's ``consumer_timeout``).
         percentile: the percentile of observed processing time used as the extension (0, 100].
     """
 
     min_extension: float = 10.0
     max_extension: float = 600.0
-    max_lease_duration: float = 3600.0
+    max_lease_duration: float = DEFAULT_MAX_LEASE_DURATION
     percentile: float = 99.0
 
     def __post_init__(self) -> None:

@@ -136,16 +136,19 @@ async def test_a_batch_result_fails_only_the_messages_it_names() -> None:
 async def test_a_raised_exception_fails_every_message_up_to_the_dead_letter() -> None:
     clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 2))
     broker.ensure_subscription_sync("orders-dlq", "dlq")
-    calls: list[int] = []
+    calls: list[list[bytes]] = []
 
     @sub.handler("billing", batch=True)
     async def handle(messages: list[Message]) -> None:
-        calls.append(len(messages))
+        calls.append([m.data for m in messages])
         raise RuntimeError("the warehouse is down")
 
     publish(broker, 3)
     await serve_until(sub, settled(sub, 3), "three dead letters", 60, clock)
-    assert calls[0] == 3 and sum(calls) == 6  # (the redeliveries' jittered backoffs differ)
+    # the batch, then its halves (nothing returned: the two fail together, as the batch did)
+    assert calls[:3] == [[b"m0", b"m1", b"m2"], [b"m0"], [b"m1", b"m2"]]
+    # (the redeliveries' jittered backoffs differ) and the last failure of each was alone
+    assert all([c for c in calls if data in c][-1] == [data] for data in (b"m0", b"m1", b"m2"))
     assert (sub.stats[Outcome.RETRY], sub.stats[Outcome.DEAD_LETTERED]) == (3, 3)
     letters = [DeadLetter.of(d) for d in await broker.receive("dlq", 10, 0)]
     assert sorted(letter.data for letter in letters) == [b"m0", b"m1", b"m2"]
@@ -166,7 +169,7 @@ async def test_a_reject_in_a_batch_result_dead_letters_that_message_at_once() ->
     assert sub.stats["rejected"] == 1 and sub.stats[Outcome.RETRY] == 0
 
 
-async def test_a_batch_result_naming_a_stranger_fails_the_whole_batch() -> None:
+async def test_a_batch_result_naming_a_stranger_fails_the_whole_call() -> None:
     clock, broker, sub = setup()
     calls: list[int] = []
 
@@ -179,8 +182,8 @@ async def test_a_batch_result_naming_a_stranger_fails_the_whole_batch() -> None:
 
     publish(broker, 2)
     await serve_until(sub, settled(sub, 2), "two acks", 60, clock)
-    assert calls[0] == 2 and sum(calls) == 4  # never acked on a result it could not read
-    assert sub.stats[Outcome.RETRY] == 2
+    assert calls == [2, 1, 1]  # never acked on a result it could not read: called again
+    assert (sub.stats[Outcome.ACKED], sub.stats[Outcome.RETRY]) == (2, 0)
 
 
 async def test_duplicates_are_filtered_out_before_the_call() -> None:
@@ -375,18 +378,21 @@ async def test_current_claim_of_a_message_in_a_batch() -> None:
     assert seen == {"a": ("k-a", None), "b": ("k-b", None)}
 
 
-def slow_dead_letters(broker: MemoryAdapter, clock: Any) -> None:
+def slow_dead_letters(broker: MemoryAdapter, clock: Any) -> list[float]:
     """Subscription ``dlq`` on ``orders-dlq``, whose publishes (dead letters go by
-    ``publish_routed``) take 1.5 s of ``clock``."""
+    ``publish_routed``) take 1.5 s of ``clock``; returns the clock times they began at."""
     broker.ensure_subscription_sync("orders-dlq", "dlq")
     publish_now = broker.publish_routed
+    began: list[float] = []
 
     async def slow_publish(topic: str, *args: Any, **kwargs: Any) -> str:
         if topic == "orders-dlq":
+            began.append(clock.now())
             await clock.sleep(1.5)
         return await publish_now(topic, *args, **kwargs)
 
     broker.publish_routed = slow_publish  # type: ignore[method-assign]
+    return began
 
 
 async def test_a_stop_while_a_timed_out_batch_is_decided_cuts_no_decision_short() -> None:
@@ -394,7 +400,7 @@ async def test_a_stop_while_a_timed_out_batch_is_decided_cuts_no_decision_short(
     publish). A stop that cancels the batch's task meanwhile must not leave a message
     undecided."""
     clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 1))
-    slow_dead_letters(broker, clock)
+    dead_letters_began = slow_dead_letters(broker, clock)
 
     @sub.handler("billing", batch=True, timeout=5)
     async def handle(messages: list[Message]) -> None:
@@ -403,8 +409,9 @@ async def test_a_stop_while_a_timed_out_batch_is_decided_cuts_no_decision_short(
     publish(broker, 2)
     started = clock.now()
     task = await serving(sub, clock)
-    # past the timeout (5 s), while the dead letters are published (1.5 s each)
-    await drive_until(clock, lambda: clock.now() >= started + 5.5, 60, what="the timeout")
+    # past the timeout (5 s), while the first dead letter is published (1.5 s each)
+    await drive_until(clock, lambda: bool(dead_letters_began), 60, what="the timeout")
+    assert dead_letters_began[0] - started == pytest.approx(5.0, abs=0.1)
     assert sub.stats[Outcome.DEAD_LETTERED] == 0
     stopping = asyncio.ensure_future(sub.shutdown(timeout=0))
     await drive_until(clock, stopping.done, 60, what="the stop")
@@ -472,14 +479,15 @@ async def test_in_process_retries_get_fresh_lists() -> None:
 
 async def test_decisions_after_the_call_are_not_cut_short_by_the_timeout() -> None:
     """Rejected before its timeout, a batch's dead letters are published one by one (slowly):
-    the timeout passing meanwhile must not re-decide them as timed out."""
+    the timeout passing meanwhile must not re-decide them as timed out. (By a BatchResult:
+    raised, the Reject would be confirmed for each message alone first, 3 s a call.)"""
     clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 5))
     slow_dead_letters(broker, clock)
 
     @sub.handler("billing", batch=True, timeout=5)
-    async def handle(messages: list[Message]) -> None:
+    async def handle(messages: list[Message]) -> BatchResult:
         await clock.sleep(3)
-        raise Reject("no such sku")
+        return BatchResult(failed={m.id: Reject("no such sku") for m in messages})
 
     publish(broker, 5)
     await serve_until(sub, settled(sub, 5), "five dead letters", 120, clock)
@@ -532,7 +540,8 @@ async def test_a_batch_handler_returning_something_else_fails_the_batch() -> Non
 
     publish(broker, 2)
     await serve_until(sub, settled(sub, 2), "two acks", 60, clock)
-    assert calls[0] == 2 and sum(calls) == 4 and sub.stats[Outcome.RETRY] == 2
+    assert calls == [2, 1, 1]  # a failed call (not acked on what it returned): halved
+    assert (sub.stats[Outcome.ACKED], sub.stats[Outcome.RETRY]) == (2, 0)
 
 
 def test_a_tuple_or_optional_list_of_bodies_is_refused() -> None:

@@ -451,7 +451,7 @@ async def test_the_cli_reaches_kafka(kafka_broker: Any) -> None:
     to the command), the dead-letter tools, a missing subscription, an unreachable cluster."""
     pytest.importorskip("confluent_kafka", reason='the Kafka tests need "reliable-sub[kafka]"')
     from reliable_sub.adapters.kafka import KafkaAdapter
-    from reliable_sub.testing.broker_cleanup import delete_kafka_names
+    from reliable_sub.testing.cleanup import delete_kafka_names
 
     prefix = f"cli-{uuid.uuid4().hex[:8]}"
     adapter = KafkaAdapter(kafka_broker.bootstrap, prefix=prefix, partitions=1)

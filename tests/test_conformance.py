@@ -18,7 +18,8 @@ from reliable_sub.testing import (
     redis_harness,
 )
 from reliable_sub.testing.adapter_suite import inspection
-from reliable_sub.testing.harness import kafka_harness, rabbitmq_harness
+from reliable_sub.testing.harness import rabbitmq_harness
+from reliable_sub.testing.harness_kafka import kafka_harness
 from reliable_sub.testing.services import in_ci, rabbitmq_url, redis_available
 from tests.kafka_processes import KafkaBroker
 from tests.nats_processes import NatsServer

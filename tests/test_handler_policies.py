@@ -200,3 +200,66 @@ async def test_in_process_retry_is_the_handler_s_own() -> None:
     await serve_until(sub, lambda: sub.stats[Outcome.ACKED] == 2, "two acks", 600, clock)
     assert calls == {"billing": 3, "shipping": 3}
     assert sub.stats[Outcome.RETRY] == 2  # shipping's two failed deliveries; billing's none
+
+
+@pytest.mark.parametrize("timeout", [3.0, 9.0])
+async def test_a_timeout_shorter_than_the_ack_deadline_cuts_the_handler_when_it_ends(
+        timeout: float) -> None:
+    """The memory broker's deadline is 10 s. The lease manager looked at a delivery's maximum
+    duration only when its lease fell due for extension (8 s): ``timeout=3`` cut at 8 s, and
+    ``timeout=9`` at 8 s too, a second early. Now within a tick of the limit, either way."""
+    import asyncio
+
+    clock, broker, sub = setup(dead_letter=DeadLetterPolicy("orders-dlq", 1))
+    started: list[float] = []
+    cut: list[float] = []
+
+    @sub.handler("billing", timeout=timeout)
+    async def bill(message: Message) -> None:
+        started.append(clock.now())
+        try:
+            await clock.sleep(100)
+        except asyncio.CancelledError:
+            cut.append(clock.now())
+            raise
+
+    broker.publish_sync("orders", b"x")
+    await serve_until(sub, lambda: sub.stats[Outcome.DEAD_LETTERED] == 1, "the timeout", 60,
+                      clock)
+    [began], [ended] = started, cut
+    assert timeout <= ended - began <= timeout + 0.1, (began, ended)
+
+
+async def test_deferrals_and_store_failures_wait_by_the_handler_s_own_retry() -> None:
+    """A message deferred behind a peer's claim, and one given back because the dedup store
+    failed, waited by the Subscriber's RetryPolicy even where the handler had its own (here:
+    two minutes instead of a second)."""
+    from reliable_sub import DedupKey
+
+    class FailingOnce(MemoryDedupStore):
+        failed = False
+
+        async def claim_many(self, keys, lease_ttl, tokens=None):  # type: ignore[no-untyped-def]
+            if not self.failed and any(key.key == "2" for key in keys):
+                self.failed = True
+                raise ConnectionError("the store is restarting")
+            return await super().claim_many(keys, lease_ttl, tokens)
+
+    events = []
+    store = FailingOnce()
+    clock, broker, sub = setup(dedup=store, on_event=events.append,
+                               retry=RetryPolicy(min_backoff=60, max_backoff=120))
+    store._clock = clock
+    sub.handler("billing", retry=RetryPolicy(min_backoff=0.5, max_backoff=1))(
+        lambda message: None)
+    namespace = broker.dedup_namespace("billing")
+    await store.claim(DedupKey(namespace, "1"), 30)  # a peer runs message 1 for 30 s
+    broker.publish_sync("orders", b"held by a peer")
+    broker.publish_sync("orders", b"meets a failing store")
+    await serve_until(sub, lambda: sub.stats[Outcome.DEFERRED] >= 1
+                      and sub.stats[Outcome.RETRY] >= 1, "a deferral and a store failure",
+                      300, clock)
+    delays = {event.outcome: event.delay for event in events
+              if event.outcome in (Outcome.DEFERRED, Outcome.RETRY)}
+    assert delays[Outcome.DEFERRED] <= 1.0
+    assert delays[Outcome.RETRY] <= 1.0

@@ -73,13 +73,13 @@ from reliable_sub.outcome import DeliveryEvent
 from reliable_sub.ports import Adapter
 from reliable_sub.testing.harness import (
     Harness,
-    kafka_harness,
     memory_harness,
     nats_harness,
     pubsub_harness,
     rabbitmq_harness,
     redis_harness,
 )
+from reliable_sub.testing.harness_kafka import kafka_harness
 from reliable_sub.testing.services import missing_service, rabbitmq_url
 
 # One event loop for the module: the worlds (a running Subscriber per adapter) outlive a test.

@@ -22,7 +22,7 @@ confluent_kafka = pytest.importorskip("confluent_kafka",
 from reliable_sub import ConfigurationError, UnknownSubscriptionError  # noqa: E402
 from reliable_sub.adapters.kafka import KafkaAdapter  # noqa: E402
 from reliable_sub.message import Delivery  # noqa: E402
-from reliable_sub.testing.broker_cleanup import delete_kafka_names  # noqa: E402
+from reliable_sub.testing.cleanup import delete_kafka_names  # noqa: E402
 from tests.kafka_processes import KafkaBroker  # noqa: E402
 
 # Seconds a test waits for what should come at once on loopback.

@@ -9,10 +9,10 @@ import pytest
 
 pytest.importorskip("confluent_kafka", reason='the Kafka tests need "reliable-sub[kafka]"')
 
-from hypothesis import given  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+from hypothesis import given
+from hypothesis import strategies as st
 
-from reliable_sub.adapters._kafka_offsets import (  # noqa: E402
+from reliable_sub.adapters._kafka_offsets import (
     PREFIX,
     SETTLED,
     PartitionOffsets,

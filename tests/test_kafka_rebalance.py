@@ -26,7 +26,7 @@ pytest.importorskip("confluent_kafka", reason='the Kafka tests need "reliable-su
 from reliable_sub import FlowControl, Message, Outcome, Subscriber
 from reliable_sub.adapters.kafka import KafkaAdapter
 from reliable_sub.dedup import RedisDedupStore
-from reliable_sub.testing.broker_cleanup import delete_kafka_names
+from reliable_sub.testing.cleanup import delete_kafka_names
 from reliable_sub.testing.services import redis_url
 from tests.kafka_processes import KafkaBroker
 

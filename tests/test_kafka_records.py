@@ -7,8 +7,8 @@ import pytest
 
 pytest.importorskip("confluent_kafka", reason='the Kafka tests need "reliable-sub[kafka]"')
 
-from reliable_sub.adapters._kafka_offsets import PartitionOffsets  # noqa: E402
-from reliable_sub.adapters._kafka_records import (  # noqa: E402
+from reliable_sub.adapters._kafka_offsets import PartitionOffsets
+from reliable_sub.adapters._kafka_records import (
     KEY,
     NONE,
     PARTITION,
@@ -70,7 +70,7 @@ def test_partition_order_hands_out_one_record_at_a_time() -> None:
 
 def test_no_order_lets_everything_out() -> None:
     queue = queue_of(NONE, "AAA")
-    r0, r1, r2 = take(queue, 0.0)
+    r0, r1, _ = take(queue, 0.0)
     queue.give_back(r0, 0.0, delay=5.0)
     queue.give_back(r1, 0.0, delay=0.0)
     assert offsets(take(queue, 1.0)) == [1]

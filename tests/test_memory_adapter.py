@@ -108,3 +108,20 @@ async def test_a_model_a_dataclass_or_a_json_value_is_published_as_json() -> Non
     assert [d.message.data for d in got] == [b'{"order":1}', b'{"order":2}', b'[1,"two"]']
     assert [d.message.attributes["content-type"] for d in got] == [
         "application/json", "application/vnd.x+json", "application/json"]
+
+
+def test_a_changed_ack_deadline_is_warned_about_not_taken(caplog) -> None:
+    """``ensure_subscription`` keeps an existing subscription's deadline; it used to ignore
+    another one asked for without a word (#44)."""
+    import logging
+
+    from reliable_sub.adapters.memory import MemoryAdapter
+
+    broker = MemoryAdapter()
+    broker.ensure_subscription_sync("orders", "billing", ack_deadline=5)
+    with caplog.at_level(logging.WARNING):
+        broker.ensure_subscription_sync("orders", "billing")  # says nothing of the deadline
+        assert not caplog.records
+        broker.ensure_subscription_sync("orders", "billing", ack_deadline=30)
+    [record] = caplog.records
+    assert "keeps its ack deadline of 5s, not the 30s asked for" in record.getMessage()

@@ -254,3 +254,74 @@ async def test_a_publish_to_a_missing_topic_fails_alone(names: Names) -> None:  
     assert all(isinstance(r, str) for i, r in enumerate(results) if i != 5), [
         (i, r) for i, r in enumerate(results) if not isinstance(r, str)]
     await adapter.close()
+
+
+def test_names_amqp_cannot_carry_are_refused_where_they_are_given() -> None:
+    """pamqp refuses names outside AMQP's characters with a bare ``ValueError: Invalid value for
+    queue``; a subscription whose delay queues' names would pass 255 bytes made every backoff
+    fail to declare its queue (and give back at once, healthy all along)."""
+    from reliable_sub.errors import ConfigurationError
+
+    adapter = RabbitMQAdapter(rabbitmq_url(), prefix="p")
+    for bad in ("orders!", "заказы", "a" * 256, "amq.orders", ""):
+        with pytest.raises(ConfigurationError, match="letters, digits, spaces or any of"):
+            adapter.ensure_subscription_sync("orders", bad)
+    just_fits = "s" * 255  # as a queue, but not with ".delay." and a length in ms after it
+    with pytest.raises(ConfigurationError, match=r"use at most 234 characters"):
+        adapter.ensure_subscription_sync("orders", just_fits)
+
+
+async def test_a_changed_delivery_limit_or_ack_deadline_is_said(
+        names: Names, caplog: pytest.LogCaptureFixture) -> None:  # noqa: F811
+    from reliable_sub.errors import ConfigurationError
+
+    adapter = RabbitMQAdapter(rabbitmq_url(), prefix=names.prefix)
+    topic, queue = names.topic("orders"), names.subscription("billing")
+    await adapter.ensure_subscription(topic, queue, ack_deadline=10, delivery_limit=5)
+    with pytest.raises(ConfigurationError, match="a queue's arguments cannot change"):
+        await adapter.ensure_subscription(topic, queue, ack_deadline=10, delivery_limit=6)
+    caplog.clear()
+    await adapter.ensure_subscription(topic, queue, delivery_limit=5)  # the deadline it has
+    assert not [r for r in caplog.records if "keeps the ack deadline" in r.getMessage()]
+    await adapter.ensure_subscription(topic, queue, ack_deadline=30, delivery_limit=5)
+    [warning] = [r.getMessage() for r in caplog.records if "keeps the ack deadline" in
+                 r.getMessage()]
+    assert "10s, not the 30s asked for" in warning
+    assert await adapter.subscription_ack_deadline(queue) == 10
+    await adapter.close()
+
+
+async def test_delayed_nacks_that_fail_are_said_in_health(
+        names: Names, serving) -> None:  # noqa: F811
+    """A delay queue that cannot be declared (here: one of that name exists with other
+    arguments) gives the delivery back at once; healthy() used to stay True meanwhile."""
+    from reliable_sub.adapters._rabbitmq_topology import delay_bucket
+
+    url = rabbitmq_url()
+    adapter = RabbitMQAdapter(url, prefix=names.prefix)
+    topic, queue = names.topic("orders"), names.subscription("billing")
+    await adapter.ensure_subscription(topic, queue, ack_deadline=10)
+    blocker = f"{names.prefix}.delay.{queue}.{delay_bucket(0.5)}"
+    names.queues.append(blocker)
+    connection = await aio_pika.connect(url)
+    try:
+        await (await connection.channel()).declare_queue(blocker, durable=True)  # no TTL
+    finally:
+        await connection.close()
+    runs: list[int] = []
+    sub = Subscriber(adapter, receive_timeout=0.1,
+                     retry=RetryPolicy(min_backoff=0.5, max_backoff=0.5))
+
+    @sub.handler(queue)
+    def flaky(message: Message) -> None:
+        runs.append(message.delivery_attempt)
+        if len(runs) < 3:
+            raise ConnectionError("the payment API is down")
+
+    await adapter.publish(topic, b"x")
+    serving(sub)
+    await until(lambda: any(f"delayed nacks of {queue!r} fail" in p for p in sub.problems()),
+                "health to tell the failing delay path")
+    assert sub.running and not sub.healthy()
+    await until(lambda: sub.stats[Outcome.ACKED] == 1, "the third attempt's ack")
+    await adapter.close()

@@ -56,3 +56,36 @@ def test_engine_options_are_refused_for_a_given_engine_or_when_not_a_dict() -> N
         SqlDedupStore(engine, engine_options={"pool_size": 1})
     with pytest.raises(ConfigurationError, match=r"Outbox\.engine_options must be a dict"):
         Outbox(postgres_url(), engine_options=[("pool_size", 1)])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_handlers_transaction_keeps_the_engines_isolation_and_read_only(
+        kind: str) -> None:
+    """On PostgreSQL the handler's BEGIN is the store's, sent in the driver's autocommit (#44):
+    it carries what psycopg's own would have (the engine's isolation level, read-only), and
+    the connection goes back to the pool as it came."""
+    url = postgres_url()
+    options = {"isolation_level": "SERIALIZABLE",
+               "execution_options": {"postgresql_readonly": True}}
+    store = SqlDedupStore(url, table="never_made", engine_options=options)
+    show = ("SELECT current_setting('transaction_isolation'), "
+            "current_setting('transaction_read_only')")
+    try:
+        if kind == "async":
+            async with store.begin() as connection:
+                seen = tuple((await connection.exec_driver_sql(show)).one())
+            async with store._engines.transaction_engine.connect() as connection:
+                raw = await connection.get_raw_connection()
+                autocommit = raw.driver_connection.autocommit  # type: ignore[union-attr]
+        else:
+            def run() -> tuple[tuple[object, ...], bool]:
+                with store.begin_sync() as connection:
+                    found = tuple(connection.exec_driver_sql(show).one())
+                with store.sync_engine.connect() as connection:
+                    return found, connection.connection.driver_connection.autocommit
+            seen, autocommit = await asyncio.to_thread(run)
+        assert seen == ("serializable", "on")
+        assert autocommit is False, "the pool got its connection back out of autocommit"
+    finally:
+        await store.close()
+        store.close_sync()

@@ -145,6 +145,34 @@ async def test_a_given_engine_keeps_its_level_for_handlers_and_ours_read_committ
         await given.dispose()
 
 
+async def test_a_given_engines_claims_and_completions_commit() -> None:
+    """Given an AsyncEngine, the store's calls ran on a view of its READ COMMITTED view that
+    asked for autocommit, and SQLAlchemy applied the outer view's level last: no autocommit,
+    so every claim was rolled back when its connection went back to the pool (a transactional
+    handler's completion then matched no row, and every delivery was deferred as lost)."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    given = create_async_engine(mariadb_url().replace("mariadb://", "mariadb+asyncmy://"))
+    store = SqlDedupStore(given, table=f"test_maria_given_{uuid.uuid4().hex[:10]}", owner="me")
+    peer = SqlDedupStore(mariadb_url(), table=store.table.name, owner="peer")
+    key = DedupKey("ns", "k")
+    await store.create_schema()
+    try:
+        [claim] = await store.claim_many([key], 30)
+        assert isinstance(claim, Claimed)
+        [seen] = await peer.claim_many([key], 30)
+        assert isinstance(seen, InProgress), "the claim was committed"
+        async with store.begin() as connection:
+            assert await store.complete_in(connection, claim, '"done"', 60)
+        assert await peer.claim_many([key], 30) == [Completed('"done"', key)]
+    finally:
+        async with peer.engine.begin() as connection:
+            await connection.run_sync(store.metadata.drop_all)
+        await peer.close()
+        await store.close()
+        await given.dispose()
+
+
 async def test_a_claim_waits_for_a_late_commit_and_sees_its_completion(
     store: SqlDedupStore,
 ) -> None:

@@ -7,8 +7,9 @@ One job per module; each takes the parts and callbacks it needs, never the run t
 * :mod:`~reliable_sub._runtime.receiver` -- receiving and admission: receive, lease, claim a batch.
 * :mod:`~reliable_sub._runtime.dispatcher` -- ordering keys, a task per delivery, worker threads,
   the middleware chain or the direct handler call; :mod:`~reliable_sub._runtime.batches` -- a
-  batch handler's batches, a task and a call each; :mod:`~reliable_sub._runtime.current` --
-  :func:`current_claim`.
+  batch handler's batches, a task and a call each (:mod:`~reliable_sub._runtime.batch_calls`
+  the call, :mod:`~reliable_sub._runtime.bisection` a failed call's messages called again in
+  halves); :mod:`~reliable_sub._runtime.current` -- :func:`current_claim`.
 * :mod:`~reliable_sub._runtime.decisions` -- what an outcome does to the lease, claim and settle.
 * :mod:`~reliable_sub._runtime.settler` -- batched, confirmed acks and nacks, store writes first.
 * :mod:`~reliable_sub._runtime.lease` -- the lease manager (p99 extensions);

@@ -11,7 +11,9 @@
     bodies decoded (a typed handler): one that does not validate is rejected alone
        ▼
     handler(batch) ─ returned ─► each message acked (a BatchResult's failures failed)
-                   └ raised ───► each message failed, as if its own handler had raised
+                   └ raised ───► bisected (:mod:`~reliable_sub._runtime.bisection`): called
+                                 again in halves, so that a message fails for its own failure,
+                                 not its neighbours'
 
 Everything after the call is per message, as for any handler: results recorded with the ack,
 failures counted, redelivered with backoff or dead-lettered by the lane's policies. Every
@@ -26,21 +28,18 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from types import CoroutineType
 from typing import Any
 
 from .._bodies import body_of
-from .._callables import settled_result
-from .._text import safe_repr
 from ..batches import BatchResult, BatchSpec
 from ..clock import sleep_or_event
 from ..dedup import Claimed
 from ..middleware import Decision, Verdict
-from ..middleware.retry import InProcessRetry
 from ..outcome import Outcome
-from .current import CURRENT_BATCH, BatchClaims
+from .batch_calls import BatchCalls
+from .bisection import Bisection, Failure
 from .flow import FlowGate
-from .inflight import CancelReason, Stage, cancel_requested
+from .inflight import CancelReason, Stage
 from .lanes import Config, Item, Lane, RunState, SettleCall, new_task
 from .members import RUNNING, SETTLING, WAITING
 from .workers import WorkerThreads
@@ -104,9 +103,13 @@ class Batches:
         self._apply = apply
         self._cancelled = cancelled
         self._release = release
-        self._retried = retried
         self._open: _Batch | None = None
-        self._retries = lane.route.retry.in_process_attempts > 1
+        self._calls = BatchCalls(lane, spec, config.clock, workers, retried)
+        route = lane.route
+        # a failed call's messages are called again in halves (a batch of one is alone already)
+        self._bisection = None if spec.max_batch == 1 else Bisection(
+            state, route.retry, route.dead_letter, call=self._call_again,
+            returned=self._returned, fail=self._fail, give_back=self._stopped)
 
     def add(self, item: Item) -> None:
         """Put ``item`` in the open batch (opening one, and starting its task, if none is)."""
@@ -222,132 +225,92 @@ class Batches:
         return ours
 
     async def _attempt(self, items: list[Item]) -> None:
-        """Decode, call the handler once for ``items``, and decide each."""
+        """Decode, call the handler once for ``items``, and decide each (bisecting a failed
+        call)."""
         if not items:
             return
         lane, spec = self._lane, self._spec
         for item in items:
             item.stage = RUNNING
         lane.lease.started_many(items)
-        failures: list[tuple[Item, BaseException]] = []
         bodies: list[Any] | None = None
         if spec.decode is not None:
-            bodies, valid = [], []
-            for item in items:
-                try:
-                    bodies.append(body_of(spec.decode, spec.body_name, item.delivery.message))
-                except BaseException as error:  # a validator's: this message alone fails
-                    failures.append((item, error))
-                    continue
-                valid.append(item)
-            if failures:  # their time is the decoding's: one sample
-                lane.lease.finished_many([item for item, _ in failures])
-            items = valid
-        if items:
-            decision = await self._decision(items, bodies)
-            lane.lease.finished_many(items)
-            if decision.verdict is not Verdict.ACK:
-                assert decision.error is not None
-                failures.extend((item, decision.error) for item in items)
+            bodies, items = self._decoded(items)
+            if not items:
+                return
+        decision = await self._calls.decision(items, bodies)
+        lane.lease.finished_many(items)
+        if decision.verdict is Verdict.ACK:
+            if decision.result is None:
+                self._succeeded(lane, items)
             else:
-                result = decision.result
-                if isinstance(result, BatchResult) and result.failed:
-                    failed, succeeded = result.failed, []
-                    for item in items:
-                        failure = failed.get(item.message_id)
-                        if failure is None:
-                            succeeded.append(item)
-                        else:
-                            failures.append((item, failure))
-                    items = succeeded
-                if items:
-                    self._succeeded(lane, items)
-        if failures:
-            for item, _ in failures:  # decided from here on (as Decisions.decide_failure)
-                item.stage = SETTLING
-            # beside this task: the batch's timeout or a stop must not cut the decisions short
-            self._state.track(self._fail_each(failures))
-
-    async def _decision(self, items: list[Item], bodies: list[Any] | None) -> Decision:
-        """The handler's call (again, for transient failures, with in-process retries)."""
-        if not self._retries:
-            return await self._decide(items, bodies)
-        on_retry = None
-        if self._retried is not None:
-            retried = self._retried
-
-            def on_retry(attempt: int, error: BaseException | None) -> None:
-                for item in items:
-                    retried(item, attempt, error)
-
-        attempts = InProcessRetry(self._lane.route.retry, self._config.clock, on_retry)
-        fresh = [bodies]  # the first call's bodies; a retry decodes them again
-        return await attempts.run(self._decide_again, items, fresh)
-
-    async def _decide_again(self, items: list[Item], fresh: list[list[Any] | None]) -> Decision:
-        bodies, fresh[0] = fresh[0], None
-        if bodies is None and self._spec.decode is not None:
-            try:
-                bodies = [self._spec.decode(item.delivery.message.data) for item in items]
-            except Exception as error:  # validated before: a validator that changed its mind
-                return Decision.failed(error)
-        return await self._decide(items, bodies)
-
-    async def _decide(self, items: list[Item], bodies: list[Any] | None) -> Decision:
-        """One call of the handler, as a Decision: what it returned, or what it raised."""
-        messages = [item.delivery.message for item in items]  # fresh lists for each call
-        arguments: tuple[Any, ...]
-        if bodies is None:
-            arguments = (messages,)
+                self._returned(items, decision.result)
+            return
+        assert decision.error is not None
+        if self._bisection is not None and len(items) > 1:
+            await self._bisection.run(items, decision.error)
         else:
-            arguments = ((list(bodies), messages) if self._spec.takes_messages
-                         else (list(bodies),))
-        try:
-            result = await self._call(items, arguments)
-        except BaseException as error:
-            if isinstance(error, asyncio.CancelledError) and (
-                    cancel_requested() or any(i.cancel_reason is not None for i in items)):
-                raise  # ours: a stop or max_lease_duration
-            return Decision.failed(error)
-        if result is None:
-            return Decision.ack(None)
-        name = self._lane.route.name
-        if not isinstance(result, BatchResult):
-            return Decision.failed(TypeError(
-                f"batch handler {name} returned {safe_repr(result, 80)}; return None (every "
-                "message succeeded) or a BatchResult(failed={message_id: exception}), or "
-                "raise to fail them all"))
-        unknown = result.failed.keys() - {item.message_id for item in items}
-        if unknown:
-            return Decision.failed(TypeError(
-                f"batch handler {name} returned a BatchResult naming messages not in its "
-                f"batch ({', '.join(sorted(unknown)[:5])}); name failed messages by their "
-                "Message.id"))
-        return Decision.ack(result)
+            self._fail([(item, decision.error) for item in items])
 
-    async def _call(self, items: list[Item], arguments: tuple[Any, ...]) -> Any:
-        route = self._lane.route
-        handler = self._lane.handler
-        claims = CURRENT_BATCH.set(BatchClaims(items))
-        try:
-            if route.is_async:
-                result = handler(*arguments)
-                if type(result) is CoroutineType:
-                    result = await result
-            else:
-                future = self._workers.run(handler, *arguments)
-                for item in items:
-                    item.thread_running = True
-                ok, result = await future  # if this task is cancelled, the thread still runs
-                for item in items:
-                    item.thread_running = False
-                if not ok:
-                    raise result
-            if result is not None:
-                result = await settled_result(result, route.name)
-            return result
-        finally:
-            CURRENT_BATCH.reset(claims)
+    def _decoded(self, items: list[Item]) -> tuple[list[Any], list[Item]]:
+        """The bodies of ``items``, and those whose bodies decoded; one that does not decode
+        (its validator raised) fails alone, now."""
+        spec = self._spec
+        assert spec.decode is not None
+        bodies, valid, failures = [], [], []
+        for item in items:
+            try:
+                bodies.append(body_of(spec.decode, spec.body_name, item.delivery.message))
+            except BaseException as error:  # a validator's: this message alone fails
+                failures.append((item, error))
+                continue
+            valid.append(item)
+        if failures:  # their time is the decoding's: one sample
+            self._lane.lease.finished_many([item for item, _ in failures])
+            self._fail(failures)
+        return bodies, valid
+
+    def _returned(self, items: list[Item], result: Any) -> None:
+        """A call for ``items`` returned ``result`` (None or a BatchResult): ack each, but for
+        those the BatchResult names, which fail with their own errors."""
+        failures: list[Failure] = []
+        if isinstance(result, BatchResult) and result.failed:
+            failed, succeeded = result.failed, []
+            for item in items:
+                failure = failed.get(item.message_id)
+                if failure is None:
+                    succeeded.append(item)
+                else:
+                    failures.append((item, failure))
+            items = succeeded
+        if items:
+            self._succeeded(self._lane, items)
+        if failures:
+            self._fail(failures)
+
+    def _fail(self, failures: list[Failure]) -> None:
+        """Each item failed with its error: decided from here on (as Decisions.decide_failure),
+        beside this task, so that the batch's timeout or a stop cannot cut the decisions
+        short."""
+        for item, _ in failures:
+            item.stage = SETTLING
+        self._state.track(self._fail_each(failures))
+
+    def _stopped(self, items: list[Item]) -> None:
+        """A stop began before ``items`` were called (again): given back, nothing counted."""
+        for item in items:
+            self._settle(item, Outcome.STOPPED, ack=False, release=self._release(item))
+
+    async def _call_again(self, items: list[Item]) -> Decision:
+        """One more call of the handler (part of a failed batch), with fresh bodies and lists,
+        and its in-process retries; one processing-time sample."""
+        lease = self._lane.lease
+        lease.started_many(items)
+        bodies = self._calls.fresh_bodies(items)
+        decision = (bodies if isinstance(bodies, Decision)
+                    else await self._calls.decision(items, bodies))
+        lease.finished_many(items)
+        return decision
 
     async def _fail_each(self, failures: list[tuple[Item, BaseException]]) -> None:
         """Each item failed with its error: retried or dead-lettered by the lane's policies."""

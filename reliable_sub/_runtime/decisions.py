@@ -204,7 +204,8 @@ class Decisions:
         self._claims.drop(item)  # the peer's now: nothing to release
         logger.warning("%s; deferring it", error, extra={"message_id": item.message_id})
         self.settle(item, Outcome.DEFERRED, ack=False,
-                    delay=self.defer_delay(lane.route.lease.max_lease_duration))
+                    delay=self.defer_delay(lane.route.lease.max_lease_duration,
+                                           lane.route.retry))
 
     async def decide_failure(self, item: Item, error: BaseException) -> None:
         """The attempt failed with ``error``, outside the route's chain: decide and settle."""
@@ -238,11 +239,12 @@ class Decisions:
             self._state.track(self._dead_letter_unhandled(item, error, RUNNING_TOO_LONG))
             return
         self.settle(item, Outcome.DEFERRED, ack=False,
-                    delay=self.defer_delay(verdict.expires_in))
+                    delay=self.defer_delay(verdict.expires_in, item.lane.route.retry))
 
-    def defer_delay(self, wanted: float) -> float:
-        """A redelivery delay of at least DEFER_MIN_DELAY, capped by max_backoff above it."""
-        cap = max(DEFER_MIN_DELAY, self._config.retry.max_backoff)
+    def defer_delay(self, wanted: float, retry: RetryPolicy) -> float:
+        """A redelivery delay of at least DEFER_MIN_DELAY, capped by the route's
+        ``retry.max_backoff`` above it."""
+        cap = max(DEFER_MIN_DELAY, retry.max_backoff)
         if not wanted < math.inf:
             return cap
         return min(cap, max(DEFER_MIN_DELAY, wanted))

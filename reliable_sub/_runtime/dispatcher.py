@@ -39,6 +39,7 @@ from ..middleware import CallNext, Context, Decision, Middleware, chain
 from ..middleware.dead_letter import DeadLetterOrBackoff
 from ..middleware.retry import InProcessRetry
 from ..outcome import Outcome, SubscriberStats
+from ..policy import RetryPolicy
 from ..telemetry.consumer import DeliveryTelemetry
 from .claims import CLAIM_CALL, MIN_STORE_CALL_BOUND, Claims
 from .current import CURRENT_CLAIM
@@ -100,7 +101,7 @@ class Dispatcher:
         claim_lost: Callable[[Lane, Item, ClaimLostError], None],
         cancelled: Callable[[Item], Awaitable[None]],
         in_progress_elsewhere: Callable[[Item, InProgress], None],
-        defer_delay: Callable[[float], float],
+        defer_delay: Callable[[float, RetryPolicy], float],
     ) -> None:
         self._config = config
         self._state = state
@@ -261,7 +262,8 @@ class Dispatcher:
         except Exception as error:
             self._stats.store_errors += 1
             self._health.failed(CLAIM_CALL, error)
-            self._settle(item, Outcome.RETRY, ack=False, delay=self._defer_delay(0.0),
+            self._settle(item, Outcome.RETRY, ack=False,
+                         delay=self._defer_delay(0.0, lane.route.retry),
                          release=self._claims.release(item))
             return False
         self._health.ok(CLAIM_CALL)

@@ -103,6 +103,9 @@ class LeaseManager:
         self._policy = policy
         self._clock = clock
         self._initial_deadline = initial_deadline
+        # A lease reaches this far past max_lease_duration: what is given back or cancelled
+        # then settles under it (the margin an extension is sent with).
+        self._grace = margin(initial_deadline)
         self._on_max_lease = on_max_lease
         self._on_extended = on_extended
         self.observed: float | None = None  # the percentile the last extension came from
@@ -276,17 +279,15 @@ class LeaseManager:
         to_extend: list[InFlight[Any]] = []
         expired: list[InFlight[Any]] = []
         claims: list[InFlight[Any]] = []
+        grace = self._grace
         for item in self._leases:
-            if item.not_before <= now:
-                if item.held:
-                    horizon = now + margin(item.length) + item.length * BATCH_FRACTION
-                    if item.deadline <= horizon:
-                        if item.expires_at <= horizon:
-                            expired.append(item)
-                        else:
-                            to_extend.append(item)
-                elif item.stage is RUNNING and item.expires_at <= now:
-                    expired.append(item)  # a handler that runs on: another max_lease_duration
+            held = item.held
+            if item.expires_at <= now and (held or item.stage is RUNNING):
+                # at max_lease_duration (a handler that runs on: another one later)
+                expired.append(item)
+            elif (held and item.not_before <= now and item.deadline < item.expires_at + grace
+                  and item.deadline <= now + margin(item.length) + item.length * BATCH_FRACTION):
+                to_extend.append(item)
             if (item.claim_active and item.renew_after <= now
                     and item.claim_deadline <= now + margin(item.claim_length)
                     + item.claim_length * BATCH_FRACTION):
@@ -338,8 +339,9 @@ class LeaseManager:
     async def _extend(self, items: list[InFlight[Any]], extension: float, now: float) -> None:
         groups: dict[float, list[InFlight[Any]]] = {}
         clamp = self._adapter.capabilities.clamp_deadline
+        grace = self._grace
         for item in items:
-            seconds = clamp(min(extension, item.expires_at - now))
+            seconds = clamp(min(extension, item.expires_at + grace - now))
             groups.setdefault(seconds, []).append(item)
         for seconds, group in groups.items():
             deliveries = [item.delivery for item in group]

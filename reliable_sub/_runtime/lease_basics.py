@@ -38,10 +38,9 @@ def due_at(item: InFlight[Any]) -> float:
     lease duration, or its claim's renewal, whichever comes first."""
     due = math.inf
     if item.held:
-        due = item.deadline - margin(item.length)
-    elif item.stage is Stage.RUNNING:
-        due = item.expires_at
-    due = max(due, item.not_before)
+        due = max(item.deadline - margin(item.length), item.not_before)
+    if item.held or item.stage is Stage.RUNNING:
+        due = min(due, item.expires_at)  # the maximum duration, however far the lease reaches
     if item.claim_active:
         due = min(due, claim_due(item))
     return due

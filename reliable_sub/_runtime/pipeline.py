@@ -25,6 +25,7 @@ and :mod:`~reliable_sub._runtime.shutdown` stops the run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Coroutine
@@ -35,7 +36,7 @@ from ..idempotency.transactional import TransactionalStore, transactional_handle
 from ..message import Message
 from ..middleware.dead_letter import DeadLetterOrBackoff
 from ..outcome import DeliveryEvent, Outcome, SubscriberStats
-from ..policy import FlowControl
+from ..policy import FlowControl, is_default
 from ..ports import (
     Capabilities,
     DescribesConnection,
@@ -56,6 +57,7 @@ from .flow import FlowGate
 from .health import Health
 from .lanes import Config, Item, Lane, Route, RunState, close_gates
 from .lease import LeaseManager
+from .lease_basics import margin
 from .members import ACK_REFUSED, DONE
 from .receiver import Receiver
 from .settler import Settle, Settler
@@ -137,7 +139,7 @@ class Runtime:
                 adapter.set_prefetch(route.subscription, min(
                     config.flow_control.max_messages,
                     route.max_concurrency or config.flow_control.max_messages))
-            _check_lease_limit(adapter.capabilities, route)
+            _fit_lease_limit(adapter.capabilities, route)
             deadline = await adapter.subscription_ack_deadline(route.subscription)
             route_telemetry = on_extended = None
             if telemetry is not None:
@@ -343,13 +345,22 @@ class Runtime:
         return None
 
 
-def _check_lease_limit(capabilities: Capabilities, route: Route) -> None:
-    """Warn when the route's leases may outlast what the broker lets a consumer hold."""
+def _fit_lease_limit(capabilities: Capabilities, route: Route) -> None:
+    """Keep the route's leases under what the broker lets a consumer hold: the default
+    ``max_lease_duration`` is lowered to just under the limit; a user's own above it is warned
+    about."""
     limit, wanted = capabilities.max_lease_duration, route.lease.max_lease_duration
-    if wanted >= limit:
+    if wanted < limit:
+        return
+    if is_default(wanted):
+        fitted = limit - margin(limit)  # the lease ends, and is given back, before the broker's
+        route.lease = dataclasses.replace(route.lease, max_lease_duration=fitted)
+        logger.debug("subscription %r: max_lease_duration %gs (the default, fitted under the "
+                     "broker's limit of %gs)", route.subscription, fitted, limit)
+    else:
         logger.warning(
             "subscription %r: LeasePolicy.max_lease_duration=%gs is not under the broker's "
-            "limit of %gs for an unacked delivery (RabbitMQ: consumer_timeout), past which it "
-            "takes the delivery back and closes the consumer's channel; set "
+            "limit of %gs for an unacked delivery (RabbitMQ: consumer_timeout), past which "
+            "it takes the delivery back and closes the consumer's channel; set "
             "LeasePolicy(max_lease_duration=...) below it, or raise the broker's limit (and "
             "tell the adapter)", route.subscription, wanted, limit)

@@ -32,6 +32,7 @@ from ..clock import within
 from ..dedup import Claimed, Completed, InProgress
 from ..message import Delivery
 from ..outcome import Outcome, SubscriberStats
+from ..policy import RetryPolicy
 from ..telemetry.consumer import DeliveryTelemetry
 from .claims import CLAIM_CALL, MIN_STORE_CALL_BOUND, Claims
 from .decisions import DEFER_MIN_DELAY
@@ -83,7 +84,7 @@ class Receiver:
         settle: SettleCall,
         malformed: Callable[[Item], None],
         in_progress_elsewhere: Callable[[Item, InProgress], None],
-        defer_delay: Callable[[float], float],
+        defer_delay: Callable[[float, RetryPolicy], float],
     ) -> None:
         self.config = config
         self._state = state
@@ -223,7 +224,8 @@ class Receiver:
         except Exception as error:
             self._stats.store_errors += 1
             self._health.failed(CLAIM_CALL, error)
-            delay = self._defer_delay(self.config.retry.backoff(1, self.config.rng))
+            retry = lane.route.retry  # the handler's own, or the Subscriber's
+            delay = self._defer_delay(retry.backoff(1, self.config.rng), retry)
             for item in good:
                 if item.stage is WAITING:  # not given back meanwhile (max_lease_duration)
                     settle(item, Outcome.RETRY, ack=False, delay=delay)

@@ -133,8 +133,9 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
 
     async def next_epoch(self, namespace: str) -> int:
         """Start the next epoch of ``namespace`` (one upsert; the row never expires)."""
-        # not run twice (it counts), so on the pool that pings its connections first
-        async with self._engines.transaction_engine.begin() as connection:
+        # not run twice (it counts): in a transaction begun by a statement of ours, which
+        # alone is sent again when it met a dead connection
+        async with self._engines.begin() as connection:
             return await self._sql.next_epoch(connection, namespace)
 
     # -- the DedupStore protocol ----------------------------------------------------------------
@@ -221,12 +222,15 @@ class SqlDedupStore(OnSqlEngines, SingleKeyMethods):
     def begin(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """An ``AsyncConnection`` in a transaction (commits on exit), from a pool of its own
         (see :attr:`~reliable_sub._sql_engines.SqlEngines.transaction_engine`): the store's
-        calls never wait for a connection behind running handlers."""
-        return self._engines.transaction_engine.begin()
+        calls never wait for a connection behind running handlers. The transaction is begun
+        by a statement of the store's, so a pooled connection the database closed is replaced
+        before your first statement, not failed on it."""
+        return self._engines.begin()
 
     def begin_sync(self) -> AbstractContextManager[Connection]:
-        """A sync ``Connection`` in a transaction (for sync handlers; commits on exit)."""
-        return self.sync_engine.begin()
+        """A sync ``Connection`` in a transaction (for sync handlers; commits on exit), a dead
+        pooled connection replaced as in :meth:`begin`."""
+        return self._engines.begin_sync()
 
     def completion_statement(self, claim: Claimed, result_json: str, ttl: float) -> Any:
         """The UPDATE that records ``claim`` as completed, conditional on its token, with its

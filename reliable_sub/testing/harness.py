@@ -31,11 +31,7 @@ from reliable_sub import (
 from reliable_sub.clock import Clock, ManualClock, SystemClock
 from reliable_sub.message import Delivery
 from reliable_sub.ports import Adapter, Capabilities
-from reliable_sub.testing.broker_cleanup import (
-    delete_kafka_names,
-    delete_nats_streams,
-    delete_rabbitmq_names,
-)
+from reliable_sub.testing.cleanup import delete_nats_streams, delete_rabbitmq_names
 from reliable_sub.testing.timing import drive_until, pass_time, run_driven
 
 T = TypeVar("T")
@@ -86,6 +82,10 @@ class Harness:
     new_store: Callable[[str], DedupStore] | None = None
     memory_store: MemoryDedupStore | None = None  # whose records the memory stores share
     names: list[str] = field(default_factory=list)  # every name name_for gave
+    # the broker's URL, and how to make an adapter for another URL of it (the stall test's
+    # TCP proxy in front of it); None: the suite's stall test skips
+    url: str | None = None
+    new_adapter_for: Callable[[str], Awaitable[Adapter]] | None = None
 
     @property
     def capabilities(self) -> Capabilities:
@@ -234,8 +234,8 @@ def redis_harness(url: str | None = None, name: str = "redis",
     run = uuid.uuid4().hex[:10]
     consumers = itertools.count(1)
 
-    async def new_adapter() -> Adapter:
-        return RedisStreamsAdapter(url, consumer=f"consumer-{next(consumers)}",
+    async def new_adapter_for(at: str) -> Adapter:
+        return RedisStreamsAdapter(at, consumer=f"consumer-{next(consumers)}",
                                    key_prefix=f"conf-{run}")
 
     async def cleanup() -> None:
@@ -253,9 +253,11 @@ def redis_harness(url: str | None = None, name: str = "redis",
 
         return RedisDedupStore(url, prefix=f"conf-{run}:dedup", owner=owner)
 
+    single = not url.startswith("redis+cluster")  # a cluster's nodes name their own addresses
     return Harness(name=name, clock=SystemClock(), ack_deadline=ack_deadline, tick=0.1,
-                   new_adapter=new_adapter, prefix=f"conf-{run}", cleanup=cleanup,
-                   new_store=new_store)
+                   new_adapter=lambda: new_adapter_for(url), prefix=f"conf-{run}",
+                   cleanup=cleanup, new_store=new_store, url=url if single else None,
+                   new_adapter_for=new_adapter_for if single else None)
 
 
 def fakeredis_harness() -> Harness:
@@ -315,14 +317,15 @@ def nats_harness(url: str, ack_deadline: float = 1.0) -> Harness:
     run = uuid.uuid4().hex[:10]
     prefix = f"conf-{run}"
 
-    async def new_adapter() -> Adapter:
-        return NatsJetStreamAdapter(url, prefix=prefix, deduplicate_publishes=False)
+    async def new_adapter_for(at: str) -> Adapter:
+        return NatsJetStreamAdapter(at, prefix=prefix, deduplicate_publishes=False)
 
     async def cleanup() -> None:
         await delete_nats_streams(url, prefix)
 
     return Harness(name="nats", clock=SystemClock(), ack_deadline=ack_deadline, tick=0.1,
-                   new_adapter=new_adapter, prefix=prefix, cleanup=cleanup)
+                   new_adapter=lambda: new_adapter_for(url), prefix=prefix, cleanup=cleanup,
+                   url=url, new_adapter_for=new_adapter_for)
 
 
 def rabbitmq_harness(url: str, ack_deadline: float = 1.0, management_url: str | None = None,
@@ -334,8 +337,8 @@ def rabbitmq_harness(url: str, ack_deadline: float = 1.0, management_url: str | 
 
     prefix = f"conf-{uuid.uuid4().hex[:10]}"
 
-    async def new_adapter() -> Adapter:
-        return RabbitMQAdapter(url, prefix=prefix, management_url=management_url)
+    async def new_adapter_for(at: str) -> Adapter:
+        return RabbitMQAdapter(at, prefix=prefix, management_url=management_url)
 
     async def cleanup() -> None:
         await delete_rabbitmq_names(url, prefix, harness.names)
@@ -343,41 +346,10 @@ def rabbitmq_harness(url: str, ack_deadline: float = 1.0, management_url: str | 
     features = Features() if management_url is None else Features(figures_lag=figures_lag,
                                                                    oldest_age=False)
     harness = Harness(name="rabbitmq", clock=SystemClock(), ack_deadline=ack_deadline,
-                      tick=0.1, new_adapter=new_adapter, prefix=prefix, cleanup=cleanup,
-                      features=features)
+                      tick=0.1, new_adapter=lambda: new_adapter_for(url), prefix=prefix,
+                      cleanup=cleanup, features=features, url=url,
+                      new_adapter_for=new_adapter_for)
     return harness
-
-
-def kafka_harness(bootstrap: str, ack_deadline: float = 2.0) -> Harness:
-    """A real Kafka cluster at ``bootstrap``. Real time, as on NATS; two partitions per topic
-    (two consumers of one subscription both get work). Eager rebalancing: librdkafka sends a
-    JoinGroup at most once a second, so under cooperative-sticky (two rounds) a consumer that
-    joins gets its partitions a second or more later, after the suite's 40-message sharing
-    test is over; the cooperative default has its own tests (tests/test_kafka_rebalance.py).
-    Heartbeats every 100 ms (a statistics timer wakes librdkafka's main thread that often; it
-    otherwise looks at the heartbeat twice a second), so a rebalance starts at once. The run's
-    topics and groups are deleted afterwards."""
-    from reliable_sub.adapters.kafka import KafkaAdapter
-
-    prefix = f"conf-{uuid.uuid4().hex[:10]}"
-    fast_groups = {"heartbeat.interval.ms": 100, "session.timeout.ms": 6000,
-                   "statistics.interval.ms": 100, "stats_cb": _ignore}
-
-    async def new_adapter() -> Adapter:
-        return KafkaAdapter(bootstrap, prefix=prefix, partitions=2, rebalance="eager",
-                            revoke_timeout=ack_deadline, consumer_config=fast_groups)
-
-    async def cleanup() -> None:
-        await delete_kafka_names(bootstrap, [*harness.names, f"{prefix}-subscriptions"])
-
-    harness = Harness(name="kafka", clock=SystemClock(), ack_deadline=ack_deadline, tick=0.1,
-                      new_adapter=new_adapter, prefix=prefix, cleanup=cleanup,
-                      features=Features(ordering=True, cancel_safe_receive=True))
-    return harness
-
-
-def _ignore(_: str) -> None:
-    """librdkafka's statistics, unread."""
 
 
 class Recorder:
@@ -415,12 +387,10 @@ __all__ = [
     "Features",
     "Harness",
     "Recorder",
-    "delete_kafka_names",
     "delete_nats_streams",
     "delete_rabbitmq_names",
     "drain",
     "fakeredis_harness",
-    "kafka_harness",
     "memory_harness",
     "nats_harness",
     "pubsub_harness",

@@ -16,8 +16,9 @@ The suite covers the adapter contract (ack, deadline expiry, nack delays, extend
 ordering), the Subscriber's guarantees on top of it (no loss, lease extension, dead letters,
 deduplication), stop, restart and close, hostile handlers, settling under failure, hung
 handlers, telemetry (spans per attempt, linked to the producer; metrics), seek, snapshots and
-replay modes (on adapters that can seek), the dead-letter tools, typed bodies and batch
-handlers. It needs
+replay modes (on adapters that can seek), the dead-letter tools, typed bodies, batch
+handlers, and health through a connection that stalls (behind a TCP proxy, where the harness
+gives the broker's ``url``). It needs
 pytest, pytest-asyncio and opentelemetry-sdk (``pip install "reliable-sub[testing]"``).
 """
 
@@ -42,13 +43,14 @@ from reliable_sub.testing.adapter_suite import (
     lifecycle,
     replay,
     settling,
+    stalls,
     telemetry,
 )
 from reliable_sub.testing.harness import Harness
 
 MODULES: tuple[ModuleType, ...] = (
     delivery, guarantees, lifecycle, hostile_handlers, hostile_results, settling, failures,
-    telemetry, replay, dead_letter_tools, inspection, bodies, batches,
+    telemetry, replay, dead_letter_tools, inspection, bodies, batches, stalls,
 )
 
 

@@ -1,19 +1,21 @@
-"""Deleting what a conformance run made on a real broker (its harness's names)."""
+"""Clean-ups of what a conformance run made on a shared broker (its names hold the run's
+prefix): RabbitMQ cannot list queues over AMQP, so the names given are deleted with every
+queue they may have made; NATS streams are found by a fragment of their name; Kafka topics and
+consumer groups are deleted by name."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from typing import Any
 
-# Seconds a cleanup request may take.
-CLEANUP_TIMEOUT = 30.0
+# Seconds a Kafka clean-up request may take.
+KAFKA_CLEANUP_TIMEOUT = 30.0
 
 
-async def delete_rabbitmq_names(url: str, prefix: str, names: Any) -> None:
-    """Delete the queues and exchanges a harness named (``names``: its names, or the harness
-    itself; AMQP cannot list them), and their settings queues; a name never used is fine."""
+async def delete_rabbitmq_names(url: str, prefix: str, names: list[str]) -> None:
+    """Delete the queues and exchanges of ``names`` (AMQP cannot list them), and their
+    settings queues; a name never used is fine."""
     import aio_pika
 
     from reliable_sub.adapters._rabbitmq_topology import delay_lengths
@@ -22,7 +24,7 @@ async def delete_rabbitmq_names(url: str, prefix: str, names: Any) -> None:
     try:
         channel = await connection.channel()
         lengths = delay_lengths()  # the delay queues a nack may have made
-        for name in getattr(names, "names", names):
+        for name in names:
             targets = [("queue_delete", name), ("exchange_delete", name),
                        ("queue_delete", f"{prefix}.settings.{name}")]
             if "-sub-" in name:
@@ -59,13 +61,13 @@ async def delete_kafka_names(bootstrap: str, names: Sequence[str]) -> None:
     from confluent_kafka.admin import AdminClient
 
     admin = AdminClient({"bootstrap.servers": bootstrap})
-    topics = set(admin.list_topics(timeout=CLEANUP_TIMEOUT).topics) & set(names)
+    topics = set(admin.list_topics(timeout=KAFKA_CLEANUP_TIMEOUT).topics) & set(names)
     groups = [name for name in names if name not in topics]
-    futures = list(admin.delete_topics(sorted(topics), operation_timeout=CLEANUP_TIMEOUT
+    futures = list(admin.delete_topics(sorted(topics), operation_timeout=KAFKA_CLEANUP_TIMEOUT
                                        ).values()) if topics else []
     if groups:
-        futures += admin.delete_consumer_groups(groups,
-                                                request_timeout=CLEANUP_TIMEOUT).values()
+        futures += admin.delete_consumer_groups(
+            groups, request_timeout=KAFKA_CLEANUP_TIMEOUT).values()
     for future in futures:
         with contextlib.suppress(KafkaException):  # a group never made, or one with members
             await asyncio.wrap_future(future)
