@@ -135,9 +135,9 @@ class PartitionOffsets:
 
     def __init__(self, committed: int, runs: Iterable[Run] = ()) -> None:
         self.fetched_to = committed  # one past the highest offset fetched
-        # fetched and not settled: offset -> times delivered (in fetch order)
+        # fetched and not settled: offset -> times delivered; in fetch order, which is offset
+        # order (only offsets past fetched_to are added), so the first is the mark
         self._unsettled: dict[int, int] = {}
-        self._order: deque[int] = deque()  # fetched offsets, oldest first (settled ones lazily)
         # what the metadata says of [fetched_to, its end): runs not yet reached by the fetch,
         # as [start, end, code]
         self._ahead: deque[list[int]] = deque()
@@ -173,7 +173,6 @@ class PartitionOffsets:
         self.fetched_to = offset + 1
         if not found.settled:
             self._unsettled[offset] = found.attempts
-            self._order.append(offset)
         return found
 
     def delivered(self, offset: int, attempts: int) -> None:
@@ -194,10 +193,7 @@ class PartitionOffsets:
     @property
     def mark(self) -> int:
         """The offset to commit: the lowest not settled (or the next to fetch)."""
-        order, unsettled = self._order, self._unsettled
-        while order and order[0] not in unsettled:
-            order.popleft()
-        return order[0] if order else self.fetched_to
+        return next(iter(self._unsettled), self.fetched_to)
 
     @property
     def pending(self) -> int:
@@ -207,13 +203,9 @@ class PartitionOffsets:
     def runs(self) -> list[Run]:
         """What is known above the mark, as runs (see the module's docstring); a trailing run
         of offsets never delivered is left out (unknown is the same as new)."""
-        mark = self.mark
         runs: list[Run] = []
-        at = mark
-        for offset in self._order:
-            attempts = self._unsettled.get(offset)
-            if attempts is None or offset < mark:
-                continue
+        at = self.mark
+        for offset, attempts in self._unsettled.items():  # what is pending, not all fetched
             if offset > at:
                 runs.append((offset - at, SETTLED))
             runs.append((1, attempts + 1))
@@ -231,10 +223,6 @@ class PartitionOffsets:
         """The offset and metadata to commit now; the change flag is cleared."""
         self.changed = False
         return self.mark, encode(self.runs(), limit)
-
-    def settled_below(self, end: int) -> int:
-        """How many offsets in ``[mark, end)`` are known settled (for the backlog figure)."""
-        return settled_between(self.mark, self.runs(), end)
 
 
 def settled_between(mark: int, runs: Iterable[Run], end: int) -> int:
