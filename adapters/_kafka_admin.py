@@ -16,6 +16,7 @@ last) is still the first one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -47,6 +48,14 @@ T = TypeVar("T")
 REQUEST_TIMEOUT = 15.0
 # The settings topic: one partition (one writer order), compacted (one record per subscription).
 SETTINGS_TOPIC_CONFIG = {"cleanup.policy": "compact"}
+# Errors a request meets while the cluster settles, asked again (with a doubling wait between
+# RETRY_MIN and RETRY_MAX seconds) until REQUEST_TIMEOUT.
+_SETTLING = frozenset({
+    KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.LEADER_NOT_AVAILABLE,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.NOT_COORDINATOR,
+    KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.REQUEST_TIMED_OUT,
+})
+RETRY_MIN, RETRY_MAX = 0.02, 0.5
 # Seconds reading the settings topic may take.
 SETTINGS_READ_TIMEOUT = 15.0
 
@@ -92,14 +101,32 @@ class Admin:
             self._client = AdminClient(self._config)
         return self._client
 
-    async def _result(self, future: Any, what: str) -> Any:
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), REQUEST_TIMEOUT)
-        except asyncio.TimeoutError:
-            raise ConnectionError(f"Kafka at {self.bootstrap} did not answer {what} within "
-                                  f"{REQUEST_TIMEOUT:g}s; is it reachable?") from None
-        except KafkaException as error:
-            raise self._error(error.args[0], what) from None
+    async def _call(self, make: Callable[[], Any], what: str,
+                    accept: dict[int, Any] | None = None, retry: bool = True) -> Any:
+        """Await the future ``make()`` returns; asked again while the cluster settles (a
+        partition just created has no leader yet, a coordinator is loading), up to
+        REQUEST_TIMEOUT (without ``retry``: ``_Settling`` is raised for the caller to ask
+        again). An error whose code is in ``accept`` gives that value instead."""
+        give_up = time.monotonic() + REQUEST_TIMEOUT
+        wait = RETRY_MIN
+        while True:
+            remaining = max(0.001, give_up - time.monotonic())
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(make()), remaining)
+            except asyncio.TimeoutError:
+                raise ConnectionError(f"Kafka at {self.bootstrap} did not answer {what} "
+                                      f"within {REQUEST_TIMEOUT:g}s; is it reachable?") from None
+            except KafkaException as failure:
+                error: KafkaError = failure.args[0]
+                if accept is not None and error.code() in accept:
+                    return accept[error.code()]
+                settling = error.code() in _SETTLING or error.retriable()
+                if settling and not retry:
+                    raise _Settling(error.str()) from None
+                if not settling or time.monotonic() + wait >= give_up:
+                    raise self._error(error, what) from None
+            await asyncio.sleep(wait)
+            wait = min(RETRY_MAX, 2 * wait)
 
     def _error(self, error: KafkaError, what: str) -> Exception:
         if error.code() in (KafkaError.TOPIC_AUTHORIZATION_FAILED,
@@ -110,57 +137,62 @@ class Admin:
 
     # -- topics ------------------------------------------------------------------------------
 
+    async def _description(self, topic: str) -> Any:
+        return await self._call(
+            lambda: self.client.describe_topics(TopicCollection([topic]),
+                                                request_timeout=REQUEST_TIMEOUT)[topic],
+            f"describing topic {topic!r}", {KafkaError.UNKNOWN_TOPIC_OR_PART: None})
+
     async def partitions(self, topic: str) -> list[int] | None:
         """The partitions of ``topic``, None if it does not exist."""
-        future = self.client.describe_topics(TopicCollection([topic]),
-                                             request_timeout=REQUEST_TIMEOUT)[topic]
-        try:
-            description = await asyncio.wait_for(asyncio.wrap_future(future), REQUEST_TIMEOUT)
-        except asyncio.TimeoutError:
-            raise ConnectionError(f"Kafka at {self.bootstrap} did not describe topic {topic!r} "
-                                  f"within {REQUEST_TIMEOUT:g}s; is it reachable?") from None
-        except KafkaException as error:
-            if error.args[0].code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
-                return None
-            raise self._error(error.args[0], f"describing topic {topic!r}") from None
+        description = await self._description(topic)
+        if description is None:
+            return None
         return sorted(partition.id for partition in description.partitions)
 
     async def create_topic(self, topic: str, partitions: int | None,
                            replication_factor: int | None,
                            config: dict[str, str] | None = None) -> bool:
-        """Create ``topic`` (the broker's defaults for what is None); False if it existed."""
+        """Create ``topic`` (the broker's defaults for what is None) and wait until each of its
+        partitions has a leader; False if it existed."""
         new = NewTopic(topic, -1 if partitions is None else partitions,
                        -1 if replication_factor is None else replication_factor,
                        config=dict(config or {}))
-        future = self.client.create_topics([new], operation_timeout=REQUEST_TIMEOUT,
-                                           request_timeout=REQUEST_TIMEOUT)[topic]
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(future), REQUEST_TIMEOUT)
-        except asyncio.TimeoutError:
-            raise ConnectionError(f"Kafka at {self.bootstrap} did not create topic {topic!r} "
-                                  f"within {REQUEST_TIMEOUT:g}s; is it reachable?") from None
-        except KafkaException as error:
-            if error.args[0].code() == KafkaError.TOPIC_ALREADY_EXISTS:
-                return False
-            raise self._error(error.args[0], f"creating topic {topic!r}") from None
-        return True
+        created = await self._call(
+            lambda: self.client.create_topics([new], operation_timeout=REQUEST_TIMEOUT,
+                                              request_timeout=REQUEST_TIMEOUT)[topic],
+            f"creating topic {topic!r}", {KafkaError.TOPIC_ALREADY_EXISTS: False})
+        give_up = time.monotonic() + REQUEST_TIMEOUT
+        wait = RETRY_MIN
+        while True:  # the controller elects the new partitions' leaders a moment later
+            description = await self._description(topic)
+            if description is not None and all(p.leader is not None
+                                               for p in description.partitions):
+                break
+            if time.monotonic() > give_up:
+                raise ConnectionError(f"topic {topic!r} on {self.bootstrap} has partitions "
+                                      f"without a leader {REQUEST_TIMEOUT:g}s after creation")
+            await asyncio.sleep(wait)
+            wait = min(RETRY_MAX, 2 * wait)
+        return created is not False
 
     # -- offsets -----------------------------------------------------------------------------
 
     async def group_offsets(self, group: str, topic: str) -> dict[int, tuple[int, str | None]]:
         """The group's committed offsets (and their metadata) on ``topic``, by partition."""
-        request = ConsumerGroupTopicPartitions(group)
-        futures = self.client.list_consumer_group_offsets([request],
-                                                          request_timeout=REQUEST_TIMEOUT)
-        found = await self._result(futures[group], f"listing group {group!r}'s offsets")
+        found = await self._call(
+            lambda: self.client.list_consumer_group_offsets(
+                [ConsumerGroupTopicPartitions(group)], request_timeout=REQUEST_TIMEOUT)[group],
+            f"listing group {group!r}'s offsets")
         return {tp.partition: (tp.offset, tp.metadata) for tp in found.topic_partitions
                 if tp.topic == topic and tp.offset >= 0 and tp.error is None}
 
     async def set_group_offsets(self, group: str, offsets: list[TopicPartition]) -> None:
-        request = ConsumerGroupTopicPartitions(group, offsets)
-        futures = self.client.alter_consumer_group_offsets([request],
-                                                           request_timeout=REQUEST_TIMEOUT)
-        await self._result(futures[group], f"setting group {group!r}'s offsets")
+        await self._call(
+            lambda: self.client.alter_consumer_group_offsets(
+                [ConsumerGroupTopicPartitions(group, offsets)],
+                request_timeout=REQUEST_TIMEOUT)[group],
+            f"setting group {group!r}'s offsets")
 
     async def offsets(self, topic: str, partitions: list[int], latest: bool = True
                       ) -> dict[int, int]:
@@ -170,13 +202,27 @@ class Admin:
             return {}
         spec = (OffsetSpec.latest() if latest  # type: ignore[no-untyped-call]
                 else OffsetSpec.earliest())  # type: ignore[no-untyped-call]
-        futures = self.client.list_offsets(
-            {TopicPartition(topic, p): spec for p in partitions},
-            isolation_level=_read_committed(), request_timeout=REQUEST_TIMEOUT)
-        found = {}
-        for tp, future in futures.items():
-            found[tp.partition] = (await self._result(future, f"listing {topic!r}'s offsets")
-                                   ).offset
+        found: dict[int, int] = {}
+        pending, give_up, wait = list(partitions), time.monotonic() + REQUEST_TIMEOUT, RETRY_MIN
+        while pending:
+            futures = self.client.list_offsets(
+                {TopicPartition(topic, p): spec for p in pending},
+                isolation_level=_read_committed(), request_timeout=REQUEST_TIMEOUT)
+            again = []
+            for tp, future in futures.items():
+                try:
+                    found[tp.partition] = (await self._call(
+                        functools.partial(_given, future), f"listing {topic!r}'s offsets",
+                        retry=False)).offset
+                except _Settling:
+                    again.append(tp.partition)
+            pending = again
+            if pending:
+                if time.monotonic() + wait >= give_up:
+                    raise ConnectionError(f"Kafka at {self.bootstrap} kept refusing to list "
+                                          f"{topic!r}'s offsets of partitions {pending}")
+                await asyncio.sleep(wait)
+                wait = min(RETRY_MAX, 2 * wait)
         return found
 
     async def start_at_end(self, group: str, topic: str) -> None:
@@ -253,6 +299,14 @@ class Admin:
         if held != settings:  # another recorded first: keep its record the last one too
             await publish(self.settings_topic, subscription.encode(), held.to_json())
         return held
+
+
+def _given(future: T) -> T:
+    return future
+
+
+class _Settling(Exception):
+    """A request refused while the cluster settles (see Admin._call)."""
 
 
 def _read_committed() -> Any:
