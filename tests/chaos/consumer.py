@@ -1,7 +1,7 @@
 """A consumer process for the fault-injection scenarios: ``python tests/chaos/consumer.py CFG``.
 
 ``CFG`` is JSON (see :class:`tests.chaos.fleet.Fleet`). The process runs one Subscriber on Redis
-Streams or Pub/Sub until SIGTERM (graceful) or SIGKILL. Its handler waits a random time in
+Streams, Pub/Sub or Kafka until SIGTERM (graceful) or SIGKILL. Its handler waits a random time in
 ``handler_ms`` and then records its **effect outside the consumer**, keyed by the message's
 payload number ``n``:
 
@@ -53,6 +53,13 @@ def make_adapter() -> Adapter:
         base: type = RedisStreamsAdapter
         args: tuple[Any, ...] = (cfg["broker_url"],)
         options: dict[str, Any] = {"consumer": cfg["consumer"], "key_prefix": cfg["prefix"]}
+    elif cfg["adapter"] == "kafka":
+        from reliable_sub.adapters.kafka import KafkaAdapter
+
+        base, args = KafkaAdapter, (cfg["broker_url"],)
+        options = {"prefix": cfg["prefix"], "client_id": cfg["consumer"],
+                   "consumer_config": {"session.timeout.ms": cfg["kafka_session_ms"],
+                                       "heartbeat.interval.ms": 500}}
     else:
         from reliable_sub.adapters.pubsub import PubSubAdapter
 

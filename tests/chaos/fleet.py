@@ -40,6 +40,11 @@ PUBSUB_PROJECT = "reliable-sub-chaos"
 # long after its last extension. Pub/Sub's shortest is 10 s.
 REDIS_ACK_DEADLINE = 2.0
 PUBSUB_ACK_DEADLINE = 10.0
+# Kafka: the ack deadline the adapter keeps (a killed consumer's partitions move after its
+# session times out, KAFKA_SESSION_MS), over 12 partitions.
+KAFKA_ACK_DEADLINE = 2.0
+KAFKA_PARTITIONS = 12
+KAFKA_SESSION_MS = 6000  # the broker's group.min.session.timeout.ms
 # How often the load is published, in batches.
 PUBLISH_TICK = 0.05
 
@@ -64,10 +69,11 @@ class Count:
 class World:
     """One scenario's broker objects and effect store (see the module's docstring)."""
 
-    adapter_kind: str  # "redis" or "pubsub"
+    adapter_kind: str  # "redis", "pubsub" or "kafka"
     dedup: str  # "sql", "redis" or "none"
     name: str = field(default_factory=lambda: f"chaos-{uuid.uuid4().hex[:10]}")
-    broker_url: str = ""  # Redis Streams: the broker's Redis (default: the shared one)
+    broker_url: str = ""  # Redis Streams: the broker's Redis (default: the shared one); Kafka:
+    # the bootstrap servers
     messages: int = 0  # the load: how many, published evenly over load_seconds
     load_seconds: float = 0.0
     dedup_on_broker: bool = False  # the Redis dedup store on the broker's Redis (one server)
@@ -85,8 +91,8 @@ class World:
         self.effects_table = f"{suffix}_effects"
         self.processed_table = f"{suffix}_processed"
         self.postgres = postgres_url() if self.dedup == "sql" else ""
-        self.ack_deadline = REDIS_ACK_DEADLINE if self.adapter_kind == "redis" else \
-            PUBSUB_ACK_DEADLINE
+        self.ack_deadline = {"redis": REDIS_ACK_DEADLINE, "kafka": KAFKA_ACK_DEADLINE}.get(
+            self.adapter_kind, PUBSUB_ACK_DEADLINE)
         self._engine: Any = None
         self._effects_client: aioredis.Redis | None = None
 
@@ -97,6 +103,10 @@ class World:
 
             return RedisStreamsAdapter(self.broker_url, consumer="chaos-test",
                                        key_prefix=self.name)
+        if self.adapter_kind == "kafka":
+            from reliable_sub.adapters.kafka import KafkaAdapter
+
+            return KafkaAdapter(self.broker_url, prefix=self.name, partitions=KAFKA_PARTITIONS)
         from reliable_sub.adapters.pubsub import PubSubAdapter
 
         return PubSubAdapter(PUBSUB_PROJECT)
@@ -153,7 +163,19 @@ class World:
         finally:
             await client.aclose()
 
+    async def kafka_backlog(self, adapter: Adapter) -> int:
+        """Kafka: records of the group not yet committed as settled (its exact backlog)."""
+        from reliable_sub.ports import Inspectable
+
+        assert isinstance(adapter, Inspectable)
+        return (await adapter.subscription_stats(self.subscription)).backlog or 0
+
     async def tear_down(self) -> None:
+        if self.adapter_kind == "kafka":
+            from reliable_sub.testing.cleanup import delete_kafka_names
+
+            await delete_kafka_names(self.broker_url, [
+                self.topic, self.subscription, f"{self.name}-subscriptions"])
         if self._effects_client is not None:
             await self._effects_client.delete(self.effects_key)
             keys = [key async for key in self._effects_client.scan_iter(f"{self.name}*")]
@@ -182,6 +204,7 @@ class World:
             "handler_ms": list(handler_ms), "seed": seed, "max_messages": max_messages,
             "min_extension": min(1.0, self.ack_deadline / 2),
             "max_extension": self.ack_deadline, "stop_timeout": stop_timeout,
+            "kafka_session_ms": KAFKA_SESSION_MS,
             "sabotage": sabotage,
         }
 

@@ -112,7 +112,7 @@ async def under_load(
         if not publishing.done():
             publishing.cancel()
     if settle:
-        await drain(world)
+        await drain(world, adapter)
         await fleet.terminate_all(within=STOP_TIMEOUT + 10)
     return time.monotonic() - started
 
@@ -182,20 +182,27 @@ async def one_fault(world: World, fleet: Fleet, adapter: Any,
     finally:
         if not publishing.done():
             publishing.cancel()
-    await drain(world)
+    await drain(world, adapter)
     await fleet.terminate_all(within=STOP_TIMEOUT + 10)
     return FaultRun(time.monotonic() - started, recovery, outage, published_before)
 
 
-async def drain(world: World) -> None:
+async def drain(world: World, adapter: Any = None) -> None:
     """Wait until nothing is left to deliver: on Redis Streams, nothing pending or undelivered
-    in the group; on Pub/Sub (no backlog query on the emulator), no new effect for an ack
+    in the group; on Kafka, no backlog in the group's commits (``adapter``: the test's own);
+    on Pub/Sub (no backlog query on the emulator), no new effect for an ack
     deadline and a margin, so a killed consumer's messages have come back and been handled."""
     give_up = time.monotonic() + SETTLE_WITHIN
     if world.adapter_kind == "redis":
         while await world.redis_backlog():
             if time.monotonic() > give_up:
                 raise AssertionError(f"{await world.redis_backlog()} entries still pending")
+            await asyncio.sleep(POLL)
+        return
+    if world.adapter_kind == "kafka":
+        while backlog := await world.kafka_backlog(adapter):
+            if time.monotonic() > give_up:
+                raise AssertionError(f"{backlog} records still not committed as settled")
             await asyncio.sleep(POLL)
         return
     quiet_for = world.ack_deadline + 3.0
