@@ -57,7 +57,8 @@ async def stats(adapter: Adapter, subscriptions: tuple[str, ...],
 
     With --json: an object for one subscription, a list of them for several. The lease
     deadline consumers use now is theirs: see the reliable_sub.lease.deadline metric. Pub/Sub
-    reports backlogs through Cloud Monitoring only: they show as unknown.
+    reports backlogs through Cloud Monitoring only: they show as unknown. SQS's counts are
+    estimates: shown as ~N ("approximate": true in JSON).
     """
     if iterations is not None and watch is None:
         fail(USAGE, "--iterations counts the readings of --watch: give --watch SECONDS too")
@@ -122,6 +123,7 @@ async def figures_of(adapter: Inspectable, subscription: str,
         "oldest_unacked_age_seconds": figures.oldest_unacked_age,
         "ack_deadline_seconds": figures.ack_deadline,
         "dead_lettered_waiting": dead_lettered_waiting,
+        "approximate": figures.approximate,
     }
 
 
@@ -146,9 +148,19 @@ def _shown(rows: list[dict[str, Any]], dead_letters: bool
     """The table's columns and rows (a dead-letter column when a queue was named)."""
     names = [name for name in HEADINGS if name != "dead_lettered_waiting" or dead_letters]
     return (["subscription", *(HEADINGS[name] for name in names)],
-            [[row["subscription"], *(UNKNOWN if row[name] is None
-                                     else _FORMATS.get(name, str)(row[name])
-                                     for name in names)] for row in rows])
+            [[row["subscription"], *(_cell(row, name) for name in names)] for row in rows])
+
+
+# The figures a broker may only estimate (SQS): shown as "~12" when it says they are estimates.
+_ESTIMATED = frozenset({"backlog", "in_flight"})
+
+
+def _cell(row: dict[str, Any], name: str) -> str:
+    value = row[name]
+    if value is None:
+        return UNKNOWN
+    shown = _FORMATS.get(name, str)(value)
+    return f"~{shown}" if row.get("approximate") and name in _ESTIMATED else shown
 
 
 COMMANDS = [stats, top]
