@@ -117,14 +117,16 @@ async def _show(adapter: Adapter, subscriptions: Sequence[str], dead_letters: st
 async def figures_of(adapter: Inspectable, subscription: str,
                      dead_lettered_waiting: int | None) -> dict[str, Any]:
     figures = await adapter.subscription_stats(subscription)
-    return {
+    row = {
         "subscription": subscription,
         "backlog": figures.backlog, "in_flight": figures.in_flight,
         "oldest_unacked_age_seconds": figures.oldest_unacked_age,
         "ack_deadline_seconds": figures.ack_deadline,
         "dead_lettered_waiting": dead_lettered_waiting,
-        "approximate": figures.approximate,
     }
+    if figures.approximate:  # only where the broker says so (SQS): others' rows are as ever
+        row["approximate"] = True
+    return row
 
 
 def show(title: str, rows: list[dict[str, Any]], as_json: bool, dead_letters: bool,
