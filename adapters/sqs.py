@@ -99,8 +99,10 @@ class SqsAdapter(InstrumentedPublishing):
         region_name: the AWS region (default: ``AWS_DEFAULT_REGION`` or the profile's, else
             ``AWS_REGION``); none at all is a ConfigurationError.
         profile_name: the AWS profile (default: ``AWS_PROFILE`` or ``default``).
-        aws_access_key_id, aws_secret_access_key, aws_session_token: credentials (default:
-            the usual chain: environment, profile, instance or task role).
+        aws_access_key_id: credentials (with the next two; default: the usual chain:
+            environment, profile, instance or task role).
+        aws_secret_access_key: the key's secret.
+        aws_session_token: a temporary credential's token.
         queue_prefix: put before every topic's and subscription's queue name (``prod-``),
             and in the dedup namespaces.
         max_pool_connections: HTTP connections per event loop's client.
