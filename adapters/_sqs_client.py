@@ -128,6 +128,23 @@ def settings_of(endpoint_url: str | None, region_name: str | None, profile_name:
     return Settings(endpoint_url, region, options, pool)
 
 
+# botocore's data loader (the service models it read from disk, and caches): one for every
+# session of the process. A session per event loop keeps credentials that refresh (their locks
+# belong to a loop) apart; loading the models again cost ~60 ms a new loop, seconds on a loaded
+# machine, inside the first receive call's bound.
+_loader: Any = None
+_loader_lock = threading.Lock()
+
+
+def _share_the_loader(session: Any) -> None:
+    global _loader
+    with _loader_lock:
+        if _loader is None:
+            _loader = session.get_component("data_loader")
+        else:
+            session.register_component("data_loader", _loader)
+
+
 class AsyncClient:
     """One event loop's aiobotocore client, made on first use; counts its requests."""
 
@@ -144,6 +161,7 @@ class AsyncClient:
         async with self._lock:
             if self._client is None:
                 session = get_session()
+                _share_the_loader(session)
                 profile = self._settings.options.get("profile_name")
                 if profile is not None:
                     session.set_config_variable("profile", profile)
