@@ -2,7 +2,8 @@
 
 Writing: the body is the data; ``message_id`` a fresh id (the message's identity on every
 adapter: dead letters and replays name messages by it); ``timestamp`` the publish time;
-delivery mode persistent; ``content_type`` from the ``content-type`` attribute. Attributes are
+delivery mode persistent; ``content_type``, ``correlation_id``, ``reply_to`` ... from the
+attributes of their names (adapters/_rabbitmq_properties.py). Attributes are
 headers of their own name with string values, unless one cannot be (a name over 255 bytes or
 starting ``x-``, RabbitMQ's own; text that is not valid Unicode, a lone surrogate): then all of
 them travel as one JSON object in the header ``reliable-sub-attributes``. The ordering key is
@@ -11,7 +12,8 @@ the header ``reliable-sub-ordering-key``.
 Reading: ``delivery_attempt`` is the quorum queue's ``x-delivery-count`` plus one. Headers of
 other publishers become attributes too, whatever their AMQP type: numbers, booleans and
 decimals as text, timestamps in ISO 8601, bytes as UTF-8 (else base64), tables and arrays as
-JSON. RabbitMQ's own headers (``x-delivery-count``, ``x-death`` ...) are left out. A message
+JSON. RabbitMQ's own headers (``x-delivery-count``, ``x-death`` ...) are left out. The
+properties are attributes too, over headers of their names. A message
 without a ``message_id`` (another publisher's) gets ``sha256:`` and the digest of its body and
 properties: two such messages alike in every byte are one to a dedup store.
 """
@@ -30,9 +32,14 @@ from typing import Any
 import aio_pika
 from aio_pika.abc import AbstractIncomingMessage, DeliveryMode
 
+from reliable_sub.adapters._rabbitmq_properties import (
+    kept_properties,
+    properties,
+    read_properties,
+)
 from reliable_sub.errors import InvalidMessageError
 from reliable_sub.message import Message
-from reliable_sub.ports import CONTENT_TYPE, attributes_from_json
+from reliable_sub.ports import attributes_from_json
 
 ATTRIBUTES_HEADER = "reliable-sub-attributes"
 ORDERING_KEY_HEADER = "reliable-sub-ordering-key"
@@ -68,7 +75,7 @@ def outgoing(payload: bytes, attributes: dict[str, str], ordering_key: str | Non
     return aio_pika.Message(
         payload, headers=headers, message_id=uuid.uuid4().hex,
         timestamp=datetime.now(timezone.utc), delivery_mode=DeliveryMode.PERSISTENT,
-        content_type=attributes.get(CONTENT_TYPE))
+        **properties(attributes))
 
 
 def _plain(name: str, value: str) -> bool:
@@ -99,10 +106,18 @@ def incoming(raw: AbstractIncomingMessage, subscription: str) -> tuple[Message, 
     if ordering_key is not None and not isinstance(ordering_key, str):
         problem = f"{ORDERING_KEY_HEADER} header is a {type(ordering_key).__name__}, not text"
         ordering_key = None
+    read_properties(raw, attributes)
     attempt = _count(headers.get(DELIVERY_COUNT_HEADER)) + _count(
         headers.get(EARLIER_DELIVERIES_HEADER)) + 1
     return Message.received(message_id(raw), bytes(raw.body), attributes, attempt,
                             _utc(raw.timestamp), ordering_key or None, subscription), problem
+
+
+def unreadable(raw: AbstractIncomingMessage, subscription: str) -> Message:
+    """The message ``raw`` carries when its parse raised: its body and properties, and nothing
+    of its headers (where the parse failed)."""
+    return Message(id=str(raw.message_id or f"tag-{raw.delivery_tag}"), data=bytes(raw.body),
+                   attributes=read_properties(raw, {}), subscription=subscription)
 
 
 def _count(value: object) -> int:
@@ -111,13 +126,13 @@ def _count(value: object) -> int:
 
 def delayed_copy(raw: AbstractIncomingMessage, attempt: int) -> aio_pika.Message:
     """The copy of ``raw`` (delivered as ``attempt``) a delay queue holds back: the same body,
-    id and headers, counting the deliveries so far."""
+    id, headers and properties, counting the deliveries so far."""
     headers = {k: v for k, v in (raw.headers or {}).items() if k not in _BROKER_HEADERS}
     headers[EARLIER_DELIVERIES_HEADER] = attempt
+    kept = kept_properties(raw, headers)
     return aio_pika.Message(
         bytes(raw.body), headers=headers, message_id=message_id(raw), timestamp=raw.timestamp,
-        delivery_mode=DeliveryMode.PERSISTENT, content_type=raw.content_type,
-        correlation_id=raw.correlation_id, app_id=raw.app_id, type=raw.type)
+        delivery_mode=DeliveryMode.PERSISTENT, **kept)
 
 
 def message_id(raw: AbstractIncomingMessage) -> str:

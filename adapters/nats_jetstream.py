@@ -11,8 +11,9 @@ consumer agrees on them and ``subscription_topic`` works from the name alone.
 A message carries its attributes as one JSON header (``Reliable-Sub-Attributes``: a header can
 hold neither every attribute name nor a value with a line break) and its ordering key as a JSON
 string in ``Reliable-Sub-Ordering-Key``. Plain headers from other publishers are read as
-attributes too. The message id is the stream sequence, ``delivery_attempt`` the server's
-delivery count (``num_delivered``), the publish time the time the stream stored the message.
+attributes too, and their ``Nats-Msg-Id`` as ``nats-msg-id`` (adapters/_nats_headers.py).
+The message id is the stream sequence, ``delivery_attempt`` the server's delivery count
+(``num_delivered``), the publish time the time the stream stored the message.
 
 Leasing. ``extend`` sends in-progress acks (``+WPI``), which restart the consumer's ``AckWait``:
 an extension is limited to the ack deadline, as on Redis. ``nack(delay)`` is a ``-NAK`` with
@@ -48,6 +49,12 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from reliable_sub._loops import PerLoop
+from reliable_sub.adapters._nats_headers import (
+    ATTRIBUTES_HEADER,
+    MSG_ID_HEADER,
+    ORDERING_KEY_HEADER,
+    read_headers,
+)
 from reliable_sub.adapters._nats_replies import delivery_fields
 from reliable_sub.adapters._nats_urls import servers_of
 from reliable_sub.dead_letters import REPLAYED_FROM_ATTRIBUTE
@@ -66,7 +73,6 @@ from reliable_sub.ports import (
     Outgoing,
     Payload,
     SubscriptionStats,
-    attributes_from_json,
     checked_message,
 )
 from reliable_sub.telemetry.publishing import InstrumentedPublishing
@@ -99,9 +105,6 @@ DEFAULT_ACK_DEADLINE = 30.0
 DEFAULT_PREFIX = "reliable-sub"
 # JetStream's own default; how long the stream remembers a Nats-Msg-Id.
 DEFAULT_DUPLICATE_WINDOW = 120.0
-ATTRIBUTES_HEADER = "Reliable-Sub-Attributes"
-ORDERING_KEY_HEADER = "Reliable-Sub-Ordering-Key"
-MSG_ID_HEADER = "Nats-Msg-Id"
 EXPECTED_STREAM_HEADER = "Nats-Expected-Stream"
 # A longer idempotency key is sent in Nats-Msg-Id as its SHA-256 (the header is kept per message
 # for the duplicate window).
@@ -565,7 +568,7 @@ class NatsJetStreamAdapter(InstrumentedPublishing):
     def _delivery(self, sub: _Subscription, msg: Msg) -> Delivery:
         message_id, delivered, stored_at = delivery_fields(msg.reply)
         # a publish without attributes has no headers: nothing else to read
-        attributes, ordering_key, problem = (_read_headers(msg.headers) if msg.headers
+        attributes, ordering_key, problem = (read_headers(msg.headers) if msg.headers
                                              else ({}, None, None))
         message = Message.received(message_id, msg.data, attributes, delivered, stored_at,
                                    ordering_key, sub.name)
@@ -675,7 +678,6 @@ def _subscription_of(name: str, settings: dict[str, Any]) -> _Subscription:
                          settings.get("max_ack_pending"), settings.get("max_deliver"))
 
 
-_OUR_HEADERS = frozenset({ATTRIBUTES_HEADER, ORDERING_KEY_HEADER})
 # "NATS/1.0\r\n" before the headers and "\r\n" after them
 _HEADER_FRAMING = 12
 
@@ -705,32 +707,6 @@ def _msg_id(attributes: dict[str, str]) -> str | None:
     if len(msg_id) <= MAX_PLAIN_MSG_ID and msg_id.isascii() and msg_id.isprintable():
         return msg_id
     return "sha256:" + hashlib.sha256(msg_id.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _read_headers(headers: dict[str, str]) -> tuple[dict[str, str], str | None, str | None]:
-    """A message's attributes and ordering key from its headers, and what was wrong with them
-    (None: nothing)."""
-    problem = None
-    attributes = {name: value for name, value in headers.items()
-                  if not name.startswith("Nats-") and name not in _OUR_HEADERS}
-    raw = headers.get(ATTRIBUTES_HEADER)
-    if raw is not None:
-        try:
-            attributes.update(attributes_from_json(raw))
-        except ValueError as error:
-            problem = f"{ATTRIBUTES_HEADER} header: {error}"
-    ordering_key = None
-    raw_key = headers.get(ORDERING_KEY_HEADER)
-    if raw_key:
-        # only a JSON string is parsed: a hostile header nested deep would make json.loads
-        # recurse to the interpreter's limit
-        if raw_key.startswith('"'):
-            with contextlib.suppress(ValueError):
-                ordering_key = json.loads(raw_key)
-        if not isinstance(ordering_key, str):
-            ordering_key = None
-            problem = f"{ORDERING_KEY_HEADER} header is not a JSON string: {raw_key[:100]!r}"
-    return attributes, ordering_key, problem
 
 
 __all__ = ["CAPABILITIES", "DEFAULT_URL", "NatsJetStreamAdapter"]

@@ -54,7 +54,7 @@ from reliable_sub.errors import (
     UnknownTopicError,
 )
 from reliable_sub.idempotency._background_loop import BackgroundLoop
-from reliable_sub.message import Delivery, Message
+from reliable_sub.message import Delivery
 from reliable_sub.ports import Capabilities, Outgoing, Payload, SubscriptionStats, checked_message
 from reliable_sub.telemetry.publishing import InstrumentedPublishing
 
@@ -68,7 +68,7 @@ try:
     from reliable_sub.adapters._rabbitmq_delays import hold_back
     from reliable_sub.adapters._rabbitmq_link import Link, problems_of
     from reliable_sub.adapters._rabbitmq_management import DEFAULT_TIMEOUT, ManagementAPI, Unlisted
-    from reliable_sub.adapters._rabbitmq_messages import incoming, outgoing
+    from reliable_sub.adapters._rabbitmq_messages import incoming, outgoing, unreadable
     from reliable_sub.adapters._rabbitmq_publishing import send
     from reliable_sub.adapters._rabbitmq_topology import (
         SETTINGS_WAIT,
@@ -415,9 +415,8 @@ class RabbitMQAdapter(InstrumentedPublishing):
     def _unreadable(self, consumer: Consumer, subscription: str,
                     raw: AbstractIncomingMessage, problem: str) -> Delivery:
         self.stats["malformed"] += 1
-        message = Message(id=str(raw.message_id or f"tag-{raw.delivery_tag}"),
-                          data=bytes(raw.body), subscription=subscription)
-        return Delivery(message, f"{consumer.generation}.{raw.delivery_tag}", malformed=problem)
+        return Delivery(unreadable(raw, subscription), f"{consumer.generation}.{raw.delivery_tag}",
+                        malformed=problem)
 
     def _live(self, deliveries: Sequence[Delivery]
               ) -> tuple[dict[str, tuple[Consumer, list[int]]], list[Delivery]]:

@@ -29,10 +29,12 @@ Subscription settings (topic, ack deadline) are kept in the hash ``{key_prefix}:
 so every consumer of a group agrees on the deadline. A group name belongs to one stream: using it
 for a second stream is refused (as Pub/Sub refuses a second subscription of one name).
 
+Fields beside these (another producer's ``correlation_id``) are attributes of their own names.
 An entry this adapter cannot read as a message (no ``data`` field, attributes that are not a JSON
 object of strings, a non-UTF-8 ordering key, or anything else its parse raises) is still
-delivered, marked malformed, so the Subscriber dead-letters it; the rest of its batch is
-delivered as usual (:func:`reliable_sub.entries.read_each`). An entry id past the year 9999 (an
+delivered, marked malformed and with every field kept (adapters/_redis_entries.py), so the
+Subscriber dead-letters it whole; the rest of its batch is delivered as usual
+(:func:`reliable_sub.entries.read_each`). An entry id past the year 9999 (an
 id given by hand) leaves the publish time None; a delivery counter past 2**53 or below 0 (set by
 hand with XCLAIM RETRYCOUNT, or wrapped around) is reset to 1 by the reclaim, as Lua cannot
 count it exactly and the ack could never match it.
@@ -54,6 +56,16 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from reliable_sub.adapters._redis_entries import (
+    LAYOUTS,
+    Entry,
+    entries_of,
+    field_map,
+    publish_time,
+    read_foreign,
+    unreadable,
+    written_fields,
+)
 from reliable_sub.entries import read_each
 from reliable_sub.errors import (
     ConfigurationError,
@@ -496,9 +508,13 @@ class RedisStreamsAdapter(InstrumentedPublishing):
 
     def _fields(
         self, data: Payload, attributes: dict[str, str] | None, ordering_key: str | None
-    ) -> dict[str, bytes]:
+    ) -> dict[str | bytes, bytes]:
         payload, checked = checked_message(data, attributes)
-        fields: dict[str, bytes] = {"data": payload}
+        if checked and not LAYOUTS.isdisjoint(checked):  # another producer's layout, again
+            foreign = written_fields(payload, checked, ordering_key)
+            if foreign is not None:
+                return foreign  # type: ignore[return-value]  # bytes keys: a dict is invariant
+        fields: dict[str | bytes, bytes] = {"data": payload}
         if checked:
             fields["attributes"] = json.dumps(checked, separators=(",", ":")).encode()
         if ordering_key:
@@ -605,7 +621,7 @@ class RedisStreamsAdapter(InstrumentedPublishing):
             return []
         if not reply:
             return []
-        return read_each(_entries_of(reply), functools.partial(self._delivery, sub),
+        return read_each(entries_of(reply), functools.partial(self._delivery, sub),
                          functools.partial(self._unreadable, sub))
 
     async def _reclaim_due(
@@ -625,14 +641,14 @@ class RedisStreamsAdapter(InstrumentedPublishing):
             return [], False
         sub.reclaim_from = _text(next_start)
         self._count_gone(sub, len(gone), [_text(g) for g in gone])
-        entries = [(_text(entry[0]), _field_map(entry[1]), int(count))
+        entries = [(_text(entry[0]), field_map(entry[1]), int(count))
                    for entry, count in zip(claimed, counts, strict=True)]
         deliveries = read_each(entries, functools.partial(self._delivery, sub),
                                functools.partial(self._unreadable, sub))
         self.stats["reclaimed"] += len(deliveries)
         return deliveries, sub.reclaim_from != "-"
 
-    def _delivery(self, sub: _Subscription, entry: _Entry) -> Delivery:
+    def _delivery(self, sub: _Subscription, entry: Entry) -> Delivery:
         entry_id, fields, attempt = entry
         problem = None
         attributes: dict[str, str] = {}
@@ -650,20 +666,21 @@ class RedisStreamsAdapter(InstrumentedPublishing):
             except UnicodeDecodeError as error:
                 problem = f"ordering-key field is not UTF-8 ({error})"
         data = fields.get(b"data")
-        if data is None:
-            names = sorted(name.decode("utf-8", "replace") for name in fields)
-            problem = f"no data field (fields: {names})"
-        message = Message.received(entry_id, data or b"", attributes, attempt,
-                                   _publish_time(entry_id), ordering_key, sub.name)
+        if (problem is not None or data is None
+                or len(fields) > 1 + (raw_attributes is not None) + (raw_key is not None)):
+            data, attributes, problem = read_foreign(fields, attributes, problem)
+        message = Message.received(entry_id, data, attributes, attempt,
+                                   publish_time(entry_id), ordering_key, sub.name)
         if problem is not None:
             return self._malformed(sub, message, attempt, problem)
         return Delivery(message, f"{entry_id}/{attempt}")
 
-    def _unreadable(self, sub: _Subscription, entry: _Entry, problem: str) -> Delivery:
-        """The delivery of an entry whose parse raised ``problem``: its data if it has a
-        ``data`` field, and nothing else of it."""
+    def _unreadable(self, sub: _Subscription, entry: Entry, problem: str) -> Delivery:
+        """The delivery of an entry whose parse raised ``problem``: all its fields, unread
+        (adapters/_redis_entries.py)."""
         entry_id, fields, attempt = entry
-        message = Message(id=entry_id, data=fields.get(b"data") or b"",
+        data, attributes = unreadable(fields)
+        message = Message(id=entry_id, data=data, attributes=attributes,
                           delivery_attempt=attempt, subscription=sub.name)
         return self._malformed(sub, message, attempt, problem)
 
@@ -835,50 +852,8 @@ def _ack_ids(deliveries: Sequence[Delivery]) -> list[str]:
     return [delivery.ack_id for delivery in deliveries]
 
 
-def _publish_time(entry_id: str) -> datetime | None:
-    """The time an entry id carries (its milliseconds part), or None when it is past what a
-    datetime holds (the year 9999): an id given by hand to XADD, and every later entry of its
-    stream, since Redis numbers those after it."""
-    return _time_of(entry_id.partition("-")[0])
-
-
-@functools.lru_cache(maxsize=64)  # entries added together share their millisecond
-def _time_of(milliseconds: str) -> datetime | None:
-    try:
-        return datetime.fromtimestamp(int(milliseconds) / 1000, tz=timezone.utc)
-    except (OverflowError, ValueError, OSError):
-        return None
-
-
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def _field_map(flat: Any) -> dict[bytes, bytes]:
-    """Stream fields from a raw script reply (a flat list) or a redis-py reply (a dict)."""
-    if isinstance(flat, dict):
-        return flat
-    return {flat[i]: flat[i + 1] for i in range(0, len(flat), 2)}
-
-
-# An entry as the adapter reads it: its id, its fields, and its delivery attempt.
-_Entry = tuple[str, dict[bytes, bytes], int]
-
-
-def _entries_of(reply: Any) -> list[_Entry]:
-    """Entries of an XREADGROUP reply (first deliveries), in RESP2 (list) or RESP3 (dict)
-    shape."""
-    streams = reply.items() if isinstance(reply, dict) else reply
-    entries: list[_Entry] = []
-    for stream in streams:
-        records = stream[1]
-        if records and isinstance(records[0], list | tuple) and len(records[0]) == 1:
-            records = records[0]  # RESP3 nests one level deeper
-        for entry_id, fields in records:
-            if fields is None:
-                continue  # deleted while pending: only XREADGROUP of history shows these
-            entries.append((_text(entry_id), _field_map(fields), 1))
-    return entries
 
 
 __all__ = ["CAPABILITIES", "DEFAULT_URL", "RedisStreamsAdapter", "hash_tag"]

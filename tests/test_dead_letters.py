@@ -9,10 +9,14 @@ from hypothesis import strategies as st
 from reliable_sub import Message
 from reliable_sub.dead_letters import publisher_attributes
 from reliable_sub.middleware.dead_letter import DEAD_LETTER_ATTRIBUTES, dead_letter_attributes
+from reliable_sub.ports import LAYOUT_ATTRIBUTES
 
 OURS = list(DEAD_LETTER_ATTRIBUTES)
-# Names a publisher might use: ordinary ones, ours, and ours behind one "publisher-" prefix.
-NAMES = st.sampled_from(["shop", "idempotency-key", *OURS, *(f"publisher-{n}" for n in OURS)])
+# Names a publisher might use: ordinary ones, ours, and ours behind one "publisher-" prefix;
+# and the layout attributes of a message from another producer (``redis-fields`` ...).
+RENAMED = [*OURS, *LAYOUT_ATTRIBUTES]
+NAMES = st.sampled_from(["shop", "idempotency-key", *RENAMED,
+                         *(f"publisher-{n}" for n in RENAMED)])
 
 
 def copy_of(attributes: dict[str, str]) -> dict[str, str]:
@@ -23,6 +27,14 @@ def copy_of(attributes: dict[str, str]) -> dict[str, str]:
 @given(st.dictionaries(NAMES, st.text(max_size=5), max_size=8))
 def test_the_publisher_s_attributes_come_back_unchanged(attributes: dict[str, str]) -> None:
     assert publisher_attributes(copy_of(attributes)) == attributes
+
+
+def test_layout_attributes_are_renamed_in_the_copy_and_restored() -> None:
+    """So the copy is written in the adapter's own layout, and a replay in the original."""
+    copy = copy_of({"redis-data-field": "__data__"})
+    assert "redis-data-field" not in copy
+    assert copy["publisher-redis-data-field"] == "__data__"
+    assert publisher_attributes(copy) == {"redis-data-field": "__data__"}
 
 
 def test_only_our_attributes_are_dropped() -> None:

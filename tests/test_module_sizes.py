@@ -14,10 +14,10 @@ SLACK = 10  # the "~": subscriber.py's 409 lines pass
 # Longer than LIMIT + SLACK today: their ceilings. Splitting one is welcome; growing one is not.
 CEILINGS = {
     "adapters/memory.py": 442,
-    "adapters/nats_jetstream.py": 736,
+    "adapters/nats_jetstream.py": 712,
     "adapters/pubsub.py": 749,
-    "adapters/rabbitmq.py": 465,
-    "adapters/redis_streams.py": 884,
+    "adapters/rabbitmq.py": 464,
+    "adapters/redis_streams.py": 859,
     "reliable_sub/dedup/_redis.py": 457,
     "reliable_sub/outbox/relay.py": 494,
     "reliable_sub/testing/dedup_suite.py": 417,

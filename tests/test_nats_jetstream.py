@@ -338,11 +338,51 @@ async def test_plain_headers_are_attributes_and_a_broken_attributes_header_is_ma
 
     got = await adapter.receive(sub, 10, timeout=1.0)
     by_data = {d.message.data: d for d in got}
-    assert by_data[b"from a Go service"].message.attributes == {"traceparent": "00-abc-def-01"}
+    assert by_data[b"from a Go service"].message.attributes == {"traceparent": "00-abc-def-01",
+                                                                "nats-msg-id": "go-1"}
     assert by_data[b"from a Go service"].malformed is None
     assert "not JSON" in (by_data[b"broken"].malformed or "")
     assert "'n' is a int" in (by_data[b"not strings"].malformed or "")
     await adapter.ack(got)
+
+
+async def test_a_foreign_nats_msg_id_is_an_attribute_through_a_dead_letter_and_its_replay(
+    adapter: NatsJetStreamAdapter,
+) -> None:
+    """#44 item 12 on NATS: another publisher's ``Nats-Msg-Id`` was dropped with the other
+    ``Nats-`` headers; it is the attribute ``nats-msg-id`` now (never sent as the header again:
+    a replay inside the duplicate window would be dropped). FastStream's own headers
+    (``correlation_id``, ``reply_to``) were plain headers, so attributes, already."""
+    from reliable_sub.dead_letters import DeadLetterQueue
+
+    topic, sub, dlq_topic, dlq_sub = await with_dead_letter_topic(adapter)
+    js = await adapter._js()
+    foreign = {"Nats-Msg-Id": "go-7", "correlation_id": "corr-7", "reply_to": "replies"}
+    await js.publish(topic, b"from a Go service", headers=foreign)
+    await adapter.publish(topic, b"ours", {"idempotency-key": "k-1"})
+    expected = {"nats-msg-id": "go-7", "correlation_id": "corr-7", "reply_to": "replies"}
+    seen: list[Message] = []
+    outcomes: list[Outcome] = []
+    subscriber = Subscriber(adapter, dead_letter=DeadLetterPolicy(dlq_topic, 1),
+                            on_outcome=lambda m, o: outcomes.append(o), receive_timeout=0.2)
+
+    @subscriber.handler(sub)
+    async def handle(message: Message) -> None:
+        seen.append(message)
+        if message.data != b"ours":
+            raise ValueError("refused")
+
+    async with subscriber:
+        await poll_until(lambda: len(outcomes) == 2, "both settled", WITHIN)
+    by_data = {m.data: m.attributes for m in seen}
+    assert by_data == {b"from a Go service": expected, b"ours": {"idempotency-key": "k-1"}}
+    queue = DeadLetterQueue(adapter, dlq_sub, wait=0.5)
+    [letter] = await queue.peek()
+    assert letter.attributes == expected
+    assert (await queue.replay([letter.id])).replayed == [letter.id]
+    [again] = await adapter.receive(sub, 10, timeout=WITHIN)
+    assert {k: again.message.attributes.get(k) for k in expected} == expected
+    await adapter.ack([again])
 
 
 async def test_a_malformed_message_is_dead_lettered_and_the_consumer_goes_on(

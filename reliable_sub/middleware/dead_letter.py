@@ -9,7 +9,7 @@ from typing import Any
 from .._text import describe_error, error_type, safe_str
 from ..message import Message
 from ..policy import DeadLetterPolicy, RetryPolicy
-from ..ports import Publisher, PublishesRouted
+from ..ports import LAYOUT_ATTRIBUTES, Publisher, PublishesRouted
 from . import CallNext, Context, Decision, Verdict
 
 logger = logging.getLogger("reliable_sub.subscriber")
@@ -140,7 +140,9 @@ def dead_letter_attributes(
     number of ``PUBLISHER_ATTRIBUTE_PREFIX``, gets one prefix more: ``error-type`` becomes
     ``publisher-error-type``, ``publisher-error-type`` becomes
     ``publisher-publisher-error-type``, so nothing collides and the renaming can be undone),
-    then where it came from and why it failed."""
+    then where it came from and why it failed. The layout attributes an adapter set on a message
+    from another producer (``LAYOUT_ATTRIBUTES``: ``redis-fields`` ...) are renamed the same
+    way: the copy is written in the adapter's own layout, and a replay restores them."""
     attributes = {
         (PUBLISHER_ATTRIBUTE_PREFIX + name if named_like_ours(name) else name): value
         for name, value in message.attributes.items()
@@ -158,10 +160,11 @@ def dead_letter_attributes(
 
 
 def named_like_ours(name: str) -> bool:
-    """``name`` is one of ours, behind any number of publisher prefixes."""
+    """``name`` is one of ours (or a layout attribute), behind any number of publisher
+    prefixes."""
     while name.startswith(PUBLISHER_ATTRIBUTE_PREFIX):
         name = name[len(PUBLISHER_ATTRIBUTE_PREFIX):]
-    return name in DEAD_LETTER_ATTRIBUTES
+    return name in DEAD_LETTER_ATTRIBUTES or name in LAYOUT_ATTRIBUTES
 
 
 def _cut(text: str, limit: int) -> str:

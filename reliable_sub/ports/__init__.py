@@ -37,6 +37,10 @@ from __future__ import annotations
 from ._broker import (
     CONTENT_TYPE,
     JSON_CONTENT_TYPE,
+    LAYOUT_ATTRIBUTES,
+    REDIS_DATA_FIELD_ATTRIBUTE,
+    REDIS_ENTRY_ATTRIBUTE,
+    REDIS_FIELDS_ATTRIBUTE,
     AcksWithCompletions,
     Adapter,
     Admin,
@@ -48,6 +52,7 @@ from ._broker import (
     Publisher,
     attributes_from_json,
     checked_message,
+    names_from_json,
 )
 from ._capabilities import (
     DescribesConnection,
@@ -76,6 +81,10 @@ from ._dedup import (
 __all__ = [
     "CONTENT_TYPE",
     "JSON_CONTENT_TYPE",
+    "LAYOUT_ATTRIBUTES",
+    "REDIS_DATA_FIELD_ATTRIBUTE",
+    "REDIS_ENTRY_ATTRIBUTE",
+    "REDIS_FIELDS_ATTRIBUTE",
     "AcksWithCompletions",
     "Adapter",
     "Admin",
@@ -106,4 +115,5 @@ __all__ = [
     "SyncDedupStore",
     "attributes_from_json",
     "checked_message",
+    "names_from_json",
 ]

@@ -41,6 +41,9 @@ class Capabilities:
             it back whatever the consumer says (RabbitMQ's ``consumer_timeout`` closes the
             channel); a Subscriber warns at start when ``LeasePolicy.max_lease_duration`` is
             not under it.
+        fan_out: every subscription of a topic gets each message published to it; False on a
+            broker where a topic has one subscription (SQS: a queue), which then refuses a
+            second one.
     """
 
     min_ack_deadline: float = 0.0
@@ -56,6 +59,7 @@ class Capabilities:
     cancel_safe_receive: bool = False
     messaging_system: str = "unknown"
     max_lease_duration: float = math.inf
+    fan_out: bool = True
 
     def clamp_deadline(self, seconds: float) -> float:
         """``seconds`` limited to the broker's accepted range."""
@@ -68,6 +72,16 @@ Payload: TypeAlias = object
 # The attribute that names the payload's format; JSON payloads get this value.
 CONTENT_TYPE = "content-type"
 JSON_CONTENT_TYPE = "application/json"
+# Attributes that describe the layout of a message read from another producer, which the adapter
+# writes again when it publishes one: the Redis adapter's (a field beside ``data``; an entry
+# without one). See docs/adapters/redis-streams.md. A dead-letter copy keeps them renamed, as it
+# keeps the publisher's attributes named like its own, so the copy is written in the adapter's
+# own layout (the dead-letter tools read it as any other); a replay restores them, and so the
+# original layout.
+REDIS_FIELDS_ATTRIBUTE = "redis-fields"  # a JSON array: the attributes that were fields
+REDIS_DATA_FIELD_ATTRIBUTE = "redis-data-field"  # the field that held the data
+REDIS_ENTRY_ATTRIBUTE = "redis-entry"  # "json": the data is a JSON object of all the fields
+LAYOUT_ATTRIBUTES = (REDIS_FIELDS_ATTRIBUTE, REDIS_DATA_FIELD_ATTRIBUTE, REDIS_ENTRY_ATTRIBUTE)
 
 
 def checked_message(
@@ -148,6 +162,20 @@ def attributes_from_json(raw: str | bytes | None) -> dict[str, str]:
     for name, item in value.items():
         if not isinstance(item, str):
             raise ValueError(f"attribute {name!r} is a {type(item).__name__}, not a string")
+    return value
+
+
+def names_from_json(raw: str) -> list[str]:
+    """Names an adapter stored as one JSON array of strings (the ``redis-fields`` attribute),
+    read back. Raises ValueError naming what is wrong."""
+    if not _at_most_one_level(raw):
+        raise ValueError("nested: names are one JSON array of strings")
+    try:
+        value = json.loads(raw)
+    except ValueError as error:
+        raise ValueError(f"not JSON ({error})") from None
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise ValueError("not a JSON array of strings")
     return value
 
 

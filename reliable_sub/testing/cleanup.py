@@ -1,10 +1,12 @@
 """Clean-ups of what a conformance run made on a shared broker (its names hold the run's
 prefix): RabbitMQ cannot list queues over AMQP, so the names given are deleted with every
-queue they may have made; NATS streams are found by a fragment of their name."""
+queue they may have made; NATS streams are found by a fragment of their name, SQS queues by
+their prefix."""
 
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 
 async def delete_rabbitmq_names(url: str, prefix: str, names: list[str]) -> None:
@@ -48,4 +50,16 @@ async def delete_nats_streams(url: str, fragment: str) -> None:
         await client.close()
 
 
-__all__ = ["delete_nats_streams", "delete_rabbitmq_names"]
+async def delete_sqs_queues(client_options: dict[str, Any], prefix: str) -> None:
+    """Delete the SQS queues whose names start with ``prefix`` (the server's at
+    ``client_options``: boto3's client arguments)."""
+    from aiobotocore.session import get_session
+
+    async with get_session().create_client("sqs", **client_options) as client:
+        listed = await client.list_queues(QueueNamePrefix=prefix, MaxResults=1000)
+        for url in listed.get("QueueUrls", []):
+            with contextlib.suppress(Exception):
+                await client.delete_queue(QueueUrl=url)
+
+
+__all__ = ["delete_nats_streams", "delete_rabbitmq_names", "delete_sqs_queues"]
