@@ -492,3 +492,33 @@ async def test_the_cli_reaches_kafka(kafka_broker: Any) -> None:
                                f"127.0.0.1:{port}", "stats", billing)
     assert unreachable.returncode == 3, unreachable.stderr
     assert time.monotonic() - started < 20
+
+
+async def test_the_cli_reaches_sqs(sqs_server: Any) -> None:
+    """#49: ``--sqs-endpoint`` with ``--sqs-queue-prefix`` (region and credentials from the
+    usual AWS settings): stats show SQS's estimates as such, and a missing subscription says
+    so."""
+    from reliable_sub.adapters.sqs import SqsAdapter
+
+    prefix = f"cli-{uuid.uuid4().hex[:8]}-"
+    adapter = SqsAdapter(**sqs_server.client_options, queue_prefix=prefix)
+    env = {k: v for k, v in sqs_server.environment.items() if k != "AWS_ENDPOINT_URL_SQS"}
+    args = ("--sqs-endpoint", sqs_server.endpoint_url, "--sqs-queue-prefix", prefix)
+    try:
+        await adapter.ensure_subscription("orders", "billing", ack_deadline=30)
+        for n in range(3):
+            await adapter.publish("orders", b"order-%d" % n)
+        [taken] = await adapter.receive("billing", 1, 2.0)
+        figures = as_json(reliable_sub(*args, "stats", "billing", "--json", env=env))
+        assert (figures["backlog"], figures["in_flight"], figures["approximate"],
+                figures["ack_deadline_seconds"]) == (3, 1, True, 30.0)
+        table = reliable_sub(*args, "stats", "billing", env=env)
+        assert table.returncode == 0 and "~3" in table.stdout, table.stdout + table.stderr
+        missing = reliable_sub(*args, "stats", "nothing", env=env)
+        assert missing.returncode == 4, missing.stderr
+        await adapter.ack([taken])
+    finally:
+        await adapter.close()
+        from reliable_sub.testing.cleanup import delete_sqs_queues
+
+        await delete_sqs_queues(sqs_server.client_options, prefix)

@@ -437,6 +437,7 @@ async def test_another_broker_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> N
         "redis_url": None, "redis_prefix": "reliable-sub", "nats_url": None,
         "nats_prefix": "reliable-sub", "amqp_url": None, "amqp_prefix": "reliable-sub",
         "kafka_bootstrap": None, "kafka_prefix": "reliable-sub",
+        "sqs_endpoint": None, "sqs_queue_prefix": "", "sqs_region": None,
         "pubsub_project": None, "memory_url": "memory://here"})
     assert connection.adapter() is memory
     await connection.reach_adapter(memory)
@@ -445,6 +446,7 @@ async def test_another_broker_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> N
         "redis_url": None, "redis_prefix": "reliable-sub", "nats_url": None,
         "nats_prefix": "reliable-sub", "amqp_url": None, "amqp_prefix": "reliable-sub",
         "kafka_bootstrap": None, "kafka_prefix": "reliable-sub",
+        "sqs_endpoint": None, "sqs_queue_prefix": "", "sqs_region": None,
         "pubsub_project": None, "memory_url": "http://x"})
     with pytest.raises(ValueError, match="--memory-url 'http://x'"):
         wrong.adapter()

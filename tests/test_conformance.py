@@ -1,4 +1,4 @@
-"""The shipped adapter suite, run against this package's adapters.
+"""The shipped adapter suite, run against this package's seven adapters.
 
 fakeredis stands in for Redis only on a laptop without one; under ``CI=true`` a missing Redis
 fails the Redis class instead.
@@ -21,10 +21,12 @@ from reliable_sub.testing.adapter_suite import inspection
 from reliable_sub.testing.harness import rabbitmq_harness
 from reliable_sub.testing.harness_kafka import kafka_harness
 from reliable_sub.testing.services import in_ci, rabbitmq_url, redis_available
+from reliable_sub.testing.sqs_harness import sqs_harness
 from tests.kafka_processes import KafkaBroker
 from tests.nats_processes import NatsServer
 from tests.rabbitmq_processes import RabbitNode
 from tests.redis_processes import RedisClusterProcesses
+from tests.sqs_processes import SqsServer
 
 
 class TestMemoryAdapter(AdapterSuite):
@@ -137,3 +139,18 @@ class TestRabbitMQAdapterWithManagement:
     def make_harness(self) -> Harness:
         return rabbitmq_harness(self.node.url, ack_deadline=5.0,
                                 management_url=self.node.management_url)
+
+
+class TestSqsAdapter(AdapterSuite):
+    """On the session's private ElasticMQ (tests/conftest.py starts it: tests/sqs_processes.py),
+    with 2 s visibility timeouts (as the other brokers' 2 s leases) and half-second ticks (SQS
+    counts in whole seconds: see sqs_harness)."""
+
+    client_options: dict[str, str] = {}
+
+    @pytest.fixture(autouse=True)
+    def _on_the_server(self, sqs_server: SqsServer) -> None:
+        self.client_options = sqs_server.client_options
+
+    def make_harness(self) -> Harness:
+        return sqs_harness(self.client_options)

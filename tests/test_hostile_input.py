@@ -6,12 +6,12 @@ message's outcome exactly: acked, retried, dead-lettered with an error naming th
 refused at publish with a named exception.
 
 Payloads, attributes and idempotency keys run on all six adapters: the in-memory broker (on a
-ManualClock), Redis Streams (real Redis), the Pub/Sub emulator, NATS JetStream (a private
-nats-server), RabbitMQ (the shared broker) and Kafka (a private KRaft node). Each adapter gets
-one running Subscriber for the whole module (a ``world``): the hostile messages of one test after
-another go through the same consumer, which must still be healthy after all of them. Its
-dead-letter policy allows 2 handler failures, so a poison message is ``retried`` once, then
-``dead_lettered``. Records that only another Kafka producer writes (foreign headers, binary
+ManualClock), Redis Streams (real Redis), the Pub/Sub emulator, NATS JetStream (a private nats-
+server), RabbitMQ (the shared broker), SQS (a private ElasticMQ) and Kafka (a private KRaft node).
+Each adapter gets one running Subscriber for the whole module (a ``world``): the hostile messages
+of one test after another go through the same consumer, which must still be healthy after all of
+them. Its dead-letter policy allows 2 handler failures, so a poison message is ``retried`` once,
+then ``dead_lettered``. Records that only another Kafka producer writes (foreign headers, binary
 keys, tombstones) are in ``tests/test_kafka.py``.
 
 Handler behaviour (never returns, raises ``KeyboardInterrupt``/``SystemExit``/``CancelledError``,
@@ -85,12 +85,12 @@ from reliable_sub.testing.services import missing_service, rabbitmq_url
 # One event loop for the module: the worlds (a running Subscriber per adapter) outlive a test.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-ADAPTERS = ["memory", "redis", "pubsub", "nats", "rabbitmq", "kafka"]
+ADAPTERS = ["memory", "redis", "pubsub", "nats", "rabbitmq", "sqs", "kafka"]
 # Handler failures after which the worlds dead-letter a message: retried once, then dead.
 MAX_ATTEMPTS = 2
 # How long a world may take to settle a message: clock seconds (virtual on memory).
 WITHIN = {"memory": 300.0, "redis": 20.0, "pubsub": 30.0, "nats": 20.0, "rabbitmq": 20.0,
-          "kafka": 20.0}
+          "sqs": 20.0, "kafka": 20.0}
 
 MIB = 1024 * 1024
 # "10 MB": 10 MiB on memory and Redis. Pub/Sub's limit is 10,000,000 bytes per publish request
@@ -238,6 +238,12 @@ def _harness(name: str, request: pytest.FixtureRequest) -> Harness:
         if importlib.util.find_spec("confluent_kafka") is None:
             missing_service('the Kafka tests need pip install "reliable-sub[kafka]"')
         return kafka_harness(request.getfixturevalue("kafka_broker").bootstrap)
+    if name == "sqs":
+        if importlib.util.find_spec("aiobotocore") is None:
+            missing_service('the SQS tests need pip install "reliable-sub[sqs]"')
+        from reliable_sub.testing.sqs_harness import sqs_harness
+
+        return sqs_harness(request.getfixturevalue("sqs_server").client_options)
     if importlib.util.find_spec("google.cloud.pubsub_v1") is None:
         missing_service('the Pub/Sub tests need pip install "reliable-sub[pubsub]"')
     return pubsub_harness()  # starts the emulator; skips without it (fails under CI=true)
@@ -310,6 +316,12 @@ async def test_a_10_mb_payload(world: World) -> None:
         with pytest.raises(InvalidMessageError, match=r"larger than the producer's message\.max"):
             await world.publish(payload)
         payload = payload[:KAFKA_MAX_MESSAGE - 1000]  # room for the record's framing
+    elif world.name == "sqs":  # 1 MiB a message, body (base64 for binary data) and attributes
+        from reliable_sub.adapters._sqs_messages import largest_binary_payload
+
+        with pytest.raises(InvalidMessageError, match="over the limit of 1,048,576 bytes"):
+            await world.publish(payload)
+        payload = payload[:largest_binary_payload()]
     hostile, canary = await publish_beside_canary(world, payload)
     assert isinstance(hostile, str), hostile
     await world.settled({hostile: [Outcome.ACKED], canary: [Outcome.ACKED]})

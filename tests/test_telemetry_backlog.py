@@ -192,3 +192,43 @@ async def test_the_health_gauge_is_healthy_as_it_goes_and_has_no_point_between_r
         await sub.shutdown(timeout=1)
         await task
     assert healthy() == [], "stopped: no point"
+
+
+async def test_figures_the_broker_only_estimates_are_marked_approximate() -> None:
+    """#49: SQS's counts are estimates: their points say so (the oldest age, none on SQS, is
+    not an estimate of theirs)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from reliable_sub.clock import SystemClock
+    from reliable_sub.telemetry.backlog import APPROXIMATE, BacklogSampler, Sampled
+    from reliable_sub.telemetry.instruments import BacklogGauges
+
+    class Estimating:
+        approximate = True
+
+        async def subscription_stats(self, subscription: str) -> SubscriptionStats:
+            return SubscriptionStats(7, 2, None, 30.0, approximate=self.approximate)
+
+    reader = InMemoryMetricReader()
+    gauges = BacklogGauges(MeterProvider(metric_readers=[reader]).get_meter("test"))
+    adapter = Estimating()
+    sampled = Sampled("billing", {"messaging.destination.subscription.name": "billing"})
+    sampler = BacklogSampler(adapter, gauges, [sampled], SystemClock(), 60)
+    await sampler.sample(sampled)
+
+    def points() -> dict[str, list[tuple[float, bool]]]:
+        data = reader.get_metrics_data()
+        found: dict[str, list[tuple[float, bool]]] = {}
+        for resource in data.resource_metrics if data else []:
+            for scope in resource.scope_metrics:
+                for metric in scope.metrics:
+                    found[metric.name] = [(p.value, bool((p.attributes or {}).get(APPROXIMATE)))
+                                          for p in metric.data.data_points]
+        return found
+
+    assert points()["reliable_sub.subscription.backlog"] == [(7, True)]
+    assert points()["reliable_sub.subscription.unacked"] == [(2, True)]
+    adapter.approximate = False
+    await sampler.sample(sampled)
+    assert (7, False) in points()["reliable_sub.subscription.backlog"]

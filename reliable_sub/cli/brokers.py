@@ -42,9 +42,10 @@ class Broker:
             None for an adapter without one.
         probe: one call that must get an answer from the broker within --connect-timeout
             before the command starts (any answer will do: a refusal proves it is there).
-        settings: more options of this broker, as (option, help, URL schemes or None); their
-            values (checked as URLs of those schemes first) reach ``build`` as keyword
-            arguments named after the option, when given.
+        settings: more options of this broker, as (option, help, URL schemes, or None for a
+            value that is no URL); their values (URLs checked against those schemes first)
+            reach ``build`` as keyword arguments named after the option, when given.
+        prefix_name: the prefix option when not ``--<name>-prefix`` (``--sqs-queue-prefix``).
     """
 
     option: str
@@ -54,6 +55,7 @@ class Broker:
     prefix: str | None = None
     probe: Callable[[str, Adapter], Awaitable[None]] = ask_for_a_topic
     settings: tuple[tuple[str, str, tuple[str, ...] | None], ...] = ()
+    prefix_name: str | None = None
 
     @property
     def param(self) -> str:
@@ -71,8 +73,8 @@ class Broker:
 
     @property
     def prefix_option(self) -> str:
-        """``--redis-prefix`` for ``--redis-url``."""
-        return f"--{self.param.split('_')[0]}-prefix"
+        """``--redis-prefix`` for ``--redis-url`` (or :attr:`prefix_name`)."""
+        return self.prefix_name or f"--{self.param.split('_')[0]}-prefix"
 
     @property
     def prefix_param(self) -> str:
@@ -111,6 +113,12 @@ def _kafka(bootstrap: str, prefix: str | None) -> Adapter:
 
     assert prefix is not None
     return KafkaAdapter(bootstrap, prefix=prefix, client_id=CLIENT_NAME)
+
+
+def _sqs(endpoint: str, prefix: str | None, sqs_region: str | None = None) -> Adapter:
+    from ..adapters.sqs import SqsAdapter
+
+    return SqsAdapter(endpoint_url=endpoint, region_name=sqs_region, queue_prefix=prefix or "")
 
 
 def _pubsub(project: str, _prefix: str | None) -> Adapter:
@@ -161,6 +169,11 @@ BROKERS: tuple[Broker, ...] = (
                       "in-flight figures.", ("http", "https")),)),
     Broker("--kafka-bootstrap", "The Kafka cluster's bootstrap servers (host:port, several "
            "comma-separated).", _kafka, prefix="reliable-sub"),
+    Broker("--sqs-endpoint", "The Amazon SQS endpoint (https://sqs.REGION.amazonaws.com, or a "
+           "local server's http://host:port); region and credentials from the usual AWS "
+           "settings.", _sqs, ("http", "https"), prefix="", prefix_name="--sqs-queue-prefix",
+           settings=(("--sqs-region", "The AWS region (default: AWS_DEFAULT_REGION, the "
+                      "profile's, else AWS_REGION).", None),)),
     Broker("--pubsub-project", "The Pub/Sub project (PUBSUB_EMULATOR_HOST selects the "
            "emulator).", _pubsub, probe=_reach_pubsub),
 )

@@ -76,8 +76,9 @@ class Connection:
         settings = {}
         for (option, _, schemes), name in zip(broker.settings, broker.setting_params,
                                               strict=True):
-            if name in self.settings:
-                settings[name] = check_url(option, self.settings[name], schemes)
+            if name in self.settings:  # a setting without schemes is no URL (a region)
+                settings[name] = (self.settings[name] if schemes is None
+                                  else check_url(option, self.settings[name], schemes))
         return _built(broker.option, value, lambda: broker.build(value, prefix, **settings))
 
     async def reach_adapter(self, adapter: Adapter) -> None:

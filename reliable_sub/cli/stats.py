@@ -57,7 +57,8 @@ async def stats(adapter: Adapter, subscriptions: tuple[str, ...],
 
     With --json: an object for one subscription, a list of them for several. The lease
     deadline consumers use now is theirs: see the reliable_sub.lease.deadline metric. Pub/Sub
-    reports backlogs through Cloud Monitoring only: they show as unknown.
+    reports backlogs through Cloud Monitoring only: they show as unknown. SQS's counts are
+    estimates: shown as ~N ("approximate": true in JSON).
     """
     if iterations is not None and watch is None:
         fail(USAGE, "--iterations counts the readings of --watch: give --watch SECONDS too")
@@ -116,13 +117,16 @@ async def _show(adapter: Adapter, subscriptions: Sequence[str], dead_letters: st
 async def figures_of(adapter: Inspectable, subscription: str,
                      dead_lettered_waiting: int | None) -> dict[str, Any]:
     figures = await adapter.subscription_stats(subscription)
-    return {
+    row = {
         "subscription": subscription,
         "backlog": figures.backlog, "in_flight": figures.in_flight,
         "oldest_unacked_age_seconds": figures.oldest_unacked_age,
         "ack_deadline_seconds": figures.ack_deadline,
         "dead_lettered_waiting": dead_lettered_waiting,
     }
+    if figures.approximate:  # only where the broker says so (SQS): others' rows are as ever
+        row["approximate"] = True
+    return row
 
 
 def show(title: str, rows: list[dict[str, Any]], as_json: bool, dead_letters: bool,
@@ -146,9 +150,19 @@ def _shown(rows: list[dict[str, Any]], dead_letters: bool
     """The table's columns and rows (a dead-letter column when a queue was named)."""
     names = [name for name in HEADINGS if name != "dead_lettered_waiting" or dead_letters]
     return (["subscription", *(HEADINGS[name] for name in names)],
-            [[row["subscription"], *(UNKNOWN if row[name] is None
-                                     else _FORMATS.get(name, str)(row[name])
-                                     for name in names)] for row in rows])
+            [[row["subscription"], *(_cell(row, name) for name in names)] for row in rows])
+
+
+# The figures a broker may only estimate (SQS): shown as "~12" when it says they are estimates.
+_ESTIMATED = frozenset({"backlog", "in_flight"})
+
+
+def _cell(row: dict[str, Any], name: str) -> str:
+    value = row[name]
+    if value is None:
+        return UNKNOWN
+    shown = _FORMATS.get(name, str)(value)
+    return f"~{shown}" if row.get("approximate") and name in _ESTIMATED else shown
 
 
 COMMANDS = [stats, top]

@@ -41,6 +41,9 @@ class Capabilities:
             it back whatever the consumer says (RabbitMQ's ``consumer_timeout`` closes the
             channel); a Subscriber warns at start when ``LeasePolicy.max_lease_duration`` is
             not under it.
+        fan_out: every subscription of a topic gets each message published to it; False on a
+            broker where a topic has one subscription (SQS: a queue), which then refuses a
+            second one.
     """
 
     min_ack_deadline: float = 0.0
@@ -56,6 +59,7 @@ class Capabilities:
     cancel_safe_receive: bool = False
     messaging_system: str = "unknown"
     max_lease_duration: float = math.inf
+    fan_out: bool = True
 
     def clamp_deadline(self, seconds: float) -> float:
         """``seconds`` limited to the broker's accepted range."""

@@ -146,12 +146,16 @@ class SubscriptionStats:
         in_flight: messages delivered and not yet acked or given back.
         oldest_unacked_age: seconds since the oldest unacked message was published.
         ack_deadline: the subscription's ack deadline in seconds.
+        approximate: ``backlog`` and ``in_flight`` are the broker's estimates, not exact
+            counts (SQS's ``ApproximateNumberOf...`` figures, which AWS computes from a sample
+            of its servers and may trail what happened by a minute).
     """
 
     backlog: int | None
     in_flight: int | None
     oldest_unacked_age: float | None
     ack_deadline: float | None
+    approximate: bool = False
 
 
 @runtime_checkable

@@ -13,7 +13,8 @@ keeps the last answer for the reader:
 =========================================  ===============================================
 
 A figure the broker does not tell (the Pub/Sub emulator tells none: Cloud Monitoring holds them)
-has no point at all rather than a zero; neither has one whose last sample failed.
+has no point at all rather than a zero; neither has one whose last sample failed. Figures the
+broker only estimates (SQS's) carry the attribute ``reliable_sub.figures.approximate: true``.
 """
 
 from __future__ import annotations
@@ -30,12 +31,19 @@ from .instruments import BacklogGauges, Tallies
 logger = logging.getLogger("reliable_sub.subscriber")
 
 
+# On the points of figures the broker only estimates (SubscriptionStats.approximate).
+APPROXIMATE = "reliable_sub.figures.approximate"
+
+
 @dataclass
 class Sampled:
     """One subscription to sample, and the attributes of its points."""
 
     subscription: str
     attributes: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        self.estimated = {**self.attributes, APPROXIMATE: True}
 
 
 class BacklogSampler:
@@ -68,13 +76,15 @@ class BacklogSampler:
                                "until a sample succeeds): %s", sampled.subscription, error)
             for gauge in (gauges.backlog, gauges.unacked, gauges.oldest_age):
                 gauge.drop(attributes)
+                gauge.drop(sampled.estimated)
             return
         self._failing.discard(sampled.subscription)
         oldest = figures.oldest_unacked_age
         if oldest is None and figures.backlog == 0:
             oldest = 0.0  # caught up: nothing waits (an unknown backlog stays unknown)
-        _set(gauges.backlog, attributes, figures.backlog)
-        _set(gauges.unacked, attributes, figures.in_flight)
+        counted = sampled.estimated if figures.approximate else attributes
+        _set(gauges.backlog, counted, figures.backlog)
+        _set(gauges.unacked, counted, figures.in_flight)
         _set(gauges.oldest_age, attributes, oldest)
 
 

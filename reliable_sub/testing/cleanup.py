@@ -1,13 +1,14 @@
 """Clean-ups of what a conformance run made on a shared broker (its names hold the run's
 prefix): RabbitMQ cannot list queues over AMQP, so the names given are deleted with every
-queue they may have made; NATS streams are found by a fragment of their name; Kafka topics and
-consumer groups are deleted by name."""
+queue they may have made; NATS streams are found by a fragment of their name, SQS queues by
+their prefix; Kafka topics and consumer groups are deleted by name."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 # Seconds a Kafka clean-up request may take.
 KAFKA_CLEANUP_TIMEOUT = 30.0
@@ -73,4 +74,18 @@ async def delete_kafka_names(bootstrap: str, names: Sequence[str]) -> None:
             await asyncio.wrap_future(future)
 
 
-__all__ = ["delete_kafka_names", "delete_nats_streams", "delete_rabbitmq_names"]
+
+async def delete_sqs_queues(client_options: dict[str, Any], prefix: str) -> None:
+    """Delete the SQS queues whose names start with ``prefix`` (the server's at
+    ``client_options``: boto3's client arguments)."""
+    from aiobotocore.session import get_session
+
+    async with get_session().create_client("sqs", **client_options) as client:
+        listed = await client.list_queues(QueueNamePrefix=prefix, MaxResults=1000)
+        for url in listed.get("QueueUrls", []):
+            with contextlib.suppress(Exception):
+                await client.delete_queue(QueueUrl=url)
+
+
+__all__ = ["delete_kafka_names", "delete_nats_streams", "delete_rabbitmq_names",
+           "delete_sqs_queues"]

@@ -56,6 +56,8 @@ class Features:
             few seconds; the figures test waits up to this long for each expected one.
         oldest_age: the figures tell the oldest unacked message's age (RabbitMQ's management
             API does not for quorum queues: then the test checks it is left unknown).
+        fan_out: every subscription of a topic gets each of its messages (SQS, a queue per
+            topic, has none: then the tests of two subscriptions on one topic skip).
     """
 
     ordering: bool = False
@@ -64,6 +66,7 @@ class Features:
     subscriber_logic: bool = True
     figures_lag: float = 0.0
     oldest_age: bool = True
+    fan_out: bool = True
 
 
 @dataclass

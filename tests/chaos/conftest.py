@@ -2,12 +2,12 @@
 that ran them rewrites the table in ``docs/reliability.md``.
 
 Scenarios run one at a time in each lane (``lane_of``: the Pub/Sub emulator's, the Redis
-dedup store's size check, everyone else's): under xdist each lane is one unit of work, sent to
-one worker (see ``pytest_xdist_make_scheduler`` in ``tests/conftest.py``), so the other workers
-run the other tests instead of waiting; and each scenario holds its lane's lock file while it
-runs, so two sessions never run two scenarios of a lane at once. Each loads the machine with its
-own consumer processes; the Pub/Sub ones mostly wait out the emulator's 10 s ack deadlines, so
-the lanes run side by side.
+dedup store's size check, RabbitMQ's, everyone else's): under xdist each lane is one unit of
+work, sent to one worker (see ``pytest_xdist_make_scheduler`` in ``tests/conftest.py``), so the
+other workers run the other tests instead of waiting; and each scenario holds its lane's lock
+file while it runs, so two sessions never run two scenarios of a lane at once. Each loads the
+machine with its own consumer processes; the Pub/Sub ones mostly wait out the emulator's 10 s ack
+deadlines, so the lanes run side by side.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos import lane_of, report
+from tests.rabbitmq_processes import RabbitNode
 from tests.redis_processes import RedisServer
 
 HERE = Path(__file__).resolve().parent
@@ -37,6 +38,7 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError("RELIABILITY_REPORT=1 needs one process: add -n 0 (each "
                                 "worker would write its own rows, and their timings would "
                                 "include the other workers' load)")
+    report.begin(config.getoption("keyword", "") or "")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -65,3 +67,15 @@ def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
     server.start()
     yield server
     server.kill()
+
+
+@pytest.fixture
+def private_rabbitmq(tmp_path: Path) -> Iterator[RabbitNode]:
+    """A RabbitMQ node of the test's own (tests/rabbitmq_processes.py), to kill and restart:
+    never the shared one. Killed at the end, its data with the test's directory."""
+    node = RabbitNode(tmp_path)
+    try:
+        node.start()
+        yield node
+    finally:
+        node.kill()

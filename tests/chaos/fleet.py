@@ -1,11 +1,13 @@
 """The fault-injection scenarios' parts: a world (broker, effects), a fleet of consumer
 processes, the load, and the final count.
 
-* :class:`World`: one scenario's topic and subscription on Redis Streams or the Pub/Sub
-  emulator, its dedup mode, and where the handler's effects are recorded (a Redis hash, or a
-  PostgreSQL table for the transactional path); :meth:`World.effects` reads them back.
+* :class:`World`: one scenario's topic and subscription on Redis Streams, the Pub/Sub
+  emulator or RabbitMQ (``rabbitmq_world``), its dedup mode, and where the handler's effects
+  are recorded (a Redis hash, or a PostgreSQL table for the transactional path);
+  :meth:`World.effects` reads them back.
 * :class:`Fleet`: consumer processes (``tests/chaos/consumer.py``) started, SIGKILLed, SIGTERMed
-  and restarted by number.
+  and restarted by number; when each was killed or asked to stop, and the health samples each
+  printed.
 * :func:`publish_steadily`: the load, ``n`` = 0, 1, ... as JSON payloads, at a steady rate.
 * :class:`Count`: messages, lost (published, no effect), duplicate effects (effects beyond one
   per message).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import random
 import signal
@@ -24,15 +27,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 import sqlalchemy as sa
 
 from reliable_sub.message import IDEMPOTENCY_KEY_ATTRIBUTE
 from reliable_sub.ports import Adapter, BatchPublisher, Outgoing
-from reliable_sub.testing.services import emulator_host, postgres_url, redis_url
+from reliable_sub.testing.services import emulator_host, postgres_url, rabbitmq_url, redis_url
 from tests.redis_processes import EXIT_TIMEOUT, Child
+
+if TYPE_CHECKING:
+    from tests.chaos.rabbitmq_world import RabbitQueues
 
 CONSUMER = Path(__file__).resolve().parent / "consumer.py"
 PUBSUB_PROJECT = "reliable-sub-chaos"
@@ -40,13 +46,21 @@ PUBSUB_PROJECT = "reliable-sub-chaos"
 # long after its last extension. Pub/Sub's shortest is 10 s.
 REDIS_ACK_DEADLINE = 2.0
 PUBSUB_ACK_DEADLINE = 10.0
+# RabbitMQ's (kept by the adapter; the broker gives a dead consumer's deliveries back at once):
+# as on Redis, what a killed consumer's dedup claims outlive it by.
+RABBITMQ_ACK_DEADLINE = 2.0
 # Kafka: the ack deadline the adapter keeps (a killed consumer's partitions move after its
 # session times out, KAFKA_SESSION_MS), over 12 partitions.
 KAFKA_ACK_DEADLINE = 2.0
 KAFKA_PARTITIONS = 12
 KAFKA_SESSION_MS = 6000  # the broker's group.min.session.timeout.ms
+ACK_DEADLINES = {"redis": REDIS_ACK_DEADLINE, "pubsub": PUBSUB_ACK_DEADLINE,
+                 "rabbitmq": RABBITMQ_ACK_DEADLINE, "kafka": KAFKA_ACK_DEADLINE}
 # How often the load is published, in batches.
 PUBLISH_TICK = 0.05
+# A consumer process starts in 1-3 s; six starting at once (two worlds side by side) beside other
+# work took more than 15 s.
+READY_TIMEOUT = 60.0
 
 
 @dataclass
@@ -69,11 +83,13 @@ class Count:
 class World:
     """One scenario's broker objects and effect store (see the module's docstring)."""
 
-    adapter_kind: str  # "redis", "pubsub" or "kafka"
+    adapter_kind: str  # "redis", "pubsub", "rabbitmq" or "kafka"
     dedup: str  # "sql", "redis" or "none"
     name: str = field(default_factory=lambda: f"chaos-{uuid.uuid4().hex[:10]}")
-    broker_url: str = ""  # Redis Streams: the broker's Redis (default: the shared one); Kafka:
+    # Redis Streams: the broker's Redis; RabbitMQ: its node (default: the shared ones); Kafka:
     # the bootstrap servers
+    broker_url: str = ""
+    consumer_url: str = ""  # where the consumers connect, if not to broker_url (a TCP proxy)
     messages: int = 0  # the load: how many, published evenly over load_seconds
     load_seconds: float = 0.0
     dedup_on_broker: bool = False  # the Redis dedup store on the broker's Redis (one server)
@@ -82,6 +98,13 @@ class World:
         self.effects_url = redis_url()
         if self.adapter_kind == "redis" and not self.broker_url:
             self.broker_url = self.effects_url
+        self.rabbit: RabbitQueues | None = None
+        if self.adapter_kind == "rabbitmq":
+            from tests.chaos.rabbitmq_world import RabbitQueues
+
+            self.broker_url = self.broker_url or rabbitmq_url()
+            self.rabbit = RabbitQueues(self.broker_url, self.name, f"{self.name}-orders",
+                                       f"{self.name}-shipping")
         if self.adapter_kind == "pubsub":
             emulator_host()  # started on first use; its address is in the environment
         self.topic = f"{self.name}-orders"
@@ -91,8 +114,7 @@ class World:
         self.effects_table = f"{suffix}_effects"
         self.processed_table = f"{suffix}_processed"
         self.postgres = postgres_url() if self.dedup == "sql" else ""
-        self.ack_deadline = {"redis": REDIS_ACK_DEADLINE, "kafka": KAFKA_ACK_DEADLINE}.get(
-            self.adapter_kind, PUBSUB_ACK_DEADLINE)
+        self.ack_deadline = ACK_DEADLINES[self.adapter_kind]
         self._engine: Any = None
         self._effects_client: aioredis.Redis | None = None
 
@@ -107,6 +129,10 @@ class World:
             from reliable_sub.adapters.kafka import KafkaAdapter
 
             return KafkaAdapter(self.broker_url, prefix=self.name, partitions=KAFKA_PARTITIONS)
+        if self.adapter_kind == "rabbitmq":
+            from reliable_sub.adapters.rabbitmq import RabbitMQAdapter
+
+            return RabbitMQAdapter(self.broker_url, prefix=self.name, name="chaos-test")
         from reliable_sub.adapters.pubsub import PubSubAdapter
 
         return PubSubAdapter(PUBSUB_PROJECT)
@@ -143,6 +169,12 @@ class World:
         found = await self._effects_client.hgetall(self.effects_key)
         return {int(n): int(count) for n, count in found.items()}
 
+    async def logged(self, log: str) -> list[str]:
+        """The lines of consumer.py's ``log`` (the effect log) or ``calls`` list."""
+        assert self._effects_client is not None
+        return [line.decode() for line in
+                await self._effects_client.lrange(f"{self.effects_key}:{log}", 0, -1)]
+
     def terminate_database_connections(self) -> int:
         """``pg_terminate_backend`` every connection of this scenario's consumers; how many."""
         with self._engine.connect() as connection:
@@ -176,6 +208,8 @@ class World:
 
             await delete_kafka_names(self.broker_url, [
                 self.topic, self.subscription, f"{self.name}-subscriptions"])
+        if self.rabbit is not None:
+            await self.rabbit.delete()
         if self._effects_client is not None:
             await self._effects_client.delete(self.effects_key)
             keys = [key async for key in self._effects_client.scan_iter(f"{self.name}*")]
@@ -189,10 +223,13 @@ class World:
             self._engine.dispose()
 
     def consumer_config(self, consumer: str, *, seed: int, handler_ms: tuple[float, float],
-                        max_messages: int, stop_timeout: float,
-                        sabotage: str | None = None) -> dict[str, Any]:
+                        max_messages: int, stop_timeout: float, sabotage: str | None = None,
+                        **more: Any) -> dict[str, Any]:
+        """The consumer process's settings (``more``: the options consumer.py documents, such
+        as ``health_every`` or ``fail_first``)."""
         return {
             "adapter": self.adapter_kind, "broker_url": self.broker_url,
+            "consumer_url": self.consumer_url,
             "prefix": self.name, "project": PUBSUB_PROJECT, "consumer": consumer,
             "subscription": self.subscription, "dedup": self.dedup,
             "effects_url": self.effects_url, "effects_key": self.effects_key,
@@ -205,7 +242,7 @@ class World:
             "min_extension": min(1.0, self.ack_deadline / 2),
             "max_extension": self.ack_deadline, "stop_timeout": stop_timeout,
             "kafka_session_ms": KAFKA_SESSION_MS,
-            "sabotage": sabotage,
+            "sabotage": sabotage, **more,
         }
 
 
@@ -223,14 +260,21 @@ class Fleet:
         self.kills = 0
         self.kills_landed = 0
         self.terms = 0
+        self.names: list[str] = [""] * size  # the consumer name of each number's process
+        self.started: list[tuple[str, Child]] = []  # every process, by consumer name
+        self.killed_at: dict[str, float] = {}  # consumer name -> time.monotonic() of SIGKILL
+        self.stopping_at: dict[str, float] = {}  # ... of SIGTERM
+        self.settle_rounds = 0  # restarts of the fleet to handle what was left (RabbitMQ)
 
     def spawn(self, number: int) -> None:
         """Start consumer ``number`` without waiting for it (as a supervisor restarts a crashed
         process)."""
         self.starts += 1
-        config = self.world.consumer_config(f"consumer-{number}-{self.starts}",
-                                            seed=self.starts, **self.options)
-        self.children[number] = Child(CONSUMER, json.dumps(config))
+        name = f"consumer-{number}-{self.starts}"
+        config = self.world.consumer_config(name, seed=self.starts, **self.options)
+        self.children[number] = child = Child(CONSUMER, json.dumps(config))
+        self.names[number] = name
+        self.started.append((name, child))
         self.ready.discard(number)
 
     async def wait_ready(self, number: int) -> None:
@@ -238,7 +282,7 @@ class Fleet:
         child = self.children[number]
         assert child is not None
         if number not in self.ready:
-            await child.line("READY")
+            await child.line("READY", timeout=READY_TIMEOUT)
             self.ready.add(number)
 
     async def start(self, number: int) -> None:
@@ -253,6 +297,7 @@ class Fleet:
         """SIGKILL consumer ``number``: a crash, mid-work."""
         child = self.children[number]
         assert child is not None
+        self.killed_at.setdefault(self.names[number], time.monotonic())
         if child.kill() == -signal.SIGKILL:
             self.kills_landed += 1  # it was running, not already gone
         self.kills += 1
@@ -272,6 +317,7 @@ class Fleet:
         await self.wait_ready(number)
         child = self.children[number]
         assert child is not None
+        self.stopping_at[self.names[number]] = time.monotonic()
         child.process.send_signal(signal.SIGTERM)
         stats = await child.line("STATS", timeout=within)
         self.outcomes.append(json.loads(stats.split(" ", 1)[1]))
@@ -307,7 +353,25 @@ class Fleet:
         return total
 
     def output(self) -> str:
-        return "\n".join(child.output[-3000:] for child in self.children if child is not None)
+        """The end of what the running consumers printed (health samples left out)."""
+        return "\n".join(
+            "\n".join(line for line in child.output.splitlines()
+                      if not line.startswith("HEALTH "))[-3000:]
+            for child in self.children if child is not None)
+
+    def health_samples(self) -> dict[str, list[tuple[float, bool, str]]]:
+        """Every process's health samples (``health_every``), by consumer name: (time, healthy,
+        first problem), up to when it was killed or asked to stop."""
+        samples: dict[str, list[tuple[float, bool, str]]] = {}
+        for name, child in self.started:
+            end = min(self.killed_at.get(name, math.inf), self.stopping_at.get(name, math.inf))
+            mine = samples[name] = []
+            for line in child.output.splitlines():
+                if line.startswith("HEALTH "):
+                    _, at, healthy, *problem = line.split(" ", 3)
+                    if float(at) < end:
+                        mine.append((float(at), healthy == "1", " ".join(problem)))
+        return samples
 
 
 class Load:

@@ -2,7 +2,9 @@
 
 Each scenario adds a :class:`Row`; at the end of a pytest session run with
 ``RELIABILITY_REPORT=1`` the table between the ``chaos`` markers of ``docs/reliability.md`` is
-rewritten from the rows (see ``tests/chaos/conftest.py``).
+rewritten from the rows (see ``tests/chaos/conftest.py``). A session that ran some scenarios
+only (``-k rabbitmq``) replaces their rows and keeps the others, each group of rows under the
+line that says how, when and on how loaded a machine it was produced.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks._common import write_section
+from benchmarks._common import section_markers, write_section
 from tests.chaos.fleet import Count
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
@@ -64,10 +66,21 @@ class DedupRow:
 ROWS: list[Row] = []
 LOAD_ROWS: list[LoadRow] = []
 DEDUP_ROWS: list[DedupRow] = []
+# The machine's 1-minute load average when the session began and at each row recorded.
+LOADS: list[float] = []
+KEYWORD = ""  # the session's -k expression, if any
+
+
+def begin(keyword: str) -> None:
+    """A session begins (with ``-k keyword``, or none)."""
+    global KEYWORD
+    KEYWORD = keyword
+    LOADS.append(os.getloadavg()[0])
 
 
 def record(row: Row) -> None:
     ROWS.append(row)
+    LOADS.append(os.getloadavg()[0])
 
 
 def record_load(row: LoadRow) -> None:
@@ -83,37 +96,83 @@ def anything_recorded() -> bool:
 
 
 # The table's order: scenarios in the order of the issue, then the sabotage check.
-ORDER = ("kill storm", "rolling deploy", "broker", "emulator", "client", "PostgreSQL",
-         "slow handlers", "sabotage")
+ORDER = ("kill storm", "rolling deploy", "broker", "consumers' connections", "emulator",
+         "client", "PostgreSQL", "slow handlers", "delayed nacks", "sabotage")
 
 
-def _rank(row: Row) -> tuple[int, str, str]:
-    rank = next((i for i, prefix in enumerate(ORDER) if row.scenario.startswith(prefix)),
+def _rank(scenario: str, adapter: str, dedup: str) -> tuple[int, str, str]:
+    rank = next((i for i, prefix in enumerate(ORDER) if scenario.startswith(prefix)),
                 len(ORDER))
-    return rank, row.adapter, row.dedup
+    return rank, adapter, dedup
 
 
-def produced_by() -> str:
-    return (f"Produced by `{COMMAND}` on {datetime.date.today().isoformat()} (CPython "
+def _load() -> str:
+    """The machine's load while the session ran, when it was more than its CPUs."""
+    cpus = os.cpu_count() or 1
+    if not LOADS or max(LOADS) < cpus:
+        return ""
+    low, high = min(LOADS), max(LOADS)
+    said = f"{low:.1f}" if high - low < 0.5 else f"{low:.1f}-{high:.1f}"
+    return (f"; a loaded machine, shared with other work: load average {said} while it ran, "
+            "so runs took longer than alone")
+
+
+def produced_by(rows: str = "") -> str:
+    """The line that says how the rows below were made (``rows``: which, for a session that
+    ran some of the scenarios only)."""
+    command = f"{COMMAND} -k {KEYWORD}" if KEYWORD else COMMAND
+    which = f"The {rows} rows: produced" if rows else "Produced"
+    return (f"{which} by `{command}` on {datetime.date.today().isoformat()} (CPython "
             f"{platform.python_version()}, {platform.system()} {platform.machine()}, "
-            f"{os.cpu_count()} CPUs; Redis, PostgreSQL and the Pub/Sub emulator on loopback).")
+            f"{os.cpu_count()} CPUs; Redis, PostgreSQL, RabbitMQ and the Pub/Sub emulator on "
+            f"loopback{_load()}).")
 
 
-def table(rows: list[Row]) -> str:
-    lines = [
-        produced_by(),
-        "",
-        "| Scenario | Adapter | Dedup | Messages | Lost | Duplicate effects | Dead-lettered | "
-        "Faults | Recovery | CPU during outage | Run (s) |",
-        "|---|---|---|---:|---:|---:|---:|---|---|---|---:|",
-    ]
-    for row in sorted(rows, key=_rank):
-        c = row.count
-        lines.append(
-            f"| {row.scenario} | {row.adapter} | {row.dedup} | {c.messages:,} | {c.lost} | "
+HEADER = (
+    "| Scenario | Adapter | Dedup | Messages | Lost | Duplicate effects | Dead-lettered | "
+    "Faults | Recovery | CPU during outage | Run (s) |",
+    "|---|---|---|---:|---:|---:|---:|---|---|---|---:|",
+)
+
+
+def _line(row: Row) -> str:
+    c = row.count
+    return (f"| {row.scenario} | {row.adapter} | {row.dedup} | {c.messages:,} | {c.lost} | "
             f"{c.duplicate_effects} | {row.dead_lettered} | {row.faults} | {row.recovery} | "
             f"{row.cpu_during_outage} | {row.seconds:.0f} |")
-    return "\n".join(lines)
+
+
+def _key(line: str) -> tuple[str, str, str]:
+    """A table line's scenario, adapter and dedup."""
+    scenario, adapter, dedup = (cell.strip() for cell in line.strip("|").split("|")[:3])
+    return scenario, adapter, dedup
+
+
+def table(rows: list[Row], before: str = "") -> str:
+    """The table of ``rows``, and of the rows of ``before`` (the section as it was) that this
+    session did not run again, with the lines that say how each group was produced."""
+    lines = {(row.scenario, row.adapter, row.dedup): _line(row) for row in rows}
+    kept = [line for line in before.splitlines()
+            if line.startswith("| ") and line not in HEADER and _key(line) not in lines]
+    provenance = [produced_by()]
+    if kept:
+        adapters = ", ".join(sorted({row.adapter for row in rows}))
+        provenance = [line for line in before.splitlines()
+                      if line.strip() and not line.startswith(("|", "<!--"))
+                      and not line.startswith(f"The {adapters} rows:")]
+        provenance.append(produced_by(adapters))
+    lines.update((_key(line), line) for line in kept)
+    return "\n".join([*provenance, "", *HEADER,
+                      *(lines[key] for key in sorted(lines, key=lambda key: _rank(*key)))])
+
+
+def _section(name: str) -> str:
+    """What is between the markers of section ``name`` in the doc now."""
+    start, end = section_markers(name)
+    text = DOC.read_text()
+    if start not in text or end not in text:
+        return ""
+    return text.split(start, 1)[1].split(end, 1)[0]
 
 
 def load_table(rows: list[LoadRow]) -> str:
@@ -149,12 +208,12 @@ def dedup_table(rows: list[DedupRow]) -> str:
 
 def write() -> None:
     if ROWS:
-        write_section(SECTION, table(ROWS), readme=DOC)
+        write_section(SECTION, table(ROWS, _section(SECTION)), readme=DOC)
     if LOAD_ROWS:
         write_section("load", load_table(LOAD_ROWS), readme=DOC)
     if DEDUP_ROWS:
         write_section("dedup-size", dedup_table(DEDUP_ROWS), readme=DOC)
 
 
-__all__ = ["DEDUP_ROWS", "LOAD_ROWS", "ROWS", "DedupRow", "LoadRow", "Row", "record",
+__all__ = ["DEDUP_ROWS", "LOAD_ROWS", "ROWS", "DedupRow", "LoadRow", "Row", "begin", "record",
            "record_dedup", "record_load", "write"]

@@ -22,6 +22,8 @@ MAX_MESSAGES = 50  # flow control per consumer process
 STOP_TIMEOUT = 10.0
 # Bound on the whole run after the load: every message handled, then drained.
 SETTLE_WITHIN = 120.0
+# RabbitMQ: rounds of draining and stopping before what is left counts as never settling.
+SETTLE_ROUNDS = 5
 POLL = 0.2
 # Polling for the first effect after an outage: the recovery time's resolution.
 RECOVERY_POLL = 0.02
@@ -30,11 +32,12 @@ RECOVERY_POLL = 0.02
 @asynccontextmanager
 async def running_world(adapter_kind: str, dedup: str, broker_url: str = "",
                         messages: int = MESSAGES, load_seconds: float = LOAD_SECONDS,
-                        dedup_on_broker: bool = False,
+                        dedup_on_broker: bool = False, consumer_url: str = "",
                         **fleet_options: Any) -> AsyncIterator[tuple[World, Fleet, Any]]:
     """A world set up, its fleet started; everything killed and deleted afterwards."""
     world = World(adapter_kind, dedup, broker_url=broker_url, messages=messages,
-                  load_seconds=load_seconds, dedup_on_broker=dedup_on_broker)
+                  load_seconds=load_seconds, dedup_on_broker=dedup_on_broker,
+                  consumer_url=consumer_url)
     adapter = world.adapter()
     await world.set_up(adapter)
     options = {"handler_ms": HANDLER_MS, "max_messages": MAX_MESSAGES,
@@ -112,8 +115,7 @@ async def under_load(
         if not publishing.done():
             publishing.cancel()
     if settle:
-        await drain(world, adapter)
-        await fleet.terminate_all(within=STOP_TIMEOUT + 10)
+        await settle_and_stop(world, fleet, adapter)
     return time.monotonic() - started
 
 
@@ -182,17 +184,42 @@ async def one_fault(world: World, fleet: Fleet, adapter: Any,
     finally:
         if not publishing.done():
             publishing.cancel()
-    await drain(world, adapter)
-    await fleet.terminate_all(within=STOP_TIMEOUT + 10)
+    await settle_and_stop(world, fleet, adapter)
     return FaultRun(time.monotonic() - started, recovery, outage, published_before)
+
+
+async def settle_and_stop(world: World, fleet: Fleet, adapter: Any = None) -> None:
+    """Drain, then stop the fleet gracefully. On RabbitMQ, where what consumers hold is
+    invisible, the queues are read again once none is connected (the broker has then taken back
+    all they held): anything left there (a deferral in a delay queue, a redelivery in a
+    consumer's hands at the first reading) brings the fleet back to handle it, and again."""
+    for _ in range(SETTLE_ROUNDS):
+        await drain(world, adapter)
+        await fleet.terminate_all(within=STOP_TIMEOUT + 10)
+        if world.rabbit is None:
+            return
+        left = await world.rabbit.backlog()
+        if not left:
+            return
+        fleet.settle_rounds += 1
+        await fleet.start_all()
+    raise AssertionError(f"still left after {SETTLE_ROUNDS} rounds of draining: {left}")
 
 
 async def drain(world: World, adapter: Any = None) -> None:
     """Wait until nothing is left to deliver: on Redis Streams, nothing pending or undelivered
     in the group; on Kafka, no backlog in the group's commits (``adapter``: the test's own);
-    on Pub/Sub (no backlog query on the emulator), no new effect for an ack
-    deadline and a margin, so a killed consumer's messages have come back and been handled."""
+    on RabbitMQ, nothing ready in the subscription's queue or its delay queues
+    (what the consumers hold is checked by settle_and_stop); on Pub/Sub (no backlog query on the
+    emulator), no new effect for an ack deadline and a margin, so a killed consumer's messages
+    have come back and been handled."""
     give_up = time.monotonic() + SETTLE_WITHIN
+    if world.rabbit is not None:
+        while left := await world.rabbit.backlog():
+            if time.monotonic() > give_up:
+                raise AssertionError(f"still ready after {SETTLE_WITHIN:g}s: {left}")
+            await asyncio.sleep(POLL)
+        return
     if world.adapter_kind == "redis":
         while await world.redis_backlog():
             if time.monotonic() > give_up:

@@ -12,13 +12,13 @@ against it::
                            new_adapter=make_my_adapter,
                            features=Features(ordering=False, refuses_stale_acks=True))
 
-The suite covers the adapter contract (ack, deadline expiry, nack delays, extend, fan-out,
-ordering), the Subscriber's guarantees on top of it (no loss, lease extension, dead letters,
-deduplication), stop, restart and close, hostile handlers, settling under failure, hung
-handlers, telemetry (spans per attempt, linked to the producer; metrics), seek, snapshots and
-replay modes (on adapters that can seek), the dead-letter tools, typed bodies, batch
-handlers, and health through a connection that stalls (behind a TCP proxy, where the harness
-gives the broker's ``url``). It needs
+The suite covers the adapter contract (ack, deadline expiry, nack delays, extend, fan-out and
+ordering where the broker has them), the Subscriber's guarantees on top of it (no loss, lease
+extension, dead letters, deduplication), stop, restart and close, hostile handlers, settling
+under failure, hung handlers, telemetry (spans per attempt, linked to the producer; metrics),
+seek, snapshots and replay modes (on adapters that can seek), the dead-letter tools, typed
+bodies, batch handlers, and health through a connection that stalls (behind a TCP proxy, where
+the harness gives the broker's ``url``). It needs
 pytest, pytest-asyncio and opentelemetry-sdk (``pip install "reliable-sub[testing]"``).
 """
 
@@ -80,6 +80,7 @@ class AdapterSuite:
         assert declared.cancel_safe_receive == actual.cancel_safe_receive, (
             "Features.cancel_safe_receive"
         )
+        assert declared.fan_out == actual.fan_out, "Features.fan_out"
         if actual.refuses_stale_acks:
             assert declared.refuses_stale_acks, "the adapter refuses stale acks: declare it"
 

@@ -100,6 +100,7 @@ async def test_receive_respects_max_messages(harness: Harness) -> None:
 
 async def test_fan_out_to_two_subscriptions(harness: Harness) -> None:
     adapter = await harness.adapter()
+    harness.needs("fan_out")
     topic, sub_a = await harness.topic_and_subscription()
     sub_b = harness.name_for("sub")
     await adapter.ensure_subscription(topic, sub_b, ack_deadline=harness.ack_deadline)

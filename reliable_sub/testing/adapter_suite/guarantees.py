@@ -45,6 +45,7 @@ async def test_every_published_message_is_handled_and_acked(harness: Harness) ->
 
 async def test_sync_and_async_handlers_both_run(harness: Harness) -> None:
     adapter = await harness.adapter()
+    harness.needs("fan_out")
     topic, sub_sync = await harness.topic_and_subscription()
     sub_async = harness.name_for("sub")
     await adapter.ensure_subscription(topic, sub_async, ack_deadline=harness.ack_deadline)
