@@ -9,10 +9,12 @@ commit), so nothing is lost when the consumer stops, crashes or loses the partit
 
 Ordering, per subscription (``ORDERINGS``):
 
-* ``key`` -- records of one key go out in offset order; one given back with a delay holds back
-  the later ones of its key (they are *parked*) until it is due, so a retry never lets its
-  successors overtake it, while the partition's other keys go on. The Subscriber runs one
-  handler at a time per ordering key (the record key).
+* ``key`` -- records of one key go out one at a time, in offset order: while one is out (held)
+  or given back with a delay, the later ones of its key wait here (they are *parked*), so a retry
+  never lets its successors overtake it, while the partition's other keys go on. A successor is
+  only handed out once the Subscriber could run it: had it been handed out beside its
+  predecessor, the Subscriber would have given it back when that one failed, and every give-back
+  of a record no handler ran would count as a delivery.
 * ``partition`` -- at most one record of the partition is out at a time: the next goes once the
   previous is settled (a delayed one blocks the partition until it is due and settled).
 * ``none`` -- records go out as they come; a delayed one holds back nothing.
@@ -70,7 +72,9 @@ class PartitionQueue:
         self._returned: list[tuple[int, Entry]] = []  # ready again (heap by offset)
         self._delayed: list[tuple[float, int, Entry]] = []  # given back with a delay (heap)
         self._leases: list[tuple[float, int, int]] = []  # (deadline, offset, attempt), lazily
-        self._delayed_of: dict[Hashable, list[int]] = {}  # key mode: delayed offsets per key
+        # key mode: per key, the offsets of its records out (held) or delayed, which hold back
+        # the later ones of the key
+        self._blocking_of: dict[Hashable, list[int]] = {}
         self._parked: dict[Hashable, list[tuple[int, Entry]]] = {}
         self.held = 0  # entries in HELD
         self.revoking = False  # being taken away: hand nothing out
@@ -99,22 +103,24 @@ class PartitionQueue:
             if (entry is not None and entry.state == HELD and entry.attempts == attempt
                     and entry.deadline <= now):
                 self.held -= 1
+                self._unblock(entry)
                 self._ready_again(entry)
         delayed = self._delayed
         while delayed and delayed[0][0] <= now:
             _, offset, entry = heapq.heappop(delayed)
-            if self.ordering == KEY:
-                self._undelay(entry)
+            self._unblock(entry)
             self._ready_again(entry)
 
     def _ready_again(self, entry: Entry) -> None:
         entry.state = READY
         heapq.heappush(self._returned, (entry.offset, entry))
 
-    def _undelay(self, entry: Entry) -> None:
-        """A delayed record of ``key`` mode is due: its key's parked records behind no other
-        delayed one are ready again."""
-        offsets = self._delayed_of.get(entry.group)
+    def _unblock(self, entry: Entry) -> None:
+        """Key mode: ``entry`` no longer holds back its key (settled, given back, its lease or
+        delay over): the key's parked records behind no other blocking one are ready again."""
+        if self.ordering != KEY or entry.group is None:
+            return
+        offsets = self._blocking_of.get(entry.group)
         if offsets is None:
             return
         index = bisect.bisect_left(offsets, entry.offset)
@@ -122,7 +128,7 @@ class PartitionQueue:
             del offsets[index]
         parked = self._parked.get(entry.group)
         if not offsets:
-            del self._delayed_of[entry.group]
+            del self._blocking_of[entry.group]
         if not parked:
             return
         limit = offsets[0] if offsets else None
@@ -156,14 +162,16 @@ class PartitionQueue:
             entry.deadline = now + lease
             heapq.heappush(self._leases, (entry.deadline, entry.offset, entry.attempts))
             self.held += 1
+            if self.ordering == KEY and entry.group is not None:
+                bisect.insort(self._blocking_of.setdefault(entry.group, []), entry.offset)
             self.offsets.delivered(entry.offset, entry.attempts)
             out.append(entry)
             taken += 1
 
     def _blocked(self, entry: Entry) -> bool:
-        """Key mode: park ``entry`` if an earlier record of its key waits for its delay."""
-        delayed = self._delayed_of.get(entry.group)
-        if entry.group is None or not delayed or delayed[0] > entry.offset:
+        """Key mode: park ``entry`` if an earlier record of its key is out or delayed."""
+        blocking = self._blocking_of.get(entry.group)
+        if entry.group is None or not blocking or blocking[0] > entry.offset:
             return False
         entry.state = PARKED
         bisect.insort(self._parked.setdefault(entry.group, []), (entry.offset, entry),
@@ -198,18 +206,18 @@ class PartitionQueue:
         """Acked: done for good."""
         del self.entries[entry.offset]
         self.held -= 1
+        self._unblock(entry)
         self.offsets.settle(entry.offset)
 
     def give_back(self, entry: Entry, now: float, delay: float) -> None:
         """Nacked: ready again now, or after ``delay`` seconds."""
         self.held -= 1
         if delay <= 0:
+            self._unblock(entry)
             self._ready_again(entry)
             return
-        entry.state = DELAYED
+        entry.state = DELAYED  # it still holds back its key (key mode)
         heapq.heappush(self._delayed, (now + delay, entry.offset, entry))
-        if self.ordering == KEY and entry.group is not None:
-            bisect.insort(self._delayed_of.setdefault(entry.group, []), entry.offset)
 
     def extend(self, entry: Entry, now: float, seconds: float) -> None:
         entry.deadline = now + seconds

@@ -41,20 +41,54 @@ def offsets(entries: list[Entry]) -> list[int]:
     return [entry.offset for entry in entries]
 
 
-def test_a_delayed_record_holds_back_only_the_later_ones_of_its_key() -> None:
+def test_one_record_of_a_key_is_out_at_a_time_and_the_others_keys_go_on() -> None:
     queue = queue_of(KEY, "ABAAB")
-    first = take(queue, 0.0)
-    assert offsets(first) == [0, 1, 2, 3, 4]
-    a0, b1, a2, a3, b4 = first
+    a0, b1 = take(queue, 0.0)
+    assert take(queue, 0.0) == [], "A's and B's later records wait for the ones out"
     queue.settle(a0)
-    queue.give_back(a2, 0.0, delay=5.0)  # a retry with a backoff
-    queue.give_back(a3, 0.0, delay=0.0)  # given back behind it at once
-    queue.give_back(b4, 0.0, delay=0.0)
-    assert offsets(take(queue, 1.0)) == [4], "B goes on; A's later record waits for a2"
-    assert offsets(take(queue, 5.0)) == [2, 3], "a2 is due: it goes first, a3 after it"
-    assert [e.attempts for e in (a2, a3)] == [2, 2]
+    [a2] = take(queue, 0.0)
+    queue.give_back(a2, 0.0, delay=0.0)  # given back unrun (say, at a stop)
+    assert offsets(take(queue, 0.0)) == [2], "a2 again, before a3"
+    assert a2.attempts == 2
     queue.settle(b1)
+    assert offsets(take(queue, 0.0)) == [4]
     assert queue.offsets.mark == 2
+
+
+def test_a_successor_never_out_beside_a_failing_record_counts_no_delivery() -> None:
+    """#45: a record handed out beside an earlier one of its key was given back by the
+    Subscriber whenever that one failed, a delivery each time its handler never saw."""
+    queue = queue_of(KEY, "AA")
+    for attempt in (1, 2, 3):
+        [a0] = take(queue, float(attempt))
+        assert a0.attempts == attempt
+        queue.give_back(a0, float(attempt), delay=0.5)  # the handler failed: a backoff
+        assert take(queue, attempt + 0.25) == [], "a1 waits out a0's backoff"
+    [a0] = take(queue, 4.0)
+    queue.settle(a0)
+    [a1] = take(queue, 4.0)
+    assert (a1.offset, a1.attempts) == (1, 1)
+
+
+def test_a_delayed_record_holds_back_only_the_later_ones_of_its_key() -> None:
+    queue = queue_of(KEY, "ABA")
+    a0, b1 = take(queue, 0.0)
+    queue.give_back(a0, 0.0, delay=5.0)  # a retry with a backoff
+    queue.settle(b1)
+    assert take(queue, 1.0) == [], "a2 waits for a0, B has nothing left"
+    assert offsets(take(queue, 5.0)) == [0], "a0 is due: it goes first"
+    [a0] = [queue.entries[0]]
+    queue.settle(a0)
+    assert offsets(take(queue, 5.0)) == [2]
+    assert queue.offsets.mark == 2
+
+
+def test_a_lease_that_ends_lets_the_key_go_on_behind_the_record() -> None:
+    queue = queue_of(KEY, "AA")
+    [a0] = take(queue, 0.0)
+    assert take(queue, LEASE + 1) == [a0], "out again; a1 still behind it"
+    queue.settle(a0)
+    assert offsets(take(queue, LEASE + 1)) == [1]
 
 
 def test_partition_order_hands_out_one_record_at_a_time() -> None:
