@@ -446,6 +446,54 @@ async def test_the_cli_reaches_rabbitmq() -> None:
         await adapter.close()
 
 
+async def test_the_cli_reaches_kafka(kafka_broker: Any) -> None:
+    """#45: ``--kafka-bootstrap``: exact backlogs (another process's deliveries out are unknown
+    to the command), the dead-letter tools, a missing subscription, an unreachable cluster."""
+    pytest.importorskip("confluent_kafka", reason='the Kafka tests need "reliable-sub[kafka]"')
+    from reliable_sub.adapters.kafka import KafkaAdapter
+    from reliable_sub.testing.cleanup import delete_kafka_names
+
+    prefix = f"cli-{uuid.uuid4().hex[:8]}"
+    adapter = KafkaAdapter(kafka_broker.bootstrap, prefix=prefix, partitions=1)
+    topic, billing, shipping = f"{prefix}-orders", f"{prefix}-billing", f"{prefix}-shipping"
+    dlq_topic, dlq = f"{prefix}-orders-dlq", f"{prefix}-dlq-ops"
+    args = ("--kafka-bootstrap", kafka_broker.bootstrap, "--kafka-prefix", prefix)
+    try:
+        for subscription in (billing, shipping):
+            await adapter.ensure_subscription(topic, subscription, ack_deadline=30)
+        await adapter.ensure_subscription(dlq_topic, dlq, ack_deadline=30)
+        for n in range(3):
+            await adapter.publish(topic, b"order-%d" % n)
+        [taken] = await adapter.receive(shipping, 1, 10.0)
+        await adapter.ack([taken])
+        original = Message(id="m-1", data=b"order-1", attributes={}, subscription=billing)
+        await adapter.publish(dlq_topic, b"order-1",
+                              dead_letter_attributes(original, 3, ValueError("no stock")))
+        deadline = time.monotonic() + TIMEOUT
+        while True:  # the consumer commits its ack a moment later
+            rows = as_json(reliable_sub(*args, "stats", billing, shipping, "--json"))
+            if rows[1]["backlog"] == 2 or time.monotonic() > deadline:
+                break
+        assert [(r["subscription"], r["backlog"], r["in_flight"], r["ack_deadline_seconds"])
+                for r in rows] == [(billing, 3, None, 30.0), (shipping, 2, None, 30.0)]
+        [letter] = as_json(reliable_sub(*args, "dlq", "peek", dlq, "--json", "--wait", "1"))
+        assert (letter["data"], letter["error_message"]) == ("order-1", "no stock")
+        missing = reliable_sub(*args, "stats", f"{prefix}-nothing")
+        assert missing.returncode == 4, missing.stderr
+    finally:
+        await adapter.close()
+        await delete_kafka_names(kafka_broker.bootstrap, [
+            topic, dlq_topic, billing, shipping, dlq, f"{prefix}-subscriptions"])
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        port = spare.getsockname()[1]
+    started = time.monotonic()
+    unreachable = reliable_sub("--connect-timeout", "1", "--kafka-bootstrap",
+                               f"127.0.0.1:{port}", "stats", billing)
+    assert unreachable.returncode == 3, unreachable.stderr
+    assert time.monotonic() - started < 20
+
+
 async def test_the_cli_reaches_sqs(sqs_server: Any) -> None:
     """#49: ``--sqs-endpoint`` with ``--sqs-queue-prefix`` (region and credentials from the
     usual AWS settings): stats show SQS's estimates as such, and a missing subscription says

@@ -436,6 +436,7 @@ async def test_another_broker_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> N
     connection = Connection.from_options({
         "redis_url": None, "redis_prefix": "reliable-sub", "nats_url": None,
         "nats_prefix": "reliable-sub", "amqp_url": None, "amqp_prefix": "reliable-sub",
+        "kafka_bootstrap": None, "kafka_prefix": "reliable-sub",
         "sqs_endpoint": None, "sqs_queue_prefix": "", "sqs_region": None,
         "pubsub_project": None, "memory_url": "memory://here"})
     assert connection.adapter() is memory
@@ -444,6 +445,7 @@ async def test_another_broker_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> N
     wrong = Connection.from_options({
         "redis_url": None, "redis_prefix": "reliable-sub", "nats_url": None,
         "nats_prefix": "reliable-sub", "amqp_url": None, "amqp_prefix": "reliable-sub",
+        "kafka_bootstrap": None, "kafka_prefix": "reliable-sub",
         "sqs_endpoint": None, "sqs_queue_prefix": "", "sqs_region": None,
         "pubsub_project": None, "memory_url": "http://x"})
     with pytest.raises(ValueError, match="--memory-url 'http://x'"):

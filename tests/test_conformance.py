@@ -1,4 +1,4 @@
-"""The shipped adapter suite, run against this package's six adapters.
+"""The shipped adapter suite, run against this package's seven adapters.
 
 fakeredis stands in for Redis only on a laptop without one; under ``CI=true`` a missing Redis
 fails the Redis class instead.
@@ -19,8 +19,10 @@ from reliable_sub.testing import (
 )
 from reliable_sub.testing.adapter_suite import inspection
 from reliable_sub.testing.harness import rabbitmq_harness
+from reliable_sub.testing.harness_kafka import kafka_harness
 from reliable_sub.testing.services import in_ci, rabbitmq_url, redis_available
 from reliable_sub.testing.sqs_harness import sqs_harness
+from tests.kafka_processes import KafkaBroker
 from tests.nats_processes import NatsServer
 from tests.rabbitmq_processes import RabbitNode
 from tests.redis_processes import RedisClusterProcesses
@@ -97,6 +99,20 @@ class TestRabbitMQAdapter(AdapterSuite):
 
     def make_harness(self) -> Harness:
         return rabbitmq_harness(rabbitmq_url(), ack_deadline=2.0)
+
+
+class TestKafkaAdapter(AdapterSuite):
+    """On a private single-node Kafka (KRaft; tests/conftest.py starts it, one per worker), two
+    partitions per topic, eager rebalancing (see kafka_harness); 2 s leases, as on NATS."""
+
+    bootstrap = ""
+
+    @pytest.fixture(autouse=True)
+    def _on_the_broker(self, kafka_broker: KafkaBroker) -> None:
+        self.bootstrap = kafka_broker.bootstrap
+
+    def make_harness(self) -> Harness:
+        return kafka_harness(self.bootstrap, ack_deadline=2.0)
 
 
 class TestRabbitMQAdapterWithManagement:

@@ -7,10 +7,12 @@ refused at publish with a named exception.
 
 Payloads, attributes and idempotency keys run on all six adapters: the in-memory broker (on a
 ManualClock), Redis Streams (real Redis), the Pub/Sub emulator, NATS JetStream (a private nats-
-server), RabbitMQ (the shared broker) and SQS (a private ElasticMQ). Each adapter gets one running
-Subscriber for the whole module (a ``world``): the hostile messages of one test after another go
-through the same consumer, which must still be healthy after all of them. Its dead-letter policy
-allows 2 handler failures, so a poison message is ``retried`` once, then ``dead_lettered``.
+server), RabbitMQ (the shared broker), SQS (a private ElasticMQ) and Kafka (a private KRaft node).
+Each adapter gets one running Subscriber for the whole module (a ``world``): the hostile messages
+of one test after another go through the same consumer, which must still be healthy after all of
+them. Its dead-letter policy allows 2 handler failures, so a poison message is ``retried`` once,
+then ``dead_lettered``. Records that only another Kafka producer writes (foreign headers, binary
+keys, tombstones) are in ``tests/test_kafka.py``.
 
 Handler behaviour (never returns, raises ``KeyboardInterrupt``/``SystemExit``/``CancelledError``,
 blocks the loop) is in ``tests/test_hostile_handlers.py``, on the in-memory broker, where a
@@ -77,17 +79,18 @@ from reliable_sub.testing.harness import (
     rabbitmq_harness,
     redis_harness,
 )
+from reliable_sub.testing.harness_kafka import kafka_harness
 from reliable_sub.testing.services import missing_service, rabbitmq_url
 
 # One event loop for the module: the worlds (a running Subscriber per adapter) outlive a test.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-ADAPTERS = ["memory", "redis", "pubsub", "nats", "rabbitmq", "sqs"]
+ADAPTERS = ["memory", "redis", "pubsub", "nats", "rabbitmq", "sqs", "kafka"]
 # Handler failures after which the worlds dead-letter a message: retried once, then dead.
 MAX_ATTEMPTS = 2
 # How long a world may take to settle a message: clock seconds (virtual on memory).
 WITHIN = {"memory": 300.0, "redis": 20.0, "pubsub": 30.0, "nats": 20.0, "rabbitmq": 20.0,
-          "sqs": 20.0}
+          "sqs": 20.0, "kafka": 20.0}
 
 MIB = 1024 * 1024
 # "10 MB": 10 MiB on memory and Redis. Pub/Sub's limit is 10,000,000 bytes per publish request
@@ -100,6 +103,9 @@ PUBSUB_LARGEST_DATA = PUBSUB_REQUEST_LIMIT - 1000
 # Pub/Sub's attribute limits (the emulator does not enforce them; the adapter does, at publish).
 # A NATS server's default max_payload (data and headers together), which the test server keeps.
 NATS_MAX_PAYLOAD = MIB
+# librdkafka's default message.max.bytes (a record with its key and headers; Kafka's brokers take
+# 1 MiB and a little more per batch by default).
+KAFKA_MAX_MESSAGE = 1_000_000
 PUBSUB_KEY_BYTES = 256
 PUBSUB_VALUE_BYTES = 1024
 
@@ -228,6 +234,10 @@ def _harness(name: str, request: pytest.FixtureRequest) -> Harness:
         return nats_harness(request.getfixturevalue("nats_server").url)
     if name == "rabbitmq":
         return rabbitmq_harness(rabbitmq_url())  # fails under CI=true without RabbitMQ
+    if name == "kafka":
+        if importlib.util.find_spec("confluent_kafka") is None:
+            missing_service('the Kafka tests need pip install "reliable-sub[kafka]"')
+        return kafka_harness(request.getfixturevalue("kafka_broker").bootstrap)
     if name == "sqs":
         if importlib.util.find_spec("aiobotocore") is None:
             missing_service('the SQS tests need pip install "reliable-sub[sqs]"')
@@ -290,7 +300,8 @@ async def test_a_10_mb_payload(world: World) -> None:
     """10 MiB is delivered whole by memory and Redis; Pub/Sub refuses it at publish (over its
     10,000,000-byte request limit) and delivers the largest it takes; NATS refuses it before
     sending (over the server's max_payload, 1 MiB by default) and delivers the
-    largest it takes (1 KB below it, for the headers). Receiving that one needs
+    largest it takes (1 KB below it, for the headers); Kafka's producer too (over its
+    message.max.bytes, 1,000,000 by default). Receiving that one needs
     a channel without gRPC's 4 MiB receive limit: before, every pull failed while it waited."""
     payload = bytes(range(256)) * (TEN_MB // 256)
     if world.name == "pubsub":
@@ -301,7 +312,11 @@ async def test_a_10_mb_payload(world: World) -> None:
         with pytest.raises(InvalidMessageError, match="over the NATS server's max_payload"):
             await world.publish(payload)
         payload = payload[:NATS_MAX_PAYLOAD - 1000]  # room for the headers
-    if world.name == "sqs":  # 1 MiB a message, body (base64 for binary data) and attributes
+    if world.name == "kafka":
+        with pytest.raises(InvalidMessageError, match=r"larger than the producer's message\.max"):
+            await world.publish(payload)
+        payload = payload[:KAFKA_MAX_MESSAGE - 1000]  # room for the record's framing
+    elif world.name == "sqs":  # 1 MiB a message, body (base64 for binary data) and attributes
         from reliable_sub.adapters._sqs_messages import largest_binary_payload
 
         with pytest.raises(InvalidMessageError, match="over the limit of 1,048,576 bytes"):

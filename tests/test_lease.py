@@ -139,9 +139,33 @@ async def test_a_refused_extend_stops_that_lease() -> None:
     lease.add([item])
     await broker.ack([item.delivery])  # acked elsewhere: its ack id is now stale
     clock.advance(7)
-    assert await lease.tick() == float("inf"), "nothing more to do for it"
+    assert await lease.tick() == item.expires_at, "nothing more until max_lease_duration"
     assert lease.stats.refused == 1
     assert not item.held
+
+
+async def test_a_waiting_delivery_whose_lease_was_refused_is_still_given_back() -> None:
+    """Its broker lease is gone (a Kafka partition moved to another consumer, a RabbitMQ
+    channel closed) while it waited for a worker: at max_lease_duration it is reported like any
+    waiting delivery, so the Subscriber gives it back rather than keep it queued for a worker
+    (and run it, to have its ack refused) -- or, with every worker hung, keep it for ever."""
+    reported: list[InFlight] = []
+
+    async def on_max_lease(items: list[InFlight]) -> None:
+        reported.extend(items)
+
+    clock, broker, lease = await setup(LeasePolicy(max_lease_duration=30),
+                                       on_max_lease=on_max_lease)
+    [item] = await receive(broker, clock, 1)
+    lease.add([item])
+    await broker.ack([item.delivery])  # stale now
+    clock.advance(7)
+    await lease.tick()
+    assert not item.held and reported == []
+    clock.advance(30)
+    await lease.tick()
+    await asyncio.sleep(0)  # the report runs beside the tick
+    assert reported == [item]
 
 
 async def test_an_extend_that_races_its_own_ack_is_no_lapsed_lease() -> None:

@@ -54,7 +54,7 @@ from .lease_basics import (
     due_at,
     margin,
 )
-from .members import RUNNING, SETTLING
+from .members import SETTLING
 
 # The name this module's records always had (it was public): logging set-ups name it.
 logger = logging.getLogger("reliable_sub.runtime.lease")
@@ -282,8 +282,10 @@ class LeaseManager:
         grace = self._grace
         for item in self._leases:
             held = item.held
-            if item.expires_at <= now and (held or item.stage is RUNNING):
-                # at max_lease_duration (a handler that runs on: another one later)
+            if item.expires_at <= now and (held or item.stage < SETTLING):
+                # at max_lease_duration (a handler that runs on: another one later); one that
+                # waits to start is given back even when the broker refused its lease (a
+                # partition taken away): it would wait for a worker, run, and be refused
                 expired.append(item)
             elif (held and item.not_before <= now and item.deadline < item.expires_at + grace
                   and item.deadline <= now + margin(item.length) + item.length * BATCH_FRACTION):

@@ -39,7 +39,7 @@ def due_at(item: InFlight[Any]) -> float:
     due = math.inf
     if item.held:
         due = max(item.deadline - margin(item.length), item.not_before)
-    if item.held or item.stage is Stage.RUNNING:
+    if item.held or item.stage < Stage.SETTLING:
         due = min(due, item.expires_at)  # the maximum duration, however far the lease reaches
     if item.claim_active:
         due = min(due, claim_due(item))

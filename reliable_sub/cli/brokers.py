@@ -108,6 +108,13 @@ def _rabbitmq(url: str, prefix: str | None, amqp_management_url: str | None = No
                            management_url=amqp_management_url)
 
 
+def _kafka(bootstrap: str, prefix: str | None) -> Adapter:
+    from ..adapters.kafka import KafkaAdapter
+
+    assert prefix is not None
+    return KafkaAdapter(bootstrap, prefix=prefix, client_id=CLIENT_NAME)
+
+
 def _sqs(endpoint: str, prefix: str | None, sqs_region: str | None = None) -> Adapter:
     from ..adapters.sqs import SqsAdapter
 
@@ -160,6 +167,8 @@ BROKERS: tuple[Broker, ...] = (
            settings=(("--amqp-management-url", "The RabbitMQ management plugin's URL "
                       "(http://user:password@host:15672/): stats then show backlog and "
                       "in-flight figures.", ("http", "https")),)),
+    Broker("--kafka-bootstrap", "The Kafka cluster's bootstrap servers (host:port, several "
+           "comma-separated).", _kafka, prefix="reliable-sub"),
     Broker("--sqs-endpoint", "The Amazon SQS endpoint (https://sqs.REGION.amazonaws.com, or a "
            "local server's http://host:port); region and credentials from the usual AWS "
            "settings.", _sqs, ("http", "https"), prefix="", prefix_name="--sqs-queue-prefix",

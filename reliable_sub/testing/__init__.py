@@ -53,6 +53,7 @@ from reliable_sub.testing.harness import (
     pubsub_harness,
     redis_harness,
 )
+from reliable_sub.testing.harness_kafka import kafka_harness
 from reliable_sub.testing.recorded import (
     EffectsReport,
     MessageEffects,
@@ -75,6 +76,7 @@ __all__ = [
     "StoreHarness",
     "fakeredis_harness",
     "fakeredis_stores",
+    "kafka_harness",
     "load_recorded",
     "memory_harness",
     "memory_stores",

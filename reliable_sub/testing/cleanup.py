@@ -1,12 +1,17 @@
 """Clean-ups of what a conformance run made on a shared broker (its names hold the run's
 prefix): RabbitMQ cannot list queues over AMQP, so the names given are deleted with every
 queue they may have made; NATS streams are found by a fragment of their name, SQS queues by
-their prefix."""
+their prefix; Kafka topics and consumer groups are deleted by name."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from collections.abc import Sequence
 from typing import Any
+
+# Seconds a Kafka clean-up request may take.
+KAFKA_CLEANUP_TIMEOUT = 30.0
 
 
 async def delete_rabbitmq_names(url: str, prefix: str, names: list[str]) -> None:
@@ -50,6 +55,26 @@ async def delete_nats_streams(url: str, fragment: str) -> None:
         await client.close()
 
 
+async def delete_kafka_names(bootstrap: str, names: Sequence[str]) -> None:
+    """Delete the topics and consumer groups named ``names`` on the Kafka cluster at
+    ``bootstrap`` (a name that is neither is fine)."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    topics = set(admin.list_topics(timeout=KAFKA_CLEANUP_TIMEOUT).topics) & set(names)
+    groups = [name for name in names if name not in topics]
+    futures = list(admin.delete_topics(sorted(topics), operation_timeout=KAFKA_CLEANUP_TIMEOUT
+                                       ).values()) if topics else []
+    if groups:
+        futures += admin.delete_consumer_groups(
+            groups, request_timeout=KAFKA_CLEANUP_TIMEOUT).values()
+    for future in futures:
+        with contextlib.suppress(KafkaException):  # a group never made, or one with members
+            await asyncio.wrap_future(future)
+
+
+
 async def delete_sqs_queues(client_options: dict[str, Any], prefix: str) -> None:
     """Delete the SQS queues whose names start with ``prefix`` (the server's at
     ``client_options``: boto3's client arguments)."""
@@ -62,4 +87,5 @@ async def delete_sqs_queues(client_options: dict[str, Any], prefix: str) -> None
                 await client.delete_queue(QueueUrl=url)
 
 
-__all__ = ["delete_nats_streams", "delete_rabbitmq_names", "delete_sqs_queues"]
+__all__ = ["delete_kafka_names", "delete_nats_streams", "delete_rabbitmq_names",
+           "delete_sqs_queues"]

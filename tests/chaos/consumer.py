@@ -1,9 +1,9 @@
 """A consumer process for the fault-injection scenarios: ``python tests/chaos/consumer.py CFG``.
 
 ``CFG`` is JSON (see :class:`tests.chaos.fleet.Fleet`). The process runs one Subscriber on Redis
-Streams, Pub/Sub or RabbitMQ until SIGTERM (graceful) or SIGKILL. Its handler waits a random time in
-``handler_ms`` and then records its **effect outside the consumer**, keyed by the message's
-payload number ``n``:
+Streams, Pub/Sub, RabbitMQ or Kafka until SIGTERM (graceful) or SIGKILL. Its handler waits a
+random time in ``handler_ms`` and then records its **effect outside the consumer**, keyed by the
+message's payload number ``n``:
 
 * dedup ``sql``: a transactional handler inserts a row ``(n, consumer)`` into the effects table
   in the transaction that records the message as processed (exactly once);
@@ -63,6 +63,13 @@ def make_adapter() -> Adapter:
 
         base, args = RedisStreamsAdapter, (cfg["broker_url"],)
         options = {"consumer": cfg["consumer"], "key_prefix": cfg["prefix"]}
+    elif cfg["adapter"] == "kafka":
+        from reliable_sub.adapters.kafka import KafkaAdapter
+
+        base, args = KafkaAdapter, (cfg["broker_url"],)
+        options = {"prefix": cfg["prefix"], "client_id": cfg["consumer"],
+                   "consumer_config": {"session.timeout.ms": cfg["kafka_session_ms"],
+                                       "heartbeat.interval.ms": 500}}
     else:
         from reliable_sub.adapters.pubsub import PubSubAdapter
 

@@ -49,8 +49,13 @@ PUBSUB_ACK_DEADLINE = 10.0
 # RabbitMQ's (kept by the adapter; the broker gives a dead consumer's deliveries back at once):
 # as on Redis, what a killed consumer's dedup claims outlive it by.
 RABBITMQ_ACK_DEADLINE = 2.0
+# Kafka: the ack deadline the adapter keeps (a killed consumer's partitions move after its
+# session times out, KAFKA_SESSION_MS), over 12 partitions.
+KAFKA_ACK_DEADLINE = 2.0
+KAFKA_PARTITIONS = 12
+KAFKA_SESSION_MS = 6000  # the broker's group.min.session.timeout.ms
 ACK_DEADLINES = {"redis": REDIS_ACK_DEADLINE, "pubsub": PUBSUB_ACK_DEADLINE,
-                 "rabbitmq": RABBITMQ_ACK_DEADLINE}
+                 "rabbitmq": RABBITMQ_ACK_DEADLINE, "kafka": KAFKA_ACK_DEADLINE}
 # How often the load is published, in batches.
 PUBLISH_TICK = 0.05
 # A consumer process starts in 1-3 s; six starting at once (two worlds side by side) beside other
@@ -78,10 +83,11 @@ class Count:
 class World:
     """One scenario's broker objects and effect store (see the module's docstring)."""
 
-    adapter_kind: str  # "redis", "pubsub" or "rabbitmq"
+    adapter_kind: str  # "redis", "pubsub", "rabbitmq" or "kafka"
     dedup: str  # "sql", "redis" or "none"
     name: str = field(default_factory=lambda: f"chaos-{uuid.uuid4().hex[:10]}")
-    # Redis Streams: the broker's Redis; RabbitMQ: its node (default: the shared ones)
+    # Redis Streams: the broker's Redis; RabbitMQ: its node (default: the shared ones); Kafka:
+    # the bootstrap servers
     broker_url: str = ""
     consumer_url: str = ""  # where the consumers connect, if not to broker_url (a TCP proxy)
     messages: int = 0  # the load: how many, published evenly over load_seconds
@@ -119,6 +125,10 @@ class World:
 
             return RedisStreamsAdapter(self.broker_url, consumer="chaos-test",
                                        key_prefix=self.name)
+        if self.adapter_kind == "kafka":
+            from reliable_sub.adapters.kafka import KafkaAdapter
+
+            return KafkaAdapter(self.broker_url, prefix=self.name, partitions=KAFKA_PARTITIONS)
         if self.adapter_kind == "rabbitmq":
             from reliable_sub.adapters.rabbitmq import RabbitMQAdapter
 
@@ -185,7 +195,19 @@ class World:
         finally:
             await client.aclose()
 
+    async def kafka_backlog(self, adapter: Adapter) -> int:
+        """Kafka: records of the group not yet committed as settled (its exact backlog)."""
+        from reliable_sub.ports import Inspectable
+
+        assert isinstance(adapter, Inspectable)
+        return (await adapter.subscription_stats(self.subscription)).backlog or 0
+
     async def tear_down(self) -> None:
+        if self.adapter_kind == "kafka":
+            from reliable_sub.testing.cleanup import delete_kafka_names
+
+            await delete_kafka_names(self.broker_url, [
+                self.topic, self.subscription, f"{self.name}-subscriptions"])
         if self.rabbit is not None:
             await self.rabbit.delete()
         if self._effects_client is not None:
@@ -219,6 +241,7 @@ class World:
             "handler_ms": list(handler_ms), "seed": seed, "max_messages": max_messages,
             "min_extension": min(1.0, self.ack_deadline / 2),
             "max_extension": self.ack_deadline, "stop_timeout": stop_timeout,
+            "kafka_session_ms": KAFKA_SESSION_MS,
             "sabotage": sabotage, **more,
         }
 

@@ -115,7 +115,7 @@ async def under_load(
         if not publishing.done():
             publishing.cancel()
     if settle:
-        await settle_and_stop(world, fleet)
+        await settle_and_stop(world, fleet, adapter)
     return time.monotonic() - started
 
 
@@ -184,17 +184,17 @@ async def one_fault(world: World, fleet: Fleet, adapter: Any,
     finally:
         if not publishing.done():
             publishing.cancel()
-    await settle_and_stop(world, fleet)
+    await settle_and_stop(world, fleet, adapter)
     return FaultRun(time.monotonic() - started, recovery, outage, published_before)
 
 
-async def settle_and_stop(world: World, fleet: Fleet) -> None:
+async def settle_and_stop(world: World, fleet: Fleet, adapter: Any = None) -> None:
     """Drain, then stop the fleet gracefully. On RabbitMQ, where what consumers hold is
     invisible, the queues are read again once none is connected (the broker has then taken back
     all they held): anything left there (a deferral in a delay queue, a redelivery in a
     consumer's hands at the first reading) brings the fleet back to handle it, and again."""
     for _ in range(SETTLE_ROUNDS):
-        await drain(world)
+        await drain(world, adapter)
         await fleet.terminate_all(within=STOP_TIMEOUT + 10)
         if world.rabbit is None:
             return
@@ -206,9 +206,10 @@ async def settle_and_stop(world: World, fleet: Fleet) -> None:
     raise AssertionError(f"still left after {SETTLE_ROUNDS} rounds of draining: {left}")
 
 
-async def drain(world: World) -> None:
+async def drain(world: World, adapter: Any = None) -> None:
     """Wait until nothing is left to deliver: on Redis Streams, nothing pending or undelivered
-    in the group; on RabbitMQ, nothing ready in the subscription's queue or its delay queues
+    in the group; on Kafka, no backlog in the group's commits (``adapter``: the test's own);
+    on RabbitMQ, nothing ready in the subscription's queue or its delay queues
     (what the consumers hold is checked by settle_and_stop); on Pub/Sub (no backlog query on the
     emulator), no new effect for an ack deadline and a margin, so a killed consumer's messages
     have come back and been handled."""
@@ -223,6 +224,12 @@ async def drain(world: World) -> None:
         while await world.redis_backlog():
             if time.monotonic() > give_up:
                 raise AssertionError(f"{await world.redis_backlog()} entries still pending")
+            await asyncio.sleep(POLL)
+        return
+    if world.adapter_kind == "kafka":
+        while backlog := await world.kafka_backlog(adapter):
+            if time.monotonic() > give_up:
+                raise AssertionError(f"{backlog} records still not committed as settled")
             await asyncio.sleep(POLL)
         return
     quiet_for = world.ack_deadline + 3.0
