@@ -119,8 +119,21 @@ postgres_up() {
         printf '%s\n' "$hba" >"$cluster_dir/pg_hba.conf"
         changed=1
     fi
+    # Two chaos lanes run PostgreSQL scenarios side by side beside the other workers' tests:
+    # the default 100 connections is too few for them (a restart is needed to change it).
+    local settings=$'# written by scripts/services.sh\nmax_connections = 300'
+    local restart=""
+    if [ "$(cat "$cluster_dir/conf.d/reliable-sub.conf" 2>/dev/null)" != "$settings" ]; then
+        mkdir -p "$cluster_dir/conf.d"
+        printf '%s\n' "$settings" >"$cluster_dir/conf.d/reliable-sub.conf"
+        restart=1
+    fi
     local pg_log=/var/log/postgresql/postgresql-$version-main.log
-    if ! port_open 5432; then
+    if port_open 5432 && [ -n "$restart" ]; then
+        log "PostgreSQL: max_connections = 300 written to conf.d, restarting"
+        pg_ctlcluster --skip-systemctl-redirect "$version" main restart \
+            || fail postgres "pg_ctlcluster could not restart the cluster" "$pg_log"
+    elif ! port_open 5432; then
         log "starting PostgreSQL $version on 127.0.0.1:5432"
         pg_ctlcluster --skip-systemctl-redirect "$version" main start \
             || fail postgres "pg_ctlcluster could not start the cluster" "$pg_log"
