@@ -2,12 +2,12 @@
 that ran them rewrites the table in ``docs/reliability.md``.
 
 Scenarios run one at a time in each lane (``lane_of``: the Pub/Sub emulator's, PostgreSQL's,
-Redis Streams', the Redis dedup store's size check, RabbitMQ's, Kafka's): under xdist each lane is one unit of
-work, sent to one worker (see ``pytest_xdist_make_scheduler`` in ``tests/conftest.py``), so the
-other workers run the other tests instead of waiting; and each scenario holds its lane's lock
-file while it runs, so two sessions never run two scenarios of a lane at once. Each loads the
-machine with its own consumer processes; the Pub/Sub ones mostly wait out the emulator's 10 s ack
-deadlines, so the lanes run side by side.
+Redis Streams', the Redis dedup store's size check, RabbitMQ's, Kafka's): under xdist each lane
+is one unit of work, sent to one worker (see ``pytest_xdist_make_scheduler`` in
+``tests/conftest.py``), so the other workers run the other tests instead of waiting; and each
+scenario holds its lane's lock file while it runs, so two sessions never run two scenarios of a
+lane at once. Each loads the machine with its own consumer processes; the Pub/Sub ones mostly
+wait out the emulator's 10 s ack deadlines, so the lanes run side by side.
 """
 
 from __future__ import annotations
