@@ -4,6 +4,7 @@ counting the effects of every message."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -13,9 +14,13 @@ from typing import Any
 
 from tests.chaos.fleet import Count, Fleet, Load, World, publish_steadily
 
-# The load: messages published evenly over LOAD_SECONDS (the issue's 5,000), handlers 0-50 ms.
-MESSAGES = 5_000
-LOAD_SECONDS = 10.0
+# The load: messages published evenly over LOAD_SECONDS, handlers 0-50 ms. The report run
+# (RELIABILITY_REPORT=1, docs/reliability.md) takes the issue's 5,000 over 10 s; the suite
+# 2,500 over 6 s, with the same faults (under_load waits for min_faults of them): the
+# scenarios ran side by side on CI's two cores for ten minutes and more at full size.
+FULL_SIZE = bool(os.environ.get("RELIABILITY_REPORT"))
+MESSAGES = 5_000 if FULL_SIZE else 2_500
+LOAD_SECONDS = 10.0 if FULL_SIZE else 6.0
 HANDLER_MS = (0.0, 50.0)
 CONSUMERS = 3
 MAX_MESSAGES = 50  # flow control per consumer process

@@ -1,6 +1,7 @@
 """The broker goes away under load (scenario 3 of the chaos suite), on a private redis-server.
 
-The same load as the other scenarios (5,000 messages over 10 s, 3 consumer processes, the Redis
+The same load as the other scenarios (5,000 messages over 10 s in the report run, 2,500 over 6 s
+in the suite: scenario.FULL_SIZE; 3 consumer processes, the Redis
 dedup store on the shared Redis, effects counted there); 3 s in, the broker:
 
 * **pause**: is frozen with SIGSTOP for 10 s, then resumed with SIGCONT;

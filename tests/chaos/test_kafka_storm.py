@@ -13,7 +13,7 @@ next fault that is not a leave). Every one of them is a rebalance.
 * no dedup store: none lost; the duplicates (a kill, or a lease that lapsed, redelivers what
   ran) are counted and reported.
 
-By default 5,000 messages over 10 s and at least 8 faults, with the SQL path and without a
+By default 3,000 messages over 8 s and at least 6 faults, with the SQL path and without a
 store, to keep the chaos lane short; with ``RELIABLE_SUB_KAFKA_STORM=full`` the issue's size:
 20,000 messages over 40 s and 30 faults, with the Redis store too.
 """
@@ -40,7 +40,7 @@ from tests.kafka_processes import KafkaBroker
 pytest.importorskip("confluent_kafka", reason='the Kafka tests need "reliable-sub[kafka]"')
 
 FULL = os.environ.get("RELIABLE_SUB_KAFKA_STORM") == "full"
-MESSAGES, LOAD_SECONDS, FAULTS = (20_000, 40.0, 30) if FULL else (5_000, 10.0, 8)
+MESSAGES, LOAD_SECONDS, FAULTS = (20_000, 40.0, 30) if FULL else (3_000, 8.0, 6)
 FAULT_INTERVAL = (1.0, 2.0)
 STORMS = [("kafka", "sql"), ("kafka", "none")] + ([("kafka", "redis")] if FULL else [])
 

@@ -1,6 +1,7 @@
 """Consumer processes killed and redeployed under load (scenarios 1 and 2 of the chaos suite).
 
-**Kill storm**: 5,000 messages published over 10 s to 3 consumer processes (handlers 0-50 ms);
+**Kill storm**: 5,000 messages published over 10 s (the suite: 2,500 over 6 s, scenario.FULL_SIZE)
+to 3 consumer processes (handlers 0-50 ms);
 every 2-3 s a random consumer is SIGKILLed and restarted. **Rolling deploy**: the same load,
 and the consumers are stopped with SIGTERM one after the other, waited for, and restarted. Effects
 are recorded outside the consumers, per message, and counted at the end:
