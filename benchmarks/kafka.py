@@ -52,7 +52,7 @@ import confluent_kafka
 import redis.asyncio as aioredis
 from faststream import AckPolicy
 
-from benchmarks._brokers import RUN_DEADLINE, Consumer, delete_keys, wait_drained
+from benchmarks._brokers import POLL_INTERVAL, RUN_DEADLINE, Consumer, delete_keys, wait_drained
 from benchmarks._common import (
     EPOLL_WAIT,
     MICROS,
@@ -111,6 +111,16 @@ CONCURRENCY_LIMITS = (10, 100, 1_000)
 # throughput wants C2, so that the broker is not what is measured).
 BROKER_JVM_OPTIONS = tuple(option for option in JVM_OPTIONS if "TieredStopAtLevel" not in option)
 HOTTEST = 12  # functions listed from (c)'s profile
+PROFILED_POLL_INTERVAL = 0.05  # s between the profiled run's drain checks (timed runs: 1 ms)
+# Untimed passes of (a) over the big topic before anything is timed: (a) is bound by the
+# broker's fetches, and the broker's JIT keeps warming for several passes (here (a) went from
+# ~50,000 to ~250,000 msgs/s over its first eight); a cold broker would flatter the ratios to (a).
+BROKER_WARMUP_PASSES = 10
+# The reference rows' KafkaAdapter(buffer=...), against its default of 1,000 records per partition:
+# a partition is paused when that many wait untaken, and librdkafka drops what it prefetched for
+# a paused partition (up to max.partition.fetch.bytes, 1 MiB: ~10,000 of these records) and
+# fetches it again on resume. 10,000 keeps a partition's prefetch whole.
+REFERENCE_BUFFER = 10_000
 # Goals from the issue (#45).
 SUB_VS_RAW, SUB_VS_FASTSTREAM, SUB_VS_FASTSTREAM_BATCH, DEDUP_VS_RAW = 0.5, 3.0, 1.0, 0.3
 CONCURRENCY_VS_SEQUENTIAL, CONCURRENCY_VS_BOUND = 20.0, 0.5
@@ -121,7 +131,9 @@ FS_ONE = "(b1) FastStream (faststream.kafka), one message per call"
 FS_BATCH = f"(b2) FastStream (faststream.kafka), batch=True, max_records={BATCH}"
 SUB = "(c) Subscriber(KafkaAdapter), no dedup"
 SUB_DEDUP = "(d) Subscriber + RedisDedupStore"
-VARIANTS = (RAW, RAW_AIOKAFKA, FS_ONE, FS_BATCH, SUB, SUB_DEDUP)
+SUB_BUFFER = f"(c′) as (c), KafkaAdapter(buffer={REFERENCE_BUFFER:,}): reference, no goal"
+VARIANTS = (RAW, RAW_AIOKAFKA, FS_ONE, FS_BATCH, SUB, SUB_DEDUP, SUB_BUFFER)
+OURS = (SUB, SUB_DEDUP, SUB_BUFFER)
 BACKGROUND_COMMITS = (FS_ONE, FS_BATCH)  # clock stops at the last handler call
 SEQUENTIAL = f"FastStream, partition-sequential (max_workers={PARTITIONS}, AckPolicy.ACK)"
 OURS_PARTITION = 'Subscriber, ordering="partition"'
@@ -131,18 +143,23 @@ ADAPTER_PREFIX = f"bench-{RUN_ID}"  # the adapter's settings topic and the dedup
 _groups = iter(range(1, 1_000_000))
 
 
-def ours_by_key(limit: int) -> str:
-    return f'Subscriber, ordering="key", max_concurrency={limit:,}'
+def ours_by_key(limit: int, buffer: int | None = None) -> str:
+    name = f'Subscriber, ordering="key", max_concurrency={limit:,}'
+    return name if buffer is None else f"{name}, buffer={buffer:,}: reference, no goal"
 
 
-CONCURRENCY_VARIANTS = (SEQUENTIAL, OURS_PARTITION,
-                        *(ours_by_key(limit) for limit in CONCURRENCY_LIMITS))
+# (e)'s rows of ours by key: (variant, max_concurrency, KafkaAdapter buffer or its default)
+BY_KEY: tuple[tuple[str, int, int | None], ...] = (
+    *((ours_by_key(limit), limit, None) for limit in CONCURRENCY_LIMITS),
+    (ours_by_key(CONCURRENCY_LIMITS[-1], REFERENCE_BUFFER), CONCURRENCY_LIMITS[-1],
+     REFERENCE_BUFFER))
+CONCURRENCY_VARIANTS = (SEQUENTIAL, OURS_PARTITION, *(variant for variant, _, _ in BY_KEY))
 
 
 def bound(variant: str) -> float | None:
     """Records/s the variant's concurrency limit allows with HANDLER_SECONDS handlers."""
-    for limit in CONCURRENCY_LIMITS:
-        if variant == ours_by_key(limit):
+    for name, limit, _ in BY_KEY:
+        if variant == name:
             return limit / HANDLER_SECONDS
     return None
 
@@ -186,15 +203,17 @@ class Bench:
             return KafkaSubscriber(setup, ADAPTER_PREFIX)
         if variant == SUB_DEDUP:
             return KafkaSubscriber(setup, ADAPTER_PREFIX, redis_url=self.redis_url)
+        if variant == SUB_BUFFER:
+            return KafkaSubscriber(setup, ADAPTER_PREFIX, buffer=REFERENCE_BUFFER)
         if variant == SEQUENTIAL:  # FastStream's partition-sequential mode needs manual acks
             return FastStreamKafkaConsumer(setup, io_bound(tally), max_workers=PARTITIONS,
                                            ack_policy=AckPolicy.ACK)
         if variant == OURS_PARTITION:
             return KafkaSubscriber(setup, ADAPTER_PREFIX, ordering="partition",
                                    handler=io_bound(tally))
-        limit = next(limit for limit in CONCURRENCY_LIMITS if variant == ours_by_key(limit))
+        limit, buffer = next((limit, buffer) for name, limit, buffer in BY_KEY if variant == name)
         return KafkaSubscriber(setup, ADAPTER_PREFIX, handler=io_bound(tally),
-                               max_concurrency=limit)
+                               max_concurrency=limit, buffer=buffer)
 
     async def run_once(self, variant: str, records: int,
                        profiler: cProfile.Profile | None = None) -> KafkaRun:
@@ -231,7 +250,9 @@ async def timed(consumer: Consumer, setup: Setup, settled: Callable[[], Awaitabl
             profiler.enable()
         try:
             await consumer.start()
-            drained = await wait_drained(consumer, settled, time.perf_counter() + RUN_DEADLINE)
+            drained = await wait_drained(
+                consumer, settled, time.perf_counter() + RUN_DEADLINE,
+                POLL_INTERVAL if profiler is None else PROFILED_POLL_INTERVAL)
             cpu, threads = time.process_time(), thread_cpu()
         finally:
             if profiler is not None:
@@ -239,6 +260,17 @@ async def timed(consumer: Consumer, setup: Setup, settled: Callable[[], Awaitabl
     tally = setup.tally
     return KafkaRun(drained - tally.first_wall, cpu - tally.first_cpu, gc_timer.seconds,
                     cpu_between(tally.first_threads, threads, harness))
+
+
+async def warm_broker(bench: Bench, records: int) -> list[float]:
+    """BROKER_WARMUP_PASSES untimed runs of (a) over the big topic; their rates."""
+    rates = []
+    for number in range(1, BROKER_WARMUP_PASSES + 1):
+        run = await bench.run_once(RAW, records)
+        rates.append(records / run.seconds)
+        print(f"  broker warm-up {number}/{BROKER_WARMUP_PASSES}: (a) {rates[-1]:,.0f} msg/s",
+              file=sys.stderr)
+    return rates
 
 
 async def measure(bench: Bench, records: int, repetitions: int,
@@ -304,7 +336,7 @@ def main_table(results: dict[str, Throughput]) -> list[str]:
     return broker_table(results, RAW, [
         ("event-loop thread CPU µs/msg", lambda r: f"{r.thread_micros('loop'):.1f}"),
         ("adapter poll thread CPU µs/msg",
-         lambda r: f"{r.thread_micros('poll'):.1f}" if r.variant in (SUB, SUB_DEDUP) else "–"),
+         lambda r: f"{r.thread_micros('poll'):.1f}" if r.variant in OURS else "–"),
         ("librdkafka threads CPU µs/msg", lambda r: f"{r.thread_micros('librdkafka'):.1f}"),
     ])
 
@@ -324,6 +356,8 @@ def concurrency_table(results: dict[str, Throughput]) -> list[str]:
     return table(results.values(), [
         ("msgs/s", lambda r: f"{r.median:,.0f}"),
         ("client CPU µs/msg", lambda r: f"{r.cpu_micros_per_message:.1f}"),
+        ("client CPU, of one core",
+         lambda r: f"{r.cpu_micros_per_message * r.median / MICROS:.0%}"),
         ("ratio to FastStream partition-sequential", lambda r: f"{r.median / sequential:.1f}×"),
         (f"ratio to {PARTITIONS} partitions / {HANDLER_SECONDS * 1000:g} ms ({ideal:,.0f}/s)",
          lambda r: f"{r.median / ideal:.1f}×"),
@@ -372,20 +406,31 @@ def profile_lines(found: Profile) -> list[str]:
 
 
 def report(results: dict[str, Throughput], concurrency: dict[str, Throughput],
-           found: Profile, args: argparse.Namespace, load: float) -> str:
-    raw, sub, full = results[RAW], results[SUB], results[SUB_DEDUP]
+           found: Profile, args: argparse.Namespace, load: float, warmup: list[float]) -> str:
+    raw, sub, full, buffered = (results[RAW], results[SUB], results[SUB_DEDUP],
+                                results[SUB_BUFFER])
     librdkafka = f"{confluent_kafka.version()} (librdkafka {confluent_kafka.libversion()[0]})"
     return render(
         "kafka", measured_on=measured_on(args.command), kafka=jar_version("kafka"),
         versions=f"confluent-kafka {librdkafka}, " + versions("aiokafka", "faststream", "redis"),
-        load=load, records=args.records, partitions=PARTITIONS, keys=KEYS,
+        load=load, warmup_passes=len(warmup), warmup_first=warmup[0], warmup_last=warmup[-1],
+        records=args.records, partitions=PARTITIONS, keys=KEYS,
         payload=len(PAYLOAD), repetitions=args.repetitions, table=main_table(results),
         goals=main_goals(results),
         sub_cost=sub.micros_per_message - raw.micros_per_message,
         dedup_cost=full.micros_per_message - sub.micros_per_message,
         sub_loop=sub.thread_micros("loop"), sub_poll=sub.thread_micros("poll"),
         raw_loop=raw.thread_micros("loop"), raw_cpu=raw.cpu_micros_per_message,
-        sub_cpu=sub.cpu_micros_per_message,
+        sub_cpu=sub.cpu_micros_per_message, sub_wall=sub.micros_per_message,
+        sub_rdk=sub.thread_micros("librdkafka"), buffered_rdk=buffered.thread_micros("librdkafka"),
+        reference_buffer=REFERENCE_BUFFER, buffered=buffered.median,
+        buffered_ratio=buffered.median / raw.median,
+        buffered_vs_one=buffered.median / results[FS_ONE].median,
+        buffered_vs_batch=buffered.median / results[FS_BATCH].median, goal_raw=SUB_VS_RAW,
+        goal_one=SUB_VS_FASTSTREAM, goal_batch=SUB_VS_FASTSTREAM_BATCH,
+        dedup_cpu=full.cpu_micros_per_message - sub.cpu_micros_per_message,
+        buffered_cpu=buffered.cpu_micros_per_message,
+        buffered_wall=buffered.micros_per_message,
         concurrency_records=args.concurrency_records,
         concurrency_table=concurrency_table(concurrency),
         concurrency_goals=concurrency_goals(concurrency),
@@ -403,13 +448,14 @@ async def everything(args: argparse.Namespace, bootstrap: str) -> str:
             topics[size] = await asyncio.to_thread(fill, bootstrap, f"bench-{RUN_ID}-{size}",
                                                    size)
         bench = Bench(bootstrap, args.redis, redis, topics)
+        warmup = await warm_broker(bench, args.records)
         results = await measure(bench, args.records, args.repetitions, args.concurrency_records)
         concurrency = await measure_concurrency(bench, args.concurrency_records,
                                                 args.concurrency_repetitions)
         found = await profile_subscriber(bench, args.concurrency_records)
         print(f"(c) under cProfile: {found.calls:.1f} Python calls per record",
               file=sys.stderr)
-        return report(results, concurrency, found, args, load)
+        return report(results, concurrency, found, args, load, warmup)
     finally:
         await redis.aclose()
 
