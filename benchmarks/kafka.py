@@ -317,8 +317,8 @@ async def profile_subscriber(bench: Bench, records: int) -> Profile:
 def _function_name(key: tuple[str, int, str]) -> str:
     """``path:line(name)``, the path from the package or the standard library on."""
     filename, line, name = key
-    if filename == "~":
-        return name
+    if filename == "~":  # a builtin
+        return f"`{name}`"
     parts = Path(filename).parts
     for anchor in ("reliable_sub", "benchmarks", "asyncio", "faststream"):
         if anchor in parts:
@@ -421,6 +421,7 @@ def report(results: dict[str, Throughput], concurrency: dict[str, Throughput],
         dedup_cost=full.micros_per_message - sub.micros_per_message,
         sub_loop=sub.thread_micros("loop"), sub_poll=sub.thread_micros("poll"),
         raw_loop=raw.thread_micros("loop"), raw_cpu=raw.cpu_micros_per_message,
+        raw_wall=raw.micros_per_message,
         sub_cpu=sub.cpu_micros_per_message, sub_wall=sub.micros_per_message,
         sub_rdk=sub.thread_micros("librdkafka"), buffered_rdk=buffered.thread_micros("librdkafka"),
         reference_buffer=REFERENCE_BUFFER, buffered=buffered.median,
@@ -432,6 +433,7 @@ def report(results: dict[str, Throughput], concurrency: dict[str, Throughput],
         buffered_cpu=buffered.cpu_micros_per_message,
         buffered_wall=buffered.micros_per_message,
         concurrency_records=args.concurrency_records,
+        concurrency_repetitions=args.concurrency_repetitions,
         concurrency_table=concurrency_table(concurrency),
         concurrency_goals=concurrency_goals(concurrency),
         handler_ms=HANDLER_SECONDS * 1000, profile_records=found.records,
