@@ -39,6 +39,7 @@ import cProfile
 import gc
 import os
 import pstats
+import statistics
 import sys
 import tempfile
 import time
@@ -169,9 +170,11 @@ def bound(variant: str) -> float | None:
 
 @dataclass(frozen=True)
 class KafkaRun(Run):
-    """A timed run, and its CPU seconds by thread (:class:`ThreadCpu`)."""
+    """A timed run, its CPU seconds by thread (:class:`ThreadCpu`) and the full (oldest
+    generation) collections of the cyclic GC within it."""
 
     threads: ThreadCpu
+    full_collections: int
 
 
 class Throughput(CpuThroughput):
@@ -179,6 +182,10 @@ class Throughput(CpuThroughput):
 
     def thread_micros(self, name: str) -> float:
         return self.median_micros(getattr(run.threads, name) for run in self.runs)
+
+    @property
+    def full_collections(self) -> float:
+        return statistics.median(run.full_collections for run in self.runs)
 
 
 @dataclass
@@ -243,10 +250,14 @@ async def _always() -> bool:
 
 async def timed(consumer: Consumer, setup: Setup, settled: Callable[[], Awaitable[bool]],
                 harness: set[int], profiler: cProfile.Profile | None) -> KafkaRun:
-    """Start ``consumer``; wall and CPU seconds from its first record to drained and settled."""
+    """Start ``consumer``; wall and CPU seconds from its first record to drained and settled.
+    GC stays on, but for a profiled run (as the harness's Clock does: a collection's time would
+    go to whichever function it interrupted)."""
     gc.collect()
+    full_before = gc.get_stats()[-1]["collections"]
     with GcTimer() as gc_timer:
         if profiler is not None:
+            gc.disable()
             profiler.enable()
         try:
             await consumer.start()
@@ -257,9 +268,11 @@ async def timed(consumer: Consumer, setup: Setup, settled: Callable[[], Awaitabl
         finally:
             if profiler is not None:
                 profiler.disable()
+                gc.enable()
     tally = setup.tally
     return KafkaRun(drained - tally.first_wall, cpu - tally.first_cpu, gc_timer.seconds,
-                    cpu_between(tally.first_threads, threads, harness))
+                    cpu_between(tally.first_threads, threads, harness),
+                    gc.get_stats()[-1]["collections"] - full_before)
 
 
 async def warm_broker(bench: Bench, records: int) -> list[float]:
@@ -406,7 +419,8 @@ def profile_lines(found: Profile) -> list[str]:
 
 
 def report(results: dict[str, Throughput], concurrency: dict[str, Throughput],
-           found: Profile, args: argparse.Namespace, load: float, warmup: list[float]) -> str:
+           found: Profile, args: argparse.Namespace, load: float, warmup: list[float],
+           heap: int) -> str:
     raw, sub, full, buffered = (results[RAW], results[SUB], results[SUB_DEDUP],
                                 results[SUB_BUFFER])
     librdkafka = f"{confluent_kafka.version()} (librdkafka {confluent_kafka.libversion()[0]})"
@@ -423,6 +437,7 @@ def report(results: dict[str, Throughput], concurrency: dict[str, Throughput],
         raw_loop=raw.thread_micros("loop"), raw_cpu=raw.cpu_micros_per_message,
         raw_wall=raw.micros_per_message,
         sub_cpu=sub.cpu_micros_per_message, sub_wall=sub.micros_per_message,
+        sub_gc=sub.gc_micros_per_message, sub_full=sub.full_collections, heap=heap,
         sub_rdk=sub.thread_micros("librdkafka"), buffered_rdk=buffered.thread_micros("librdkafka"),
         reference_buffer=REFERENCE_BUFFER, buffered=buffered.median,
         buffered_ratio=buffered.median / raw.median,
@@ -445,6 +460,7 @@ async def everything(args: argparse.Namespace, bootstrap: str) -> str:
     try:
         await redis.ping()
         load = os.getloadavg()[0]
+        heap = len(gc.get_objects())  # what a full collection walks, besides a run's own
         topics = {}
         for size in (args.records, args.concurrency_records):
             topics[size] = await asyncio.to_thread(fill, bootstrap, f"bench-{RUN_ID}-{size}",
@@ -457,7 +473,7 @@ async def everything(args: argparse.Namespace, bootstrap: str) -> str:
         found = await profile_subscriber(bench, args.concurrency_records)
         print(f"(c) under cProfile: {found.calls:.1f} Python calls per record",
               file=sys.stderr)
-        return report(results, concurrency, found, args, load, warmup)
+        return report(results, concurrency, found, args, load, warmup, heap)
     finally:
         await redis.aclose()
 
