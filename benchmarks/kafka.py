@@ -104,7 +104,8 @@ RECORDS = 100_000  # (a)-(d)'s topic
 # (e)'s topic: partition-sequential consumption of a 5 ms handler does at most 800 records/s
 CONCURRENCY_RECORDS = 10_000
 DEFAULT_REPETITIONS = 3
-QUICK = (5_000, 1, 1_000)  # --quick: records, repetitions, (e)'s records
+CONCURRENCY_REPETITIONS = 2  # (e)'s partition-sequential runs take ~20 s each
+QUICK = (5_000, 1, 1_000)  # --quick: records, repetitions, (e)'s records (one run each)
 # (e)'s limits on handlers in flight (@sub.handler(max_concurrency=...)); 1,000 is also the
 # Subscriber's default FlowControl window.
 CONCURRENCY_LIMITS = (10, 100, 1_000)
@@ -440,6 +441,7 @@ def report(results: dict[str, Throughput], concurrency: dict[str, Throughput],
         sub_gc=sub.gc_micros_per_message, sub_full=sub.full_collections, heap=heap,
         sub_waiting=1 - sub.cpu_micros_per_message / sub.micros_per_message,
         needed=raw.micros_per_message / SUB_VS_RAW,
+        sub_vs_slowest=sub.median / min(raw.rates), dedup_vs_slowest=full.median / min(raw.rates),
         sub_rdk=sub.thread_micros("librdkafka"), buffered_rdk=buffered.thread_micros("librdkafka"),
         reference_buffer=REFERENCE_BUFFER, buffered=buffered.median,
         buffered_ratio=buffered.median / raw.median,
@@ -488,13 +490,15 @@ def main(argv: list[str] | None = None) -> None:
              messages_help=f"records of (a)-(d)'s topic (default {RECORDS:,})")
     parser.add_argument("--concurrency-records", type=positive_int, default=CONCURRENCY_RECORDS,
                         help=f"records of (e)'s topic (default {CONCURRENCY_RECORDS:,})")
-    parser.add_argument("--concurrency-repetitions", type=positive_int, default=1,
-                        help="timed runs of each (e) variant (default 1)")
+    parser.add_argument("--concurrency-repetitions", type=positive_int,
+                        default=CONCURRENCY_REPETITIONS,
+                        help=f"timed runs of each (e) variant (default {CONCURRENCY_REPETITIONS})")
     parser.add_argument("--write", action="store_true", help="write the README section")
     args = parser.parse_args(argv)
     args.records = args.messages
     if args.quick:
         args.records, args.repetitions, args.concurrency_records = QUICK
+        args.concurrency_repetitions = 1
     if args.records == args.concurrency_records:
         parser.error("--messages and --concurrency-records must differ (a topic each)")
     args.command = command_line("kafka", argv)
