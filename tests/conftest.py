@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 from hypothesis import HealthCheck, settings
 
+from tests import shared_servers
 from tests.chaos import lane_of
 from tests.kafka_processes import KafkaBroker, KafkaCluster
 from tests.nats_processes import NatsServer
@@ -33,6 +35,16 @@ settings.register_profile("nightly", max_examples=1000, stateful_step_count=60, 
 settings.register_profile("hunt", max_examples=300, stateful_step_count=40, deadline=None,
                           suppress_health_check=_SLOW_IS_FINE)
 settings.load_profile("ci")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):  # the run's first process: xdist's, or pytest alone
+        shared_servers.configure()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        shared_servers.unconfigure()
 
 
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
@@ -80,29 +92,30 @@ def rabbitmq_management_node(tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 @pytest.fixture(scope="session")
-def kafka_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaBroker]:
-    """A private Kafka node (KRaft, broker and controller in one JVM) for this session's
-    worker: ``kafka_broker.bootstrap`` is its ``127.0.0.1:port``."""
-    yield from running(KafkaBroker(tmp_path_factory.mktemp("kafka-broker")))
+def kafka_broker() -> KafkaBroker:
+    """The run's Kafka node (KRaft, broker and controller in one JVM), shared by every worker
+    (tests/shared_servers.py): ``kafka_broker.bootstrap`` is its ``127.0.0.1:port``. Its
+    topics are the tests' own; a test that kills or restarts a node starts a private one."""
+    return KafkaBroker.attached(shared_servers.shared("kafka-broker", KafkaBroker.start_shared))
 
 
-@pytest.fixture(scope="session")
-def kafka_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
+@pytest.fixture
+def kafka_cluster(tmp_path: Path) -> Iterator[KafkaCluster]:
     """A private Kafka cluster of three KRaft nodes (replication factor 3, min.insync.replicas
-    2) for this session's worker; a test that kills a node starts it again."""
-    yield from running(KafkaCluster(tmp_path_factory.mktemp("kafka-cluster")))
+    2) for one test, which may kill a node (and starts it again). Not kept for the session:
+    three idle nodes would cost a third of a core for the rest of the run."""
+    yield from running(KafkaCluster(tmp_path / "kafka-cluster"))
 
 
 @pytest.fixture(scope="session")
-def sqs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SqsServer]:
-    """A private SQS-compatible server (ElasticMQ: tests/sqs_processes.py) for this session's
-    worker, its queues and messages kept across a restart. Clients take its
-    ``client_options``."""
-    yield from running(SqsServer(tmp_path_factory.mktemp("sqs-server"), persistent=True))
+def sqs_server() -> SqsServer:
+    """The run's SQS-compatible server (ElasticMQ: tests/sqs_processes.py), shared by every
+    worker (tests/shared_servers.py), its queues and messages on disk. Clients take its
+    ``client_options``; a test that kills it starts a private one."""
+    return SqsServer.attached(shared_servers.shared("sqs-server", SqsServer.start_shared))
 
 
-Server = TypeVar("Server", RedisClusterProcesses, NatsServer, RabbitNode, KafkaBroker,
-                 KafkaCluster, SqsServer)
+Server = TypeVar("Server", RedisClusterProcesses, NatsServer, RabbitNode, KafkaCluster)
 
 
 def running(server: Server) -> Iterator[Server]:

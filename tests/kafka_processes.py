@@ -22,6 +22,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from reliable_sub.testing.services import missing_service
 from tests.kafka_requests import (
@@ -144,6 +145,25 @@ class KafkaBroker(ServerProcess):
     def _choose_ports(self) -> None:
         self.port = free_port()
         self.controller_port = free_port()
+
+    @classmethod
+    def start_shared(cls, directory: Path) -> dict[str, Any]:
+        """Start a node in ``directory`` for the whole run (tests/shared_servers.py); what
+        :meth:`attached` needs to reach it."""
+        broker = cls(directory)
+        broker.start()
+        assert broker.process is not None
+        return {"pid": broker.process.pid, "directory": str(directory), "port": broker.port,
+                "controller_port": broker.controller_port, "cluster_id": broker.cluster_id}
+
+    @classmethod
+    def attached(cls, record: dict[str, Any]) -> KafkaBroker:
+        """The node :meth:`start_shared` started, as seen from another process: its address
+        and metadata, not its process (the run's first process kills it at the end)."""
+        broker = cls(Path(record["directory"]), cluster_id=record["cluster_id"])
+        broker.port, broker.controller_port = record["port"], record["controller_port"]
+        broker.started = True
+        return broker
 
     @property
     def bootstrap(self) -> str:

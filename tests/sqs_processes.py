@@ -26,6 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from reliable_sub.testing.services import missing_service
 from tests.maven_jars import JarsUnavailable, classpath
@@ -191,7 +192,8 @@ class ElasticMqServer(_HttpSqsServer):
     name = "ElasticMQ"
 
     def __init__(self, directory: Path, *, persistent: bool = False,
-                 jvm_options: tuple[str, ...] = TEST_JVM_OPTIONS) -> None:
+                 jvm_options: tuple[str, ...] = TEST_JVM_OPTIONS,
+                 port: int | None = None) -> None:
         self.java = self.find_executable("java", " (a JDK 17: Debian package openjdk-17-jre)")
         try:
             self.classpath = classpath("elasticmq")
@@ -203,7 +205,27 @@ class ElasticMqServer(_HttpSqsServer):
         self.log_path = directory / "elasticmq.log"
         self.config_path = directory / "elasticmq.conf"
         self.process: subprocess.Popen[bytes] | None = None
-        self._choose_ports()
+        if port is None:
+            self._choose_ports()
+        else:  # a running server's (its configuration written already)
+            self.port = port
+
+    @classmethod
+    def start_shared(cls, directory: Path) -> dict[str, Any]:
+        """Start a server in ``directory`` for the whole run (tests/shared_servers.py); what
+        :meth:`attached` needs to reach it."""
+        server = cls(directory, persistent=True)
+        server.start()
+        assert server.process is not None
+        return {"pid": server.process.pid, "directory": str(directory), "port": server.port}
+
+    @classmethod
+    def attached(cls, record: dict[str, Any]) -> ElasticMqServer:
+        """The server :meth:`start_shared` started, as seen from another process: its
+        address, not its process (the run's first process kills it at the end)."""
+        server = cls(Path(record["directory"]), persistent=True, port=record["port"])
+        server.started = True
+        return server
 
     def _choose_ports(self) -> None:
         self.port = free_port()

@@ -16,7 +16,7 @@ broker without piling its load on another of its kind.
 * ``chaos-rabbitmq`` (tests/chaos/test_rabbitmq.py, every name with "rabbitmq" in it): most of
   their 70-110 s is waiting on the broker: a private node's boot (7 s) and its outage, a 15 s
   stall, delay queues, handlers of seconds.
-* ``chaos-kafka``: the rebalance storms, each on the worker's private Kafka node (one of them
+* ``chaos-kafka``: the rebalance storms, each on the run's shared Kafka node (one of them
   on PostgreSQL as well: one such scenario beside the ``chaos-sql`` lane's stays well inside
   the server's connections).
 
