@@ -152,8 +152,12 @@ async def test_a_restart_skips_what_was_acked_and_counts_deliveries_on(world: Wo
     assert [d.message.delivery_attempt for d in again] == [2, 2, 2]
     assert await second.receive(sub, 100, 0.5) == []
     await second.ack(again)
-    stats = await world.adapter().subscription_stats(sub)  # a fresh adapter: the group's view
-    assert (stats.backlog, stats.in_flight) == (0, 0)
+    observer = world.adapter()  # a fresh adapter: the group's view, once the commit is in
+    give_up = time.monotonic() + WITHIN  # an ack is committed a moment later (commit_interval)
+    while (stats := await observer.subscription_stats(sub)).backlog != 0:
+        assert time.monotonic() < give_up, f"the commit never came: {stats}"
+        await asyncio.sleep(0.05)
+    assert stats.in_flight == 0
 
 
 async def test_the_figures_of_another_process_come_from_the_commit_metadata(
