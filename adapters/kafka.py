@@ -85,6 +85,7 @@ CAPABILITIES = Capabilities(
     refuses_stale_acks=True,
     cancel_safe_receive=True,  # records are taken from memory with no await in between
     messaging_system="kafka",
+    partition_owned=True,  # a partition's records go to its owner in the group, and only it
 )
 
 

@@ -102,7 +102,7 @@ class TestRabbitMQAdapter(AdapterSuite):
 
 
 class TestKafkaAdapter(AdapterSuite):
-    """On a private single-node Kafka (KRaft; tests/conftest.py starts it, one per worker), two
+    """On the run's single-node Kafka (KRaft; shared by the workers, tests/shared_servers.py), two
     partitions per topic, eager rebalancing (see kafka_harness); 2 s leases, as on NATS."""
 
     bootstrap = ""
@@ -113,15 +113,6 @@ class TestKafkaAdapter(AdapterSuite):
 
     def make_harness(self) -> Harness:
         return kafka_harness(self.bootstrap, ack_deadline=2.0)
-
-    @pytest.mark.skip(reason=(
-        "a known defect on Kafka (#45): after the rebalance B's joining causes, the hung "
-        "consumer takes its partition's records again while its only thread is hung, and B "
-        "then defers them to claims left in the store; failed 2 of 3 runs beside two others "
-        "(passes alone). Fixed with the receive rule for saturated sync lanes, then unskipped"))
-    async def test_a_hung_sync_handler_starves_nothing_and_is_dead_lettered_in_the_end(
-            self, harness: Harness) -> None:
-        raise AssertionError("skipped")
 
 
 class TestRabbitMQAdapterWithManagement:

@@ -44,6 +44,11 @@ class Capabilities:
         fan_out: every subscription of a topic gets each message published to it; False on a
             broker where a topic has one subscription (SQS: a queue), which then refuses a
             second one.
+        partition_owned: each message of a subscription belongs to one of its consumers at a
+            time (Kafka: the owner of its partition), so a delivery given back comes back to
+            that consumer, never to a peer, until the broker moves the partition (a rebalance).
+            A consumer whose sync worker threads are all hung then holds its partitions' other
+            messages until a thread is free; on the other brokers, peers take them.
     """
 
     min_ack_deadline: float = 0.0
@@ -60,6 +65,7 @@ class Capabilities:
     messaging_system: str = "unknown"
     max_lease_duration: float = math.inf
     fan_out: bool = True
+    partition_owned: bool = False
 
     def clamp_deadline(self, seconds: float) -> float:
         """``seconds`` limited to the broker's accepted range."""

@@ -58,6 +58,8 @@ class Features:
             API does not for quorum queues: then the test checks it is left unknown).
         fan_out: every subscription of a topic gets each of its messages (SQS, a queue per
             topic, has none: then the tests of two subscriptions on one topic skip).
+        partition_owned: a delivery given back comes back to the consumer that owns its
+            partition, not to a peer (Kafka; see ``Capabilities.partition_owned``).
     """
 
     ordering: bool = False
@@ -67,6 +69,7 @@ class Features:
     figures_lag: float = 0.0
     oldest_age: bool = True
     fan_out: bool = True
+    partition_owned: bool = False
 
 
 @dataclass

@@ -37,7 +37,8 @@ def kafka_harness(bootstrap: str, ack_deadline: float = 2.0) -> Harness:
 
     harness = Harness(name="kafka", clock=SystemClock(), ack_deadline=ack_deadline, tick=0.1,
                       new_adapter=new_adapter, prefix=prefix, cleanup=cleanup,
-                      features=Features(ordering=True, cancel_safe_receive=True))
+                      features=Features(ordering=True, cancel_safe_receive=True,
+                                        partition_owned=True))
     return harness
 
 

@@ -81,6 +81,7 @@ class AdapterSuite:
             "Features.cancel_safe_receive"
         )
         assert declared.fan_out == actual.fan_out, "Features.fan_out"
+        assert declared.partition_owned == actual.partition_owned, "Features.partition_owned"
         if actual.refuses_stale_acks:
             assert declared.refuses_stale_acks, "the adapter refuses stale acks: declare it"
 

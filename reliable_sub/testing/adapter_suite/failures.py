@@ -113,6 +113,11 @@ async def test_a_rejected_message_is_dead_lettered_at_its_first_failure(harness:
 async def test_a_hung_sync_handler_starves_nothing_and_is_dead_lettered_in_the_end(
     harness: Harness,
 ) -> None:
+    """Consumer A's only worker thread hangs; B joins. The hung message is dead-lettered after
+    its periods of max_lease_duration, and each other message runs once. Where peers take what
+    a consumer gives back, B runs them while A is still hung; where a partition's messages go
+    to its owner only (``partition_owned``), B runs those of its partitions and A those of its
+    own once its thread is free."""
     harness.needs("subscriber_logic")
     consumer_a, consumer_b = await harness.adapter(), await harness.adapter()
     topic, sub = await harness.topic_and_subscription()
@@ -142,31 +147,43 @@ async def test_a_hung_sync_handler_starves_nothing_and_is_dead_lettered_in_the_e
 
     for payload in (b"hang", b"q1", b"q2", b"q3"):
         await harness.adapters[0].publish(topic, payload)
+    def queued_effects(by: str | None = None) -> int:
+        return sum(n for (name, data), n in effects.items()
+                   if data != b"hang" and by in (None, name))
+
     async with harness.serving(consumer("a", consumer_a, workers=1)):
         try:
             await harness.wait_until(hung.is_set, 3 * harness.ack_deadline, "the hang")
             async with harness.serving(consumer("b", consumer_b, workers=4)):
                 try:
-                    # the queued ones are given back at max_lease_duration and run by B
-                    await harness.wait_until(
-                        lambda: sum(effects[("b", q)] for q in (b"q1", b"q2", b"q3")) == 3,
-                        6 * max_lease, "the queued messages to be run by the healthy consumer",
-                    )
-                    # A ran none of them: its one thread is hung. It gives them back at
-                    # max_lease_duration ("requeued"); on a machine so loaded that A's leases
-                    # lapsed first, B took them over before that, and A's give-back comes after
-                    # B ran them.
-                    assert not any(effects[("a", q)] for q in (b"q1", b"q2", b"q3")), effects
-                    await harness.wait_until(
-                        lambda: sum(recorders["a"].count(o) for o in (
-                            Outcome.REQUEUED, Outcome.ACK_REFUSED)) >= 3,
-                        6 * max_lease, "A to give the queued messages back")
+                    if not harness.features.partition_owned:
+                        # the queued ones are given back at max_lease_duration and run by B
+                        await harness.wait_until(
+                            lambda: queued_effects("b") == 3, 6 * max_lease,
+                            "the queued messages to be run by the healthy consumer")
+                        # A ran none of them: its one thread is hung. It gives them back at
+                        # max_lease_duration ("requeued"); on a machine so loaded that A's
+                        # leases lapsed first, B took them over before that, and A's give-back
+                        # comes after B ran them.
+                        assert queued_effects("a") == 0, effects
+                        await harness.wait_until(
+                            lambda: sum(recorders["a"].count(o) for o in (
+                                Outcome.REQUEUED, Outcome.ACK_REFUSED)) >= 3,
+                            6 * max_lease, "A to give the queued messages back")
                     # each further max_lease_duration the hung handler runs counts as a failure
                     await harness.wait_until(
                         lambda: sum(r.count(Outcome.DEAD_LETTERED)
                                     for r in recorders.values()) == 1,
                         6 * max_lease, "the hung message to be dead-lettered (by either consumer)",
                     )
+                    if harness.features.partition_owned:
+                        # B ran those of its partitions; those of A's wait for A's one thread
+                        # (given back, they come back to A, the partition's owner), and run
+                        # once it is free
+                        release.set()
+                        await harness.wait_until(
+                            lambda: queued_effects() == 3, 6 * max_lease,
+                            "the queued messages to be run once the hung thread is free")
                 finally:
                     # before B's stop: on a machine so loaded that A's claim lapsed, B runs the
                     # hung message too, and its stop waits for that thread
