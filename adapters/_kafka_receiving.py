@@ -39,8 +39,8 @@ JOIN_TIMEOUT = 30.0
 CLOSE_TIMEOUT = 15.0
 
 
-def consumer_config_of(base: dict[str, Any], rebalance: str, overrides: dict[str, Any]
-                       ) -> tuple[dict[str, Any], bool]:
+def consumer_config_of(base: dict[str, Any], rebalance: str, overrides: dict[str, Any],
+                       buffer: int) -> tuple[dict[str, Any], bool]:
     """The consumers' librdkafka settings over the clients' ``base``, and whether rebalances
     are eager (every member gives back everything) rather than incremental."""
     settings = {
@@ -51,6 +51,9 @@ def consumer_config_of(base: dict[str, Any], rebalance: str, overrides: dict[str
         "partition.assignment.strategy":
             "cooperative-sticky" if rebalance == "cooperative" else "range,roundrobin",
         "fetch.queue.backoff.ms": 10,  # librdkafka's 1 s default idles a busy consumer
+        # librdkafka's own prefetch per partition, as deep as the adapter's buffer (its default,
+        # 100,000, is dropped and fetched again whenever a full buffer pauses the partition)
+        "queued.min.messages": buffer,
         **overrides,
     }
     if settings.get("group.protocol") == "consumer":  # KIP-848: the broker assigns

@@ -305,15 +305,17 @@ class FastStreamKafkaConsumer(FastStreamConsumer):
 
 class KafkaSubscriber(SubscriberConsumer):
     """(c)/(d)/(e): our Subscriber on the KafkaAdapter, default policies (and the adapter's
-    defaults, but for ``buffer`` if given); the subscription made (untimed) by
-    ``ensure_subscription(start="earliest")``."""
+    defaults, but for ``buffer`` and ``consumer_config`` if given); the subscription made
+    (untimed) by ``ensure_subscription(start="earliest")``."""
 
     def __init__(self, setup: Setup, prefix: str, *, redis_url: str | None = None,
                  ordering: str = "key", handler: Callable[[Message], Awaitable[None]] | None = None,
-                 max_concurrency: int | None = None, buffer: int | None = None) -> None:
+                 max_concurrency: int | None = None, buffer: int | None = None,
+                 consumer_config: dict[str, Any] | None = None) -> None:
         self.setup, self.ordering = setup, ordering
-        self.adapter = (KafkaAdapter(setup.bootstrap, prefix=prefix) if buffer is None
-                        else KafkaAdapter(setup.bootstrap, prefix=prefix, buffer=buffer))
+        options: dict[str, Any] = {} if buffer is None else {"buffer": buffer}
+        self.adapter = KafkaAdapter(setup.bootstrap, prefix=prefix,
+                                    consumer_config=consumer_config, **options)
         self.dedup_prefix = f"{prefix}-dedup-{setup.group}"
         self.store = (None if redis_url is None
                       else RedisDedupStore(redis_url, prefix=self.dedup_prefix))

@@ -234,6 +234,13 @@ async def test_bad_subscription_options_are_refused_by_name(world: World,
         await adapter.ensure_topic("not/a/topic")
 
 
+def test_librdkafka_prefetches_as_deep_as_the_buffer_unless_told_otherwise() -> None:
+    assert KafkaAdapter(buffer=300)._consumer_config["queued.min.messages"] == 300
+    assert KafkaAdapter()._consumer_config["queued.min.messages"] == 10_000
+    told = KafkaAdapter(buffer=300, consumer_config={"queued.min.messages": 7})
+    assert told._consumer_config["queued.min.messages"] == 7
+
+
 async def test_a_slow_receiver_pauses_partitions_and_loses_nothing(world: World) -> None:
     adapter = world.adapter(buffer=20)
     topic, sub = world.name("topic"), world.name("sub")
