@@ -38,7 +38,6 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
-import sqlalchemy as sa
 
 from reliable_sub import (
     DeadLetterPolicy,
@@ -169,6 +168,8 @@ def build() -> Subscriber:
         stop_timeout=cfg["stop_timeout"], receive_timeout=1.0, **health,
     )
     if cfg["dedup"] == "sql":
+        import sqlalchemy as sa  # only here: a third of a CPU-second of each process's start
+
         effects = sa.Table(cfg["effects_table"], sa.MetaData(),
                            sa.Column("n", sa.Integer), sa.Column("consumer", sa.String(100)))
 
