@@ -100,6 +100,13 @@ def kafka_broker() -> KafkaBroker:
 
 
 @pytest.fixture
+def private_kafka_broker(tmp_path: Path) -> Iterator[KafkaBroker]:
+    """A Kafka node of one test's own, for a test that kills or restarts it: the run's shared
+    one must not go away under other tests."""
+    yield from running(KafkaBroker(tmp_path))
+
+
+@pytest.fixture
 def kafka_cluster(tmp_path: Path) -> Iterator[KafkaCluster]:
     """A private Kafka cluster of three KRaft nodes (replication factor 3, min.insync.replicas
     2) for one test, which may kill a node (and starts it again). Not kept for the session:
@@ -115,7 +122,15 @@ def sqs_server() -> SqsServer:
     return SqsServer.attached(shared_servers.shared("sqs-server", SqsServer.start_shared))
 
 
-Server = TypeVar("Server", RedisClusterProcesses, NatsServer, RabbitNode, KafkaCluster)
+@pytest.fixture
+def private_sqs_server(tmp_path: Path) -> Iterator[SqsServer]:
+    """An ElasticMQ of one test's own (its queues and messages on disk), for a test that kills
+    it: the run's shared one must not go away under other tests."""
+    yield from running(SqsServer(tmp_path, persistent=True))
+
+
+Server = TypeVar("Server", RedisClusterProcesses, NatsServer, RabbitNode, KafkaBroker,
+                 KafkaCluster, SqsServer)
 
 
 def running(server: Server) -> Iterator[Server]:

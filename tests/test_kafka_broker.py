@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -90,27 +88,15 @@ def test_a_single_broker_takes_records_and_gives_them_to_a_group(
     assert sum(partition.offset for partition in committed) == 10
 
 
-@pytest.fixture
-def private_broker(tmp_path: Path) -> Iterator[KafkaBroker]:
-    """A private one, for a test that kills it: the run's shared one must not go away under
-    other tests."""
-    server = KafkaBroker(tmp_path)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.kill()
-
-
-def test_a_killed_broker_starts_again_with_its_records(private_broker: KafkaBroker) -> None:
+def test_a_killed_broker_starts_again_with_its_records(private_kafka_broker: KafkaBroker) -> None:
     topic = _topic("crash")
-    create_topic(private_broker.bootstrap, topic, partitions=1)
-    assert produce(private_broker.bootstrap, topic, [b"before the crash"]) == [None]
-    port = private_broker.port
-    private_broker.kill()
-    private_broker.start()
-    assert private_broker.port == port
-    values = [record.value() for record in consume(private_broker.bootstrap, topic, 1)]
+    create_topic(private_kafka_broker.bootstrap, topic, partitions=1)
+    assert produce(private_kafka_broker.bootstrap, topic, [b"before the crash"]) == [None]
+    port = private_kafka_broker.port
+    private_kafka_broker.kill()
+    private_kafka_broker.start()
+    assert private_kafka_broker.port == port
+    values = [record.value() for record in consume(private_kafka_broker.bootstrap, topic, 1)]
     assert values == [b"before the crash"]
 
 

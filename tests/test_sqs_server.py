@@ -72,29 +72,17 @@ def test_a_fifo_queue_holds_a_group_back_and_drops_a_duplicate(sqs: Any) -> None
     sqs.delete_queue(QueueUrl=url)
 
 
-@pytest.fixture
-def private_server(tmp_path: Path) -> Iterator[SqsServer]:
-    """A private one, for a test that kills it: the run's shared one must not go away under
-    other tests."""
-    server = SqsServer(tmp_path, persistent=True)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.kill()
-
-
-def test_queues_and_messages_survive_a_kill(private_server: SqsServer) -> None:
-    sqs = boto3.client("sqs", **private_server.client_options)
+def test_queues_and_messages_survive_a_kill(private_sqs_server: SqsServer) -> None:
+    sqs = boto3.client("sqs", **private_sqs_server.client_options)
     url = _queue(sqs)
     sqs.send_message_batch(QueueUrl=url, Entries=[
         {"Id": str(n), "MessageBody": f"m{n}"} for n in range(2)])
     sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=1, VisibilityTimeout=60)
     sqs.close()
 
-    private_server.kill()
-    private_server.start()
-    sqs = boto3.client("sqs", **private_server.client_options)
+    private_sqs_server.kill()
+    private_sqs_server.start()
+    sqs = boto3.client("sqs", **private_sqs_server.client_options)
     counts = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=[
         "ApproximateNumberOfMessages", "ApproximateNumberOfMessagesNotVisible"])["Attributes"]
     assert counts == {"ApproximateNumberOfMessages": "1",
