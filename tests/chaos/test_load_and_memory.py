@@ -33,12 +33,13 @@ from reliable_sub.dedup import RedisDedupStore, SqlDedupStore
 from reliable_sub.ports import Completion, DedupKey, DedupStore
 from reliable_sub.testing.services import postgres_url
 from tests.chaos import report
+from tests.chaos.scenario import FULL_SIZE
 from tests.redis_processes import RedisServer
 
 HERE = Path(__file__).resolve().parent
 # The report run's rounds; CI's are half as long (a leak of one block per message still shows
 # as 100,000 blocks against the slack of 5,000).
-MESSAGES = 200_000 if os.environ.get("RELIABILITY_REPORT") else 100_000
+MESSAGES = 200_000 if FULL_SIZE else 100_000
 ROUNDS = 2
 WARM_UP = 20_000
 # Allocated blocks a drained consumer may hold beyond its warm-up figure: caches that fill
@@ -55,7 +56,6 @@ RSS_SLACK_KIB = 16_384
 
 # The report run takes 1,000,000 keys per store; CI a quarter of that (the suite must stay
 # within ten minutes), which shows the same bytes per key and the same expiry.
-FULL_SIZE = bool(os.environ.get("RELIABILITY_REPORT"))
 DEDUP_REDIS_KEYS = int(os.environ.get("DEDUP_REDIS_KEYS",
                                       "1000000" if FULL_SIZE else "250000"))
 DEDUP_SQL_KEYS = int(os.environ.get("DEDUP_SQL_KEYS", "1000000" if FULL_SIZE else "250000"))
