@@ -194,14 +194,32 @@ class Admin:
                 request_timeout=REQUEST_TIMEOUT)[group],
             f"setting group {group!r}'s offsets")
 
-    async def offsets(self, topic: str, partitions: list[int], latest: bool = True
-                      ) -> dict[int, int]:
+    async def group_members(self, group: str) -> list[str]:
+        """The member ids of ``group`` now ([] for an empty group, or none by that name)."""
+        found = await self._call(
+            lambda: self.client.describe_consumer_groups(
+                [group], request_timeout=REQUEST_TIMEOUT)[group],
+            f"describing group {group!r}")
+        return [member.member_id for member in found.members]
+
+    async def offsets_at(self, topic: str, partitions: list[int], millis: int
+                         ) -> dict[int, int]:
+        """Per partition of ``topic``, the first offset whose record's timestamp is at or
+        after ``millis`` (the end offset where there is none)."""
+        at = await self.offsets(topic, partitions, spec=OffsetSpec.for_timestamp(millis))
+        missing = [p for p in partitions if at.get(p, -1) < 0]
+        return {**at, **(await self.offsets(topic, missing) if missing else {})}
+
+    async def offsets(self, topic: str, partitions: list[int], latest: bool = True,
+                      spec: Any = None) -> dict[int, int]:
         """The end offsets (last stable offset, as a read_committed consumer sees it), or the
-        earliest ones, of ``topic``'s ``partitions``."""
+        earliest ones, or those ``spec`` (an ``OffsetSpec``) names, of ``topic``'s
+        ``partitions``."""
         if not partitions:
             return {}
-        spec = (OffsetSpec.latest() if latest  # type: ignore[no-untyped-call]
-                else OffsetSpec.earliest())  # type: ignore[no-untyped-call]
+        if spec is None:
+            spec = (OffsetSpec.latest() if latest  # type: ignore[no-untyped-call]
+                    else OffsetSpec.earliest())  # type: ignore[no-untyped-call]
         found: dict[int, int] = {}
         pending, give_up, wait = list(partitions), time.monotonic() + REQUEST_TIMEOUT, RETRY_MIN
         while pending:
@@ -245,16 +263,26 @@ class Admin:
 
     async def read_settings(self) -> dict[str, Settings]:
         """Every subscription's recorded settings (the first record of each)."""
-        if await self.partitions(self.settings_topic) is None:
-            return {}
-        return await asyncio.to_thread(self._read_settings)
-
-    def _read_settings(self) -> dict[str, Settings]:
-        reader = _Consumer({**self._config, "group.id": f"{self.settings_topic}-reader",
-                            "enable.auto.commit": False, "enable.partition.eof": True})
         found: dict[str, Settings] = {}
+        for name, value in await self.read_records(self.settings_topic):
+            settings = None if value is None else Settings.from_json(value)
+            if settings is not None:
+                found.setdefault(name, settings)
+        return found
+
+    async def read_records(self, topic: str) -> list[tuple[str, bytes | None]]:
+        """Every keyed record of the one-partition ``topic`` (a compacted one of this
+        adapter's), from the start, in order: (key, value; None for a tombstone)."""
+        if await self.partitions(topic) is None:
+            return []
+        return await asyncio.to_thread(self._read_records, topic)
+
+    def _read_records(self, topic: str) -> list[tuple[str, bytes | None]]:
+        reader = _Consumer({**self._config, "group.id": f"{topic}-reader",
+                            "enable.auto.commit": False, "enable.partition.eof": True})
+        found: list[tuple[str, bytes | None]] = []
         try:
-            partition = TopicPartition(self.settings_topic, 0, OFFSET_BEGINNING)
+            partition = TopicPartition(topic, 0, OFFSET_BEGINNING)
             _, high = reader.get_watermark_offsets(partition, timeout=SETTINGS_READ_TIMEOUT)
             reader.assign([partition])
             position = 0
@@ -265,22 +293,18 @@ class Admin:
                     if time.monotonic() < give_up:
                         continue
                     raise ConnectionError(
-                        f"reading {self.settings_topic!r} from {self.bootstrap} stalled at "
-                        f"offset {position} of {high}")
-                records = [first, *reader.consume(500, 0)]
-                for record in records:
+                        f"reading {topic!r} from {self.bootstrap} stalled at offset "
+                        f"{position} of {high}")
+                for record in [first, *reader.consume(500, 0)]:
                     error = record.error()
                     if error is not None:
                         if error.code() == KafkaError._PARTITION_EOF:
                             position = high
                         continue
                     position = (record.offset() or 0) + 1
-                    name, value = record.key(), record.value()
-                    if name is None or value is None:
-                        continue
-                    settings = Settings.from_json(value)
-                    if settings is not None:
-                        found.setdefault(name.decode("utf-8", "replace"), settings)
+                    name = record.key()
+                    if name is not None:
+                        found.append((name.decode("utf-8", "replace"), record.value()))
         finally:
             reader.close()
         return found

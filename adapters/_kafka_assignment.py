@@ -11,6 +11,7 @@ poll thread (:mod:`._kafka_consumer`) fills the queues and commits what they set
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import threading
 import time
@@ -18,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from reliable_sub.adapters._kafka_offsets import DEFAULT_METADATA_LIMIT
+from reliable_sub.adapters._kafka_offsets import DEFAULT_METADATA_LIMIT, Run
 from reliable_sub.adapters._kafka_records import Entry, PartitionQueue
 from reliable_sub.message import Delivery
 
@@ -47,6 +48,18 @@ class PartitionFigures:
     runs: list[tuple[int, int]]
     held: int
     oldest: Any = None  # the client's message at the mark, if fetched
+
+
+# A seek's targets: per partition, the offset to move to and what is settled above it.
+Targets = dict[int, tuple[int, list[Run]]]
+
+
+@dataclass
+class SeekRequest:
+    """A seek for the poll thread: it resolves ``done`` with the partitions it moved."""
+
+    targets: Targets
+    done: concurrent.futures.Future[list[int]] = field(default_factory=concurrent.futures.Future)
 
 
 @dataclass
@@ -78,6 +91,25 @@ class Assignment:
         self.stopping = False
         self.finished = False
         self.failure: Exception | None = None
+        self._seeks: list[SeekRequest] = []
+
+    def seek(self, targets: Targets) -> concurrent.futures.Future[list[int]]:
+        """Ask the poll thread to move the partitions of ``targets`` this consumer owns
+        (their deliveries out become stale) and commit them there; the future gives the
+        partitions moved."""
+        request = SeekRequest(targets)
+        with self._lock:
+            if self.finished:
+                request.done.set_exception(ConnectionError(
+                    f"the consumer of {self.options.subscription!r} ended before the seek"))
+            else:
+                self._seeks.append(request)
+        return request.done
+
+    def owned(self) -> set[int]:
+        """The partitions assigned to this consumer now."""
+        with self._lock:
+            return set(self._queues)
 
     # -- the event loop's side ---------------------------------------------------------------
 
@@ -197,4 +229,4 @@ def _resolve(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
-__all__ = ["Assignment", "ConsumerOptions", "PartitionFigures"]
+__all__ = ["Assignment", "ConsumerOptions", "PartitionFigures", "SeekRequest", "Targets"]

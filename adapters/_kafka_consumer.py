@@ -95,6 +95,8 @@ class SubscriptionConsumer(Assignment):
                 if not self.joined and self._priming_until and (
                         time.monotonic() > self._priming_until):
                     self._primed()
+                if self._seeks:
+                    self._move(consumer)
                 self._pause_or_resume(consumer)
                 self._commit(consumer)
                 if self._idle():
@@ -115,6 +117,10 @@ class SubscriptionConsumer(Assignment):
                 self._close(consumer)
             with self._lock:
                 self.finished = True
+                for request in self._seeks:
+                    request.done.set_exception(ConnectionError(
+                        f"the consumer of {options.subscription!r} ended before the seek"))
+                self._seeks.clear()
                 self._queues.clear()
                 self._generation.clear()
                 self._settled.notify_all()
@@ -192,6 +198,40 @@ class SubscriptionConsumer(Assignment):
                 queue.due(now)
             queues = self._queues.values()
             return (not any(q.held for q in queues)) and any(q.waiting for q in queues)
+
+    # -- seeks -------------------------------------------------------------------------------
+
+    def _move(self, consumer: Consumer) -> None:
+        """Carry out the seeks asked: each owned partition of their targets gets a new queue
+        (a new generation: what was out is stale) starting at its target, the client seeks
+        there, and the new position is committed at once."""
+        with self._lock:
+            requests, self._seeks = self._seeks, []
+        for request in requests:
+            moved = []
+            with self._lock:
+                for partition, (offset, runs) in request.targets.items():
+                    old = self._queues.get(partition)
+                    if old is None or old.revoking:
+                        continue
+                    queue = PartitionQueue(next(_generations), PartitionOffsets(offset, runs),
+                                           self.options.ordering)
+                    queue.primed = True
+                    queue.offsets.changed = True
+                    self._generation.pop(old.generation, None)
+                    self._queues[partition] = self._generation[queue.generation] = queue
+                    moved.append(TopicPartition(self.options.topic, partition, offset))
+                self._settled.notify_all()
+                self._wake()
+            try:
+                for target in moved:
+                    consumer.seek(target)
+                self._commit(consumer, sync=True, partitions=[tp.partition for tp in moved])
+            except KafkaException as error:
+                request.done.set_exception(ConnectionError(
+                    f"seeking {self.options.subscription!r} failed: {error}"))
+            else:
+                request.done.set_result([tp.partition for tp in moved])
 
     # -- commits -------------------------------------------------------------------------------
 

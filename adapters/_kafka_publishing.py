@@ -62,15 +62,16 @@ class ProducerLink:
         self._poller: threading.Thread | None = None
         self.closed = False
 
-    def send(self, topic: str, value: bytes, key: bytes | None, headers: Headers
+    def send(self, topic: str, value: bytes | None, key: bytes | None, headers: Headers
              ) -> concurrent.futures.Future[str]:
-        """Queue one record; raises ``BufferError`` when the local queue is full."""
+        """Queue one record (a None value: a tombstone); raises ``BufferError`` when the local
+        queue is full."""
         future: concurrent.futures.Future[str] = concurrent.futures.Future()
 
         def report(error: KafkaError | None, record: Any) -> None:
             self._done()
             if error is not None:
-                future.set_exception(self._error(error, topic, len(value)))
+                future.set_exception(self._error(error, topic, len(value or b"")))
             else:
                 future.set_result(message_id(record.topic(), record.partition(),
                                              record.offset()))
@@ -83,18 +84,18 @@ class ProducerLink:
         except BaseException as error:
             self._done()
             if isinstance(error, KafkaException):
-                raise self._error(error.args[0], topic, len(value)) from None
+                raise self._error(error.args[0], topic, len(value or b"")) from None
             raise
         self._serve()
         return future
 
-    async def publish(self, topic: str, value: bytes, key: bytes | None, headers: Headers
-                      ) -> str:
+    async def publish(self, topic: str, value: bytes | None, key: bytes | None,
+                      headers: Headers) -> str:
         """Send one record and wait for its delivery report (on the running loop)."""
         return await asyncio.wrap_future(await self.queue(topic, value, key, headers))
 
-    async def queue(self, topic: str, value: bytes, key: bytes | None, headers: Headers
-                    ) -> concurrent.futures.Future[str]:
+    async def queue(self, topic: str, value: bytes | None, key: bytes | None,
+                    headers: Headers) -> concurrent.futures.Future[str]:
         """Send one record (waiting for room in a full local queue); its report's future."""
         give_up = time.monotonic() + self._timeout
         while True:

@@ -35,6 +35,7 @@ import math
 import re
 import time
 from collections.abc import Coroutine, Sequence
+from datetime import datetime
 from typing import Any, TypeVar
 
 from reliable_sub._loops import PerLoop
@@ -46,7 +47,15 @@ from reliable_sub.errors import (
 )
 from reliable_sub.idempotency._background_loop import BackgroundLoop
 from reliable_sub.message import Delivery
-from reliable_sub.ports import Capabilities, Outgoing, Payload, SubscriptionStats, checked_message
+from reliable_sub.ports import (
+    Capabilities,
+    Outgoing,
+    Payload,
+    Snapshot,
+    SubscriptionStats,
+    checked_message,
+)
+from reliable_sub.replay import check_target
 from reliable_sub.telemetry.publishing import InstrumentedPublishing
 
 try:
@@ -58,6 +67,7 @@ try:
     from reliable_sub.adapters._kafka_publishing import ProducerLink, producer_config_of
     from reliable_sub.adapters._kafka_receiving import JOIN_TIMEOUT, Consumers, consumer_config_of
     from reliable_sub.adapters._kafka_records import KEY, NONE, ORDERINGS
+    from reliable_sub.adapters._kafka_seeking import Seeking, SeekRefusedError
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("KafkaAdapter", "kafka", "confluent-kafka") from error
 
@@ -84,7 +94,7 @@ CAPABILITIES = Capabilities(
     native_dead_letter=False,
     native_retry_backoff=False,
     exactly_once=False,  # an ack is committed a moment later, unconfirmed
-    seek=False,
+    seek=True,  # the partitions this adapter's consumers own, or a group with no member
     ordering=True,  # the Subscriber runs one message per record key at a time
     delivery_attempt_exact=True,  # kept in the group's commit metadata
     refuses_stale_acks=True,
@@ -173,6 +183,7 @@ class KafkaAdapter(InstrumentedPublishing):
         self._producer_config = producer_config_of(base, self._publish_timeout,
                                                    producer_config or {})
         self._admin = Admin(base, f"{self._prefix}-subscriptions")
+        self._seeking = Seeking(self._admin, f"{self._prefix}-snapshots", self._publish_raw)
         self._consumers = Consumers(
             self._consumer_config, bootstrap, revoke_timeout=self._revoke_timeout,
             buffer=buffer, commit_interval=self._commit_interval, eager=self._eager)
@@ -320,7 +331,7 @@ class KafkaAdapter(InstrumentedPublishing):
             key, headers = outgoing(checked, ordering_key)
             return await self._producers.get().publish(topic, payload, key, headers)
 
-    async def _publish_raw(self, topic: str, key: bytes, value: bytes) -> str:
+    async def _publish_raw(self, topic: str, key: bytes, value: bytes | None) -> str:
         return await self._producers.get().publish(topic, value, key, [])
 
     async def _known(self, topic: str) -> None:
@@ -360,6 +371,38 @@ class KafkaAdapter(InstrumentedPublishing):
         """Blocking twin of :meth:`publish` (on this adapter's background loop and producer)."""
         return self._run_blocking(self.publish(topic, data, attributes, ordering_key))
 
+    # -- seek and snapshots (the Seekable capability) ---------------------------------------
+
+    async def seek(self, subscription: str, *, to: datetime | None = None,
+                   snapshot: str | None = None) -> None:
+        """Seek ``subscription`` to a time or a snapshot (see
+        :class:`~reliable_sub.ports.Seekable`; deliveries out become stale). The partitions
+        this adapter's consumers own move on their poll threads; the others only while the
+        group has no member (Kafka lets only an owner move a live group's partition).
+
+        Raises:
+            SeekRefusedError: a partition is owned by a consumer outside this adapter.
+        """
+        check_target(to, snapshot)
+        settings = await self._subscription(subscription)
+        targets = await self._seeking.targets(subscription, settings, to, snapshot)
+        await self._seeking.move(subscription, settings, targets,
+                                 self._consumers.all_of(subscription))
+
+    async def create_snapshot(self, subscription: str, name: str) -> Snapshot:
+        """Take a snapshot of ``subscription`` named ``name``: per partition, the offset and
+        what is settled above it (this adapter's consumers' state where they own it, the
+        group's commit otherwise), a record of the topic ``{prefix}-snapshots``."""
+        settings = await self._subscription(subscription)
+        return await self._seeking.create(subscription, settings, name,
+                                          self._consumers.all_of(subscription))
+
+    async def delete_snapshot(self, name: str) -> None:
+        await self._seeking.delete(name)
+
+    async def list_snapshots(self, subscription: str | None = None) -> list[Snapshot]:
+        return await self._seeking.list(subscription)
+
     # -- consuming ---------------------------------------------------------------------------
 
     async def receive(self, subscription: str, max_messages: int, timeout: float
@@ -391,4 +434,4 @@ class KafkaAdapter(InstrumentedPublishing):
         self._background.run(self.close())
 
 
-__all__ = ["CAPABILITIES", "DEFAULT_BOOTSTRAP", "JOIN_TIMEOUT", "KafkaAdapter"]
+__all__ = ["CAPABILITIES", "DEFAULT_BOOTSTRAP", "JOIN_TIMEOUT", "KafkaAdapter", "SeekRefusedError"]

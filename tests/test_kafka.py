@@ -35,7 +35,7 @@ class World:
     def __init__(self, bootstrap: str) -> None:
         self.bootstrap = bootstrap
         self.prefix = f"kt-{uuid.uuid4().hex[:8]}"
-        self.names: list[str] = [f"{self.prefix}-subscriptions"]
+        self.names: list[str] = [f"{self.prefix}-subscriptions", f"{self.prefix}-snapshots"]
         self.adapters: list[KafkaAdapter] = []
 
     def name(self, kind: str) -> str:

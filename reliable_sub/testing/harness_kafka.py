@@ -33,7 +33,8 @@ def kafka_harness(bootstrap: str, ack_deadline: float = 2.0) -> Harness:
                             revoke_timeout=ack_deadline, consumer_config=fast_groups)
 
     async def cleanup() -> None:
-        await delete_kafka_names(bootstrap, [*harness.names, f"{prefix}-subscriptions"])
+        await delete_kafka_names(bootstrap, [*harness.names, f"{prefix}-subscriptions",
+                                             f"{prefix}-snapshots"])
 
     harness = Harness(name="kafka", clock=SystemClock(), ack_deadline=ack_deadline, tick=0.1,
                       new_adapter=new_adapter, prefix=prefix, cleanup=cleanup,
