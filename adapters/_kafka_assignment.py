@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reliable_sub.adapters._kafka_offsets import DEFAULT_METADATA_LIMIT, Run
-from reliable_sub.adapters._kafka_records import Entry, PartitionQueue
+from reliable_sub.adapters._kafka_records import HELD, Entry, PartitionQueue
+from reliable_sub.adapters._kafka_transactions import Output
 from reliable_sub.message import Delivery
 
 
@@ -38,6 +39,7 @@ class ConsumerOptions:
     commit_interval: float = 0.1
     metadata_limit: int = DEFAULT_METADATA_LIMIT
     eager: bool = False
+    transactions: dict[str, Any] | None = None  # the transactional producer's configuration
 
 
 @dataclass
@@ -92,6 +94,46 @@ class Assignment:
         self.finished = False
         self.failure: Exception | None = None
         self._seeks: list[SeekRequest] = []
+        # transactions: the outputs of deliveries out, by (generation, offset, attempt), with
+        # their partition; those of acked ones, for the next transaction
+        self._outputs: dict[tuple[int, int, int], tuple[int, list[Output]]] = {}
+        self._batch: list[tuple[int, Output]] = []
+
+    def hold_output(self, partition: int, offset: int, attempt: int, output: Output) -> bool:
+        """Keep ``output`` with the delivery ``attempt`` of ``offset`` while it is held here;
+        False if it is not (held by no one, or by another consumer)."""
+        with self._lock:
+            queue = self._queues.get(partition)
+            if queue is None or queue.held_entry(offset, attempt, time.monotonic()) is None:
+                return False
+            key = (queue.generation, offset, attempt)
+            self._outputs.setdefault(key, (partition, []))[1].append(output)
+            return True
+
+    def acked(self, queue: PartitionQueue, entry: Entry) -> None:
+        """Under the lock: ``entry`` is done; its outputs, if any, join the batch."""
+        queue.settle(entry)
+        if self._outputs:
+            held = self._outputs.pop((queue.generation, entry.offset, entry.attempts), None)
+            if held is not None:
+                self._batch.extend((held[0], output) for output in held[1])
+
+    def given_back(self, queue: PartitionQueue, entry: Entry, delay: float) -> None:
+        """Under the lock: ``entry`` goes back (now or after ``delay``); its outputs are
+        dropped."""
+        if self._outputs:
+            self._outputs.pop((queue.generation, entry.offset, entry.attempts), None)
+        queue.give_back(entry, time.monotonic(), delay)
+
+    def _prune_outputs(self) -> None:
+        """Under the lock: drop the outputs of deliveries no longer held (leases over,
+        partitions gone)."""
+        for key in list(self._outputs):
+            generation, offset, attempt = key
+            queue = self._generation.get(generation)
+            entry = None if queue is None else queue.entries.get(offset)
+            if entry is None or entry.state != HELD or entry.attempts != attempt:
+                del self._outputs[key]
 
     def seek(self, targets: Targets) -> concurrent.futures.Future[list[int]]:
         """Ask the poll thread to move the partitions of ``targets`` this consumer owns

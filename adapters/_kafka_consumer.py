@@ -43,6 +43,12 @@ from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException
 from reliable_sub.adapters._kafka_assignment import Assignment, ConsumerOptions, PartitionFigures
 from reliable_sub.adapters._kafka_offsets import PartitionOffsets, decode
 from reliable_sub.adapters._kafka_records import KEY, Entry, PartitionQueue
+from reliable_sub.adapters._kafka_transactions import (
+    Fenced,
+    Output,
+    TransactionAborted,
+    Transactions,
+)
 from reliable_sub.errors import UnknownTopicError
 
 logger = logging.getLogger("reliable_sub.adapters.kafka")
@@ -67,6 +73,8 @@ class SubscriptionConsumer(Assignment):
 
     def __init__(self, options: ConsumerOptions, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(options, loop)
+        self._transactions = (None if options.transactions is None
+                              else Transactions(options.transactions))
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"reliable-sub-kafka-{options.subscription}")
         self._thread.start()
@@ -89,6 +97,8 @@ class SubscriptionConsumer(Assignment):
         try:
             consumer = Consumer({**options.config, "on_commit": self._committed,
                                  "enable.partition.eof": True})  # primes partitions
+            if self._transactions is not None:
+                self._start_transactions()
             consumer.subscribe([options.topic], on_assign=self._assigned,
                                on_revoke=self._revoked, on_lost=self._lost)
             while not self.stopping and not self._loop.is_closed():
@@ -126,11 +136,22 @@ class SubscriptionConsumer(Assignment):
                 self._settled.notify_all()
                 self._wake()
 
+    def _start_transactions(self) -> None:
+        assert self._transactions is not None
+        try:
+            self._transactions.start()  # before any committed offsets are read
+        except KafkaException as error:
+            logger.warning("initialising the transactional producer %r failed (tried again "
+                           "at the first commit): %s", self._transactions.transactional_id,
+                           error.args[0].str())
+
     def _close(self, consumer: Consumer) -> None:
         try:
             self._commit(consumer, sync=True)
         except KafkaException as error:
             logger.warning("the final commit of %r failed: %s", self.options.subscription, error)
+        if self._transactions is not None:
+            self._transactions.close()
         try:
             consumer.close()  # leaves the group (revoking, in this thread, what it holds)
         except (KafkaException, RuntimeError) as error:
@@ -240,6 +261,9 @@ class SubscriptionConsumer(Assignment):
         now = time.monotonic()
         if not sync and now < self._next_commit:
             return
+        transactions = self._transactions
+        if transactions is not None:
+            partitions = None  # a transaction commits every partition's state at once
         with self._lock:
             offsets = []
             for partition in self._queues if partitions is None else partitions:
@@ -248,18 +272,45 @@ class SubscriptionConsumer(Assignment):
                     continue
                 mark, metadata = queue.offsets.commit(self._metadata_limit)
                 offsets.append(TopicPartition(self.options.topic, partition, mark, metadata))
-        if not offsets:
+            batch: list[tuple[int, Output]] = []
+            if transactions is not None:
+                self._prune_outputs()
+                batch, self._batch = self._batch, []
+        if not offsets and not batch:
             return
         self._next_commit = now + self.options.commit_interval
-        if not sync:
+        if transactions is not None:
+            self._transact(consumer, transactions, offsets, batch)
+        elif not sync:
             consumer.commit(offsets=offsets, asynchronous=True)
             return
+        else:
+            try:
+                results = consumer.commit(offsets=offsets, asynchronous=False)
+            except KafkaException as error:
+                self._committed(error.args[0], offsets)
+                raise
+            self._committed(None, results)
+
+    def _transact(self, consumer: Consumer, transactions: Transactions,
+                  offsets: list[TopicPartition], batch: list[tuple[int, Output]]) -> None:
+        """One transaction of ``batch``'s records and ``offsets``; on an abort, both wait for
+        the next commit, for the partitions still owned; on a fatal error the consumer ends."""
         try:
-            results = consumer.commit(offsets=offsets, asynchronous=False)
-        except KafkaException as error:
-            self._committed(error.args[0], offsets)
-            raise
-        self._committed(None, results)
+            transactions.commit(consumer, offsets, [output for _, output in batch])
+        except TransactionAborted as error:
+            logger.info("a transaction of %r was aborted (tried again with the next commit): "
+                        "%s", self.options.subscription, error)
+            with self._lock:
+                self._batch[:0] = [item for item in batch if item[0] in self._queues]
+                for tp in offsets:
+                    queue = self._queues.get(tp.partition)
+                    if queue is not None:
+                        queue.offsets.changed = True
+        except Fenced as error:
+            logger.error("%s", error)
+            self.failure = error
+            self.stopping = True
 
     def _committed(self, error: KafkaError | None, partitions: list[TopicPartition]) -> None:
         """A commit's result (the client calls it on this thread): what failed is committed
@@ -347,6 +398,8 @@ class SubscriptionConsumer(Assignment):
 
     def _drop(self, partitions: list[int]) -> None:
         with self._lock:
+            if self._batch:
+                self._batch = [item for item in self._batch if item[0] not in partitions]
             for partition in partitions:
                 queue = self._queues.pop(partition, None)
                 if queue is not None:

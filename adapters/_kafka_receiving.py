@@ -156,14 +156,13 @@ class Consumers:
     def ack(self, deliveries: Sequence[Delivery]) -> list[Delivery]:
         groups, stale = self._grouped(deliveries)
         for consumer, found in groups:
-            stale += consumer.settle(found, lambda queue, entry: queue.settle(entry))
+            stale += consumer.settle(found, consumer.acked)
         return stale
 
     def nack(self, deliveries: Sequence[Delivery], delay: float) -> None:
         groups, _ = self._grouped(deliveries)
         for consumer, found in groups:
-            consumer.settle(found, lambda queue, entry: queue.give_back(
-                entry, time.monotonic(), delay))
+            consumer.settle(found, functools.partial(consumer.given_back, delay=delay))
 
     def extend(self, deliveries: Sequence[Delivery], seconds: float) -> list[Delivery]:
         groups, stale = self._grouped(deliveries)

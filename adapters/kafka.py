@@ -41,12 +41,13 @@ from typing import Any, TypeVar
 from reliable_sub._loops import PerLoop
 from reliable_sub.errors import (
     ConfigurationError,
+    InvalidMessageError,
     MissingExtraError,
     UnknownSubscriptionError,
     UnknownTopicError,
 )
 from reliable_sub.idempotency._background_loop import BackgroundLoop
-from reliable_sub.message import Delivery
+from reliable_sub.message import Delivery, Message
 from reliable_sub.ports import (
     Capabilities,
     Outgoing,
@@ -68,6 +69,11 @@ try:
     from reliable_sub.adapters._kafka_receiving import JOIN_TIMEOUT, Consumers, consumer_config_of
     from reliable_sub.adapters._kafka_records import KEY, NONE, ORDERINGS
     from reliable_sub.adapters._kafka_seeking import Seeking, SeekRefusedError
+    from reliable_sub.adapters._kafka_transactions import (
+        Output,
+        StaleDeliveryError,
+        transactional_config,
+    )
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("KafkaAdapter", "kafka", "confluent-kafka") from error
 
@@ -142,6 +148,11 @@ class KafkaAdapter(InstrumentedPublishing):
         config: librdkafka settings for every client (``security.protocol``, ``sasl.*`` ...).
         consumer_config, producer_config: librdkafka settings for the consumers or producers
             only (``session.timeout.ms``, ``linger.ms`` ...), over the adapter's own.
+        transactional_id: turns on Kafka transactions for every subscription this adapter
+            consumes: what handlers publish with :meth:`publish_in_transaction` commits with
+            the consumed offsets, in one transaction per commit (the producer's id is
+            ``{transactional_id}.{subscription}``; give each process its own, stable across its
+            restarts: a pod's name).
     """
 
     def __init__(self, bootstrap: str = DEFAULT_BOOTSTRAP, *, prefix: str = DEFAULT_PREFIX,
@@ -151,7 +162,8 @@ class KafkaAdapter(InstrumentedPublishing):
                  commit_interval: float = 0.1, publish_timeout: float = 30.0,
                  config: dict[str, Any] | None = None,
                  consumer_config: dict[str, Any] | None = None,
-                 producer_config: dict[str, Any] | None = None) -> None:
+                 producer_config: dict[str, Any] | None = None,
+                 transactional_id: str | None = None) -> None:
         if not isinstance(bootstrap, str) or not bootstrap.strip():
             raise ConfigurationError(
                 f"KafkaAdapter needs bootstrap servers as 'host:port[,host:port]', got "
@@ -166,6 +178,12 @@ class KafkaAdapter(InstrumentedPublishing):
                                          f"got {count!r}")
         if not isinstance(buffer, int) or isinstance(buffer, bool) or buffer < 1:
             raise ConfigurationError(f"KafkaAdapter.buffer must be an int >= 1, got {buffer!r}")
+        if transactional_id is not None and (not isinstance(transactional_id, str)
+                                             or not transactional_id.strip()):
+            raise ConfigurationError(
+                "KafkaAdapter.transactional_id must be a non-empty str (one per process, stable "
+                f"across its restarts) or None, got {transactional_id!r}")
+        self._transactional_id = transactional_id
         self.bootstrap = bootstrap
         self._prefix = check_name("prefix", prefix)
         self._client_id = client_id
@@ -186,7 +204,9 @@ class KafkaAdapter(InstrumentedPublishing):
         self._seeking = Seeking(self._admin, f"{self._prefix}-snapshots", self._publish_raw)
         self._consumers = Consumers(
             self._consumer_config, bootstrap, revoke_timeout=self._revoke_timeout,
-            buffer=buffer, commit_interval=self._commit_interval, eager=self._eager)
+            buffer=buffer, commit_interval=self._commit_interval, eager=self._eager,
+            transactions=None if transactional_id is None else transactional_config(
+                self._producer_config, transactional_id))
         self._producers: PerLoop[ProducerLink] = PerLoop(
             lambda: ProducerLink(self._producer_config, self._publish_timeout))
         self._background = BackgroundLoop()
@@ -366,6 +386,52 @@ class KafkaAdapter(InstrumentedPublishing):
         self._publishing.sent_many(messages, results, began)
         return results
 
+    async def publish_in_transaction(self, message: Message, topic: str, data: Payload,
+                                     attributes: dict[str, str] | None = None,
+                                     ordering_key: str | None = None) -> None:
+        """Publish a record in the Kafka transaction that commits ``message``'s offset: it is
+        kept with the delivery and produced, with the offset, when the message is acked; a
+        ``read_committed`` reader sees it exactly once. Dropped if the handler fails (the next
+        attempt publishes its own). Needs ``KafkaAdapter(transactional_id=...)``.
+
+        Raises:
+            ConfigurationError: transactions are off.
+            UnknownTopicError, InvalidMessageError: the record could never be produced (so it
+                fails this attempt, not the transaction).
+            StaleDeliveryError: ``message`` is not held by this adapter now (its lease ended,
+                or its partition went to another member).
+        """
+        if self._transactional_id is None:
+            raise ConfigurationError(
+                "publish_in_transaction needs Kafka transactions: "
+                "KafkaAdapter(..., transactional_id='<this process's stable name>')")
+        payload, checked = checked_message(data, attributes)
+        await self._known(topic)
+        key, headers = outgoing(checked, ordering_key)
+        size = len(payload) + len(key or b"") + sum(len(n) + len(v or b"") for n, v in headers)
+        limit = int(self._producer_config.get("message.max.bytes", 1_000_000))
+        if size > limit:
+            raise InvalidMessageError(
+                f"a record of {size} bytes for {topic!r} is over the producer's message.max.bytes "
+                f"({limit}); it would fail the whole transaction")
+        _, partition, offset = message.id.rsplit("/", 2)
+        output = Output(topic, payload, key, headers)
+        for consumer in self._consumers.all_of(message.subscription or ""):
+            if consumer.hold_output(int(partition), int(offset), message.delivery_attempt,
+                                    output):
+                return
+        raise StaleDeliveryError(
+            f"message {message.id} (delivery {message.delivery_attempt}) is not held by this "
+            "adapter any more (its lease ended, or its partition went to another member): its "
+            "output is dropped and it runs again")
+
+    def publish_in_transaction_sync(self, message: Message, topic: str, data: Payload,
+                                    attributes: dict[str, str] | None = None,
+                                    ordering_key: str | None = None) -> None:
+        """Blocking twin of :meth:`publish_in_transaction`, for sync handlers."""
+        self._run_blocking(self.publish_in_transaction(message, topic, data, attributes,
+                                                       ordering_key))
+
     def publish_sync(self, topic: str, data: Payload, attributes: dict[str, str] | None = None,
                      ordering_key: str | None = None) -> str:
         """Blocking twin of :meth:`publish` (on this adapter's background loop and producer)."""
@@ -434,4 +500,5 @@ class KafkaAdapter(InstrumentedPublishing):
         self._background.run(self.close())
 
 
-__all__ = ["CAPABILITIES", "DEFAULT_BOOTSTRAP", "JOIN_TIMEOUT", "KafkaAdapter", "SeekRefusedError"]
+__all__ = ["CAPABILITIES", "DEFAULT_BOOTSTRAP", "JOIN_TIMEOUT", "KafkaAdapter", "SeekRefusedError",
+           "StaleDeliveryError"]

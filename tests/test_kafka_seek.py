@@ -12,9 +12,12 @@ import pytest
 
 pytest.importorskip("confluent_kafka", reason='the Kafka tests need "reliable-sub[kafka]"')
 
-from reliable_sub.adapters.kafka import KafkaAdapter, SeekRefusedError  # noqa: E402
-from reliable_sub.message import Delivery  # noqa: E402
-from tests.test_kafka import World, receive_count, world  # noqa: E402, F401 (a fixture)
+import tests.test_kafka as kafka_tests
+from reliable_sub.adapters.kafka import KafkaAdapter, SeekRefusedError
+from reliable_sub.message import Delivery
+from tests.test_kafka import World, receive_count
+
+world = kafka_tests.world  # the fixture: names and adapters on the test broker, deleted after
 
 
 def data(deliveries: list[Delivery]) -> list[bytes]:
