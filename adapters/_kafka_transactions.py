@@ -36,7 +36,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from reliable_sub.adapters._kafka_messages import Headers
-from reliable_sub.errors import AdapterError
+from reliable_sub.errors import AdapterError, InvalidMessageError
 
 logger = logging.getLogger("reliable_sub.adapters.kafka")
 
@@ -54,6 +54,19 @@ class Output:
     value: bytes
     key: bytes | None
     headers: Headers
+
+
+def output_of(topic: str, value: bytes, key: bytes | None, headers: Headers,
+              producer_config: dict[str, Any]) -> Output:
+    """The record to produce in a transaction; one the producer would refuse for its size is
+    refused now (it would fail the whole transaction, every time it was tried)."""
+    size = len(value) + len(key or b"") + sum(len(name) + len(v or b"") for name, v in headers)
+    limit = int(producer_config.get("message.max.bytes", 1_000_000))
+    if size > limit:
+        raise InvalidMessageError(
+            f"a record of {size} bytes for {topic!r} is over the producer's message.max.bytes "
+            f"({limit}); it would fail the whole transaction")
+    return Output(topic, value, key, headers)
 
 
 class StaleDeliveryError(AdapterError):
@@ -171,4 +184,4 @@ class Transactions:
 
 
 __all__ = ["Fenced", "Output", "StaleDeliveryError", "TransactionAborted", "Transactions",
-           "transactional_config"]
+           "output_of", "transactional_config"]

@@ -41,7 +41,6 @@ from typing import Any, TypeVar
 from reliable_sub._loops import PerLoop
 from reliable_sub.errors import (
     ConfigurationError,
-    InvalidMessageError,
     MissingExtraError,
     UnknownSubscriptionError,
     UnknownTopicError,
@@ -70,8 +69,8 @@ try:
     from reliable_sub.adapters._kafka_records import KEY, NONE, ORDERINGS
     from reliable_sub.adapters._kafka_seeking import Seeking, SeekRefusedError
     from reliable_sub.adapters._kafka_transactions import (
-        Output,
         StaleDeliveryError,
+        output_of,
         transactional_config,
     )
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
@@ -408,14 +407,8 @@ class KafkaAdapter(InstrumentedPublishing):
         payload, checked = checked_message(data, attributes)
         await self._known(topic)
         key, headers = outgoing(checked, ordering_key)
-        size = len(payload) + len(key or b"") + sum(len(n) + len(v or b"") for n, v in headers)
-        limit = int(self._producer_config.get("message.max.bytes", 1_000_000))
-        if size > limit:
-            raise InvalidMessageError(
-                f"a record of {size} bytes for {topic!r} is over the producer's message.max.bytes "
-                f"({limit}); it would fail the whole transaction")
+        output = output_of(topic, payload, key, headers, self._producer_config)
         _, partition, offset = message.id.rsplit("/", 2)
-        output = Output(topic, payload, key, headers)
         for consumer in self._consumers.all_of(message.subscription or ""):
             if consumer.hold_output(int(partition), int(offset), message.delivery_attempt,
                                     output):
