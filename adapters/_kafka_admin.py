@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -44,8 +45,16 @@ from reliable_sub.errors import AccessDeniedError
 logger = logging.getLogger("reliable_sub.adapters.kafka")
 T = TypeVar("T")
 
-# Seconds one administrative request may take.
+# Seconds one administrative call may take in all, and one request of it.
 REQUEST_TIMEOUT = 15.0
+ATTEMPT_TIMEOUT = 5.0
+# Errors that mean the client lost its way rather than that the cluster said no: a request that
+# timed out (a node it still thinks is the controller or a coordinator died), a connection that
+# failed. librdkafka's admin client keeps the controller it cached until its next metadata
+# refresh (minutes): the call is asked again on a new client, which bootstraps afresh.
+_LOST = frozenset({KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN})
+# Clients given up on, kept a while rather than destroyed with their requests still in flight.
+_RETIRED = 4
 # The settings topic: one partition (one writer order), compacted (one record per subscription).
 SETTINGS_TOPIC_CONFIG = {"cleanup.policy": "compact"}
 # Errors a request meets while the cluster settles, asked again (with a doubling wait between
@@ -92,6 +101,7 @@ class Admin:
     def __init__(self, config: dict[str, Any], settings_topic: str) -> None:
         self._config = config
         self._client: AdminClient | None = None
+        self._retired: deque[AdminClient] = deque(maxlen=_RETIRED)
         self.settings_topic = settings_topic
         self.bootstrap = str(config.get("bootstrap.servers", ""))
 
@@ -101,26 +111,43 @@ class Admin:
             self._client = AdminClient(self._config)
         return self._client
 
+    def _renew(self) -> None:
+        """Ask the next request on a new client (see ``_LOST``)."""
+        if self._client is not None:
+            self._retired.append(self._client)
+            self._client = None
+
     async def _call(self, make: Callable[[], Any], what: str,
                     accept: dict[int, Any] | None = None, retry: bool = True) -> Any:
         """Await the future ``make()`` returns; asked again while the cluster settles (a
         partition just created has no leader yet, a coordinator is loading), up to
         REQUEST_TIMEOUT (without ``retry``: ``_Settling`` is raised for the caller to ask
-        again). An error whose code is in ``accept`` gives that value instead."""
+        again); a request the client lost its way on (``_LOST``) is asked again on a new
+        client. An error whose code is in ``accept`` gives that value instead."""
         give_up = time.monotonic() + REQUEST_TIMEOUT
         wait = RETRY_MIN
         while True:
             remaining = max(0.001, give_up - time.monotonic())
             try:
-                return await asyncio.wait_for(asyncio.wrap_future(make()), remaining)
+                return await asyncio.wait_for(asyncio.wrap_future(make()),
+                                              min(remaining, ATTEMPT_TIMEOUT + 1.0))
             except asyncio.TimeoutError:
-                raise ConnectionError(f"Kafka at {self.bootstrap} did not answer {what} "
-                                      f"within {REQUEST_TIMEOUT:g}s; is it reachable?") from None
+                self._renew()
+                if not retry:
+                    raise _Settling(f"{what} did not answer") from None
+                if time.monotonic() >= give_up:
+                    raise ConnectionError(
+                        f"Kafka at {self.bootstrap} did not answer {what} within "
+                        f"{REQUEST_TIMEOUT:g}s; is it reachable?") from None
+                continue
             except KafkaException as failure:
                 error: KafkaError = failure.args[0]
                 if accept is not None and error.code() in accept:
                     return accept[error.code()]
-                settling = error.code() in _SETTLING or error.retriable()
+                if error.code() in _LOST:
+                    self._renew()
+                settling = (error.code() in _SETTLING or error.code() in _LOST
+                            or error.retriable())
                 if settling and not retry:
                     raise _Settling(error.str()) from None
                 if not settling or time.monotonic() + wait >= give_up:
@@ -140,7 +167,7 @@ class Admin:
     async def _description(self, topic: str) -> Any:
         return await self._call(
             lambda: self.client.describe_topics(TopicCollection([topic]),
-                                                request_timeout=REQUEST_TIMEOUT)[topic],
+                                                request_timeout=ATTEMPT_TIMEOUT)[topic],
             f"describing topic {topic!r}", {KafkaError.UNKNOWN_TOPIC_OR_PART: None})
 
     async def partitions(self, topic: str) -> list[int] | None:
@@ -159,8 +186,8 @@ class Admin:
                        -1 if replication_factor is None else replication_factor,
                        config=dict(config or {}))
         created = await self._call(
-            lambda: self.client.create_topics([new], operation_timeout=REQUEST_TIMEOUT,
-                                              request_timeout=REQUEST_TIMEOUT)[topic],
+            lambda: self.client.create_topics([new], operation_timeout=ATTEMPT_TIMEOUT,
+                                              request_timeout=ATTEMPT_TIMEOUT)[topic],
             f"creating topic {topic!r}", {KafkaError.TOPIC_ALREADY_EXISTS: False})
         give_up = time.monotonic() + REQUEST_TIMEOUT
         wait = RETRY_MIN
@@ -182,7 +209,7 @@ class Admin:
         """The group's committed offsets (and their metadata) on ``topic``, by partition."""
         found = await self._call(
             lambda: self.client.list_consumer_group_offsets(
-                [ConsumerGroupTopicPartitions(group)], request_timeout=REQUEST_TIMEOUT)[group],
+                [ConsumerGroupTopicPartitions(group)], request_timeout=ATTEMPT_TIMEOUT)[group],
             f"listing group {group!r}'s offsets")
         return {tp.partition: (tp.offset, tp.metadata) for tp in found.topic_partitions
                 if tp.topic == topic and tp.offset >= 0 and tp.error is None}
@@ -191,14 +218,14 @@ class Admin:
         await self._call(
             lambda: self.client.alter_consumer_group_offsets(
                 [ConsumerGroupTopicPartitions(group, offsets)],
-                request_timeout=REQUEST_TIMEOUT)[group],
+                request_timeout=ATTEMPT_TIMEOUT)[group],
             f"setting group {group!r}'s offsets")
 
     async def group_members(self, group: str) -> list[str]:
         """The member ids of ``group`` now ([] for an empty group, or none by that name)."""
         found = await self._call(
             lambda: self.client.describe_consumer_groups(
-                [group], request_timeout=REQUEST_TIMEOUT)[group],
+                [group], request_timeout=ATTEMPT_TIMEOUT)[group],
             f"describing group {group!r}")
         return [member.member_id for member in found.members]
 
@@ -225,7 +252,7 @@ class Admin:
         while pending:
             futures = self.client.list_offsets(
                 {TopicPartition(topic, p): spec for p in pending},
-                isolation_level=_read_committed(), request_timeout=REQUEST_TIMEOUT)
+                isolation_level=_read_committed(), request_timeout=ATTEMPT_TIMEOUT)
             again = []
             for tp, future in futures.items():
                 try:
