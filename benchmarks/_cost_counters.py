@@ -10,11 +10,14 @@
   nack, extend, claim, complete, release, renew), by wrapping the methods of the two instances
   the Subscriber is given; it also sees the last ack of the workload and says so.
 * :class:`RedisRoundTrips` -- commands and pipelines a redis-py client sends.
+* :class:`KafkaClientCalls` -- what the Kafka adapter's consumers ask of their librdkafka
+  client (pause, resume, commit, seek, assignments), through the class its poll thread makes.
 * :class:`IdleSignallingSelector` -- the event loop's selector, which lets a sync handler's
   thread wait until the loop has nothing to do (see there for why).
 
 Nothing here looks inside ``reliable_sub._runtime``: whatever the delivery path becomes, these
-seams stay where they are.
+seams stay where they are. (``KafkaClientCalls`` replaces one name in the Kafka adapter's
+consumer module, the client class it instantiates: the one seam the adapter offers for it.)
 """
 
 from __future__ import annotations
@@ -287,3 +290,59 @@ class RedisRoundTrips:
     @property
     def total(self) -> int:
         return sum(self.sent.values())
+
+
+# The librdkafka consumer's methods counted: everything the poll thread asks of its client but
+# ``poll`` and ``consume``, whose number follows fetch timing (a poll returns at its timeout
+# or its first record), not the work asked.
+KAFKA_CLIENT_METHODS = (
+    "pause", "resume", "seek", "commit", "committed", "assign", "incremental_assign",
+    "unassign", "incremental_unassign",
+)
+
+
+class KafkaClientCalls:
+    """Counts the Kafka adapter's consumers' calls of ``KAFKA_CLIENT_METHODS`` on their
+    ``confluent_kafka.Consumer``, for as long as installed: :meth:`install` replaces the class
+    the adapter's poll thread makes (``_kafka_consumer.Consumer``) by a subclass that counts;
+    a commit with ``asynchronous=False`` counts as ``commit (sync)``. The calls happen on the
+    poll thread, so they are counted there (a Counter only that thread writes)."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[str] = Counter()
+        self._module: Any = None
+        self._original: Any = None
+
+    def install(self) -> None:
+        from reliable_sub.adapters import _kafka_consumer
+
+        module: Any = _kafka_consumer
+        original = module.Consumer
+        calls = self.calls
+
+        def counting(name: str) -> Callable[..., Any]:
+            method = getattr(original, name)
+
+            def counted(client: Any, *args: Any, **kwargs: Any) -> Any:
+                label = name
+                if name == "commit" and kwargs.get("asynchronous", True) is False:
+                    label = "commit (sync)"
+                calls[label] += 1
+                return method(client, *args, **kwargs)
+
+            counted.__name__ = counted.__qualname__ = name
+            return counted
+
+        counting_class = type("CountingConsumer", (original,),
+                              {name: counting(name) for name in KAFKA_CLIENT_METHODS})
+        self._module, self._original = module, original
+        module.Consumer = counting_class
+
+    def uninstall(self) -> None:
+        if self._module is not None:
+            self._module.Consumer = self._original
+        self._module = self._original = None
+
+    def total(self, *names: str) -> int:
+        return sum(count for name, count in self.calls.items()
+                   if name.split(" ")[0] in names)

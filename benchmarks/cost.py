@@ -18,24 +18,31 @@ than ``TOLERANCE`` above the baseline in ``cost_baseline.json`` -- and also when
 that below: a gain is then locked in by updating the baseline, or a later regression could
 spend it unseen. Updating the baseline is a reviewed change whose commit says why the counts
 moved; ``--why`` records the reason in the file as well.
+
+The Kafka workload runs on the node at ``$RELIABLE_SUB_COST_KAFKA_BOOTSTRAP`` (``host:port``;
+the test gives it the test run's shared node); without one, this command starts a node of its
+own for the run (``tests/kafka_processes.py``: a JDK and Kafka's jars).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
 import subprocess
 import sys
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from benchmarks._common import has_section, positive_int, section_markers, write_section
 from benchmarks._cost_run import LEAK_FACTOR
+from benchmarks._cost_workloads import KAFKA_BOOTSTRAP_ENV
 from benchmarks._cost_workloads import WORKLOADS as _WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,9 +57,13 @@ RETAINED_SLACK = 0.5
 WORKLOADS = tuple(_WORKLOADS)
 # Workloads whose broker is Redis (the test needs a Redis for them).
 REDIS_WORKLOADS = tuple(name for name, w in _WORKLOADS.items() if w.broker == "redis")
+# ... and Kafka (the test gives them the test run's Kafka node).
+KAFKA_WORKLOADS = tuple(name for name, w in _WORKLOADS.items() if w.broker == "kafka")
 # What blocks left behind are counted per: the messages the longer pass handled beyond the
 # shorter one's.
 LEAK_PER = "message beyond the first N"
+# What counts that must not grow with the messages at all are counted per: the whole pass.
+PER_PASS = "pass"
 # Real seconds one workload's process may take before it counts as hung.
 PROCESS_TIMEOUT = 300.0
 
@@ -79,6 +90,16 @@ METRICS = (
            "renew methods"),
     Metric("redis_round_trips", "Redis round trips", "commands and pipelines sent by the "
            "adapter's Redis client (which the dedup store shares)"),
+    Metric("kafka_pauses", "Kafka pauses + resumes per pass", "`pause` and `resume` calls "
+           "of the Kafka consumer's librdkafka client, from the consumer's creation (before "
+           "the count) to its close: none while every partition's backlog is under the "
+           "adapter's `buffer` (a pause drops librdkafka's prefetch of the partition, fetched "
+           "again on resume)", per=PER_PASS),
+    Metric("kafka_commits", "Kafka commits per pass", "`commit` calls of the Kafka consumer's "
+           "client from its creation to its close, its `commit_interval` longer than the "
+           "pass: one before the pass (of a record acked there, so that the interval runs "
+           "from then), one as it closes; more would be commits that grow with the messages",
+           per=PER_PASS),
     Metric("held_blocks", "blocks held per message in flight", "memory blocks (tracemalloc) "
            "allocated since the start and alive with the first 1,000 messages held in the "
            "handler (the sync workload: one in the thread, the others waiting for it), per "
@@ -103,9 +124,12 @@ def python_version() -> str:
 # -- measuring ----------------------------------------------------------------------------------
 
 
-def measure(workload: str, top: int = 0) -> dict[str, Any]:
-    """One workload's counts, measured in a fresh process."""
+def measure(workload: str, top: int = 0, kafka_bootstrap: str | None = None) -> dict[str, Any]:
+    """One workload's counts, measured in a fresh process (a Kafka workload's on the node at
+    ``kafka_bootstrap``, or else at ``$RELIABLE_SUB_COST_KAFKA_BOOTSTRAP``)."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
+    if kafka_bootstrap is not None:
+        env[KAFKA_BOOTSTRAP_ENV] = kafka_bootstrap
     command = [sys.executable, "-m", "benchmarks._cost_run", workload, "--top", str(top)]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=PROCESS_TIMEOUT, check=False)
@@ -121,6 +145,7 @@ def per_message(result: dict[str, Any]) -> dict[str, float]:
         "message": result["messages"],
         "message in flight": result.get("in_flight", 0),
         LEAK_PER: (LEAK_FACTOR - 1) * result["messages"],
+        PER_PASS: 1,
     }
     return {name: total / divisors[METRIC_BY_NAME[name].per]
             for name, total in result["totals"].items()}
@@ -286,6 +311,12 @@ def readme_section(results: dict[str, dict[str, Any]], command: str, why: str) -
         "",
         "On Redis only the exact counts are kept: replies are split over socket reads as they "
         "happen to be, so Python calls and allocations vary there by a fraction of a percent. "
+        "On Kafka the adapter's poll thread fetches as it happens to: every record is in the "
+        "adapter's buffer before the pass starts, the thread's own calls are not counted (but "
+        "the pauses, resumes and commits it asks of its client), a receive's wait "
+        "(`receive_timeout=60`) never times out within a pass, and blocks are not counted: "
+        "the thread's allocations change what CPython's free lists hold, and with it how many "
+        "of the loop's objects are new blocks. "
         "Counts (each divided by the messages, or as said):",
         "",
         *(f"* **{metric.label}** (per {metric.per}): {metric.meaning}." for metric in METRICS),
@@ -296,6 +327,24 @@ def readme_section(results: dict[str, dict[str, Any]], command: str, why: str) -
 # -- command line -------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def kafka_node(needed: bool) -> Iterator[str | None]:
+    """The Kafka node's ``host:port`` for the Kafka workloads: ``$RELIABLE_SUB_COST_KAFKA_
+    BOOTSTRAP``, or one started for this run (killed after it); None when none is needed."""
+    if not needed or os.environ.get(KAFKA_BOOTSTRAP_ENV):
+        yield os.environ.get(KAFKA_BOOTSTRAP_ENV) if needed else None
+        return
+    from tests.kafka_processes import KafkaBroker
+
+    with tempfile.TemporaryDirectory(prefix="cost-kafka-") as directory:
+        node = KafkaBroker(Path(directory))
+        try:
+            node.start()
+            yield node.bootstrap
+        finally:
+            node.kill()
+
+
 def _details(result: dict[str, Any]) -> list[str]:
     detail = result["detail"]
     lines = [f"\n{result['workload']}: {result['messages']:,} messages, "
@@ -303,6 +352,8 @@ def _details(result: dict[str, Any]) -> list[str]:
              f"  tasks: {detail['tasks']}"]
     if "redis_round_trips" in detail:
         lines.append(f"  Redis round trips: {detail['redis_round_trips']}")
+    if "kafka_client_calls" in detail:
+        lines.append(f"  Kafka client calls: {detail['kafka_client_calls']}")
     for function, calls in detail["top_calls"]:
         lines.append(f"  {calls / result['messages']:9.3f}  {function}")
     return lines
@@ -330,16 +381,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"markers {start} / {end} not found in benchmarks/README.md")
     results: dict[str, dict[str, Any]] = {}
     unstable = []
-    for workload in args.workload or WORKLOADS:
-        runs = [measure(workload, args.top) for _ in range(args.runs)]
-        verdict, steady = spread(runs)
-        if args.runs > 1:
-            print(f"{workload}, {args.runs} runs: {verdict}", file=sys.stderr)
-        if not steady:
-            unstable.append(workload)
-        results[workload] = runs[0]
-        if args.top:
-            print("\n".join(_details(runs[0])), file=sys.stderr)
+    workloads = args.workload or WORKLOADS
+    with kafka_node(any(name in KAFKA_WORKLOADS for name in workloads)) as bootstrap:
+        for workload in workloads:
+            runs = [measure(workload, args.top, bootstrap) for _ in range(args.runs)]
+            verdict, steady = spread(runs)
+            if args.runs > 1:
+                print(f"{workload}, {args.runs} runs: {verdict}", file=sys.stderr)
+            if not steady:
+                unstable.append(workload)
+            results[workload] = runs[0]
+            if args.top:
+                print("\n".join(_details(runs[0])), file=sys.stderr)
     if unstable:
         print(f"counts of {unstable} differ between runs by more than a hundredth of the "
               "tolerance: find what makes them vary before trusting them", file=sys.stderr)
