@@ -178,7 +178,7 @@ class Assignment:
                     out: list[Entry] = []
                     queue.take(min(share, count - len(taken)), now, self.options.ack_deadline,
                                out)
-                    taken.extend((queue, entry) for entry in out)
+                    taken += [(queue, entry) for entry in out]
                 if len(taken) == before:
                     break
             return taken, self._waiters.version
@@ -240,7 +240,7 @@ class Assignment:
 
     def _held(self, ack_id: str, now: float) -> tuple[PartitionQueue, Entry] | None:
         try:
-            generation, offset, attempt = (int(part) for part in ack_id.split("."))
+            generation, offset, attempt = map(int, ack_id.split("."))
         except ValueError:
             return None
         queue = self._generation.get(generation)  # revoking ones too: their acks are awaited

@@ -36,6 +36,9 @@ from typing import Any
 from reliable_sub.adapters._kafka_offsets import PartitionOffsets
 
 KEY, PARTITION, NONE = "key", "partition", "none"
+# Leases of records no longer held (acked, given back, extended) the heap may keep beyond the
+# held ones before it is rebuilt: it would otherwise hold one per delivery until its deadline.
+LEASE_SLACK = 64
 ORDERINGS = (KEY, PARTITION, NONE)
 READY, HELD, DELAYED, PARKED = range(4)
 
@@ -180,7 +183,10 @@ class PartitionQueue:
 
     def next_event(self) -> float | None:
         """When the next lease ends or delay is over (None: nothing pending)."""
-        times = [self._leases[0][0]] if self._leases else []
+        leases = self._leases
+        while leases and not self._current(leases[0]):
+            heapq.heappop(leases)
+        times = [leases[0][0]] if leases else []
         if self._delayed:
             times.append(self._delayed[0][0])
         return min(times) if times else None
@@ -208,10 +214,25 @@ class PartitionQueue:
         self.held -= 1
         self._unblock(entry)
         self.offsets.settle(entry.offset)
+        if len(self._leases) > 2 * self.held + LEASE_SLACK:
+            self._compact_leases()
+
+    def _current(self, lease: tuple[float, int, int]) -> bool:
+        """Whether ``lease`` is the one of a record held now."""
+        deadline, offset, attempt = lease
+        entry = self.entries.get(offset)
+        return (entry is not None and entry.state == HELD and entry.attempts == attempt
+                and entry.deadline == deadline)
+
+    def _compact_leases(self) -> None:
+        self._leases = [lease for lease in self._leases if self._current(lease)]
+        heapq.heapify(self._leases)
 
     def give_back(self, entry: Entry, now: float, delay: float) -> None:
         """Nacked: ready again now, or after ``delay`` seconds."""
         self.held -= 1
+        if len(self._leases) > 2 * self.held + LEASE_SLACK:
+            self._compact_leases()
         if delay <= 0:
             self._unblock(entry)
             self._ready_again(entry)
@@ -222,6 +243,8 @@ class PartitionQueue:
     def extend(self, entry: Entry, now: float, seconds: float) -> None:
         entry.deadline = now + seconds
         heapq.heappush(self._leases, (entry.deadline, entry.offset, entry.attempts))
+        if len(self._leases) > 2 * self.held + LEASE_SLACK:
+            self._compact_leases()
 
     def oldest(self) -> Entry | None:
         """The unsettled record at the mark, if fetched."""

@@ -10,6 +10,7 @@ pytest.importorskip("confluent_kafka", reason='the Kafka tests need "reliable-su
 from reliable_sub.adapters._kafka_offsets import PartitionOffsets
 from reliable_sub.adapters._kafka_records import (
     KEY,
+    LEASE_SLACK,
     NONE,
     PARTITION,
     Entry,
@@ -128,3 +129,26 @@ def test_a_revoking_partition_hands_nothing_out() -> None:
     queue.revoking = True
     assert take(queue, 0.0) == []
     assert queue.waiting == 2
+
+
+def test_settled_records_leave_no_lease_behind() -> None:
+    """Every delivery pushes a lease on the heap; one whose record was acked, given back or
+    extended must not stay there until its deadline: at 45,000 records a second and a 30 s ack
+    deadline that was ~1.35 million tuples held for nothing (found by the cost check's Kafka
+    workload), and next_event() named a lease of nothing."""
+    records = 5_000
+    queue = queue_of(NONE, "x" * records)
+    out = take(queue, 0.0, count=records)
+    for entry in out[: records // 2]:
+        queue.extend(entry, 0.0, LEASE)
+    for entry in out:
+        queue.settle(entry)
+    assert queue.next_event() is None, "nothing is held: no lease is pending"
+    assert len(queue._leases) <= LEASE_SLACK, "the leases of settled records are dropped"
+
+    again = queue_of(NONE, "x" * records)
+    given = take(again, 0.0, count=records)
+    for entry in given:
+        again.give_back(entry, 0.0, delay=0.0)
+    assert len(again._leases) <= LEASE_SLACK + 1
+    assert offsets(take(again, 0.0, count=records)) == list(range(records))
