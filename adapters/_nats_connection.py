@@ -44,6 +44,7 @@ class Connection:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     closing: bool = False
     erring: bool = False
+    last_error: Exception | None = None  # the last one error_cb reported (the first connect's)
     # the client found dead (a flush got no PONG) and why; replaced on next use
     dead: tuple[NatsClient, str] | None = None
     retirer: Retirer = field(default_factory=Retirer)
@@ -172,6 +173,7 @@ async def _connect(connection: Connection) -> NatsClient:
         # once per outage at WARNING: a reconnect attempt fails every half second
         level = logging.DEBUG if retired() or connection.erring else logging.WARNING
         connection.erring = True
+        connection.last_error = error
         logger.log(level, "NATS connection to %s: %r", url, error)
 
     async def on_disconnect() -> None:
@@ -191,8 +193,12 @@ async def _connect(connection: Connection) -> NatsClient:
                          disconnected_cb=on_disconnect, reconnected_cb=on_reconnect),
             CONNECT_TIMEOUT)
     except (asyncio.TimeoutError, OSError, nats.errors.Error) as error:
+        # the client retries a refused connection until the timeout: what it met says more
+        seen = connection.last_error or error
         raise ConnectionError(
-            f"cannot reach NATS at {url} within {CONNECT_TIMEOUT:g}s: {error!r}") from error
+            f"cannot reach NATS at {url} within {CONNECT_TIMEOUT:g}s: {seen}"
+            if str(seen) else f"cannot reach NATS at {url} within {CONNECT_TIMEOUT:g}s "
+            f"({type(seen).__name__})") from error
     made.append(client)
     connection.erring = False  # the next outage is reported again
     return client

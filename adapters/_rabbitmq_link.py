@@ -19,6 +19,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from reliable_sub.adapters._rabbitmq_consumer import Consumer
+from reliable_sub.adapters._rabbitmq_errors import connect_error
 
 # A receive that finds nothing checks the consumer's connection when the broker was not heard
 # from for this long (seconds): about one round trip a second while idle.
@@ -71,8 +72,14 @@ class Link:
         return self.connection
 
     async def _connect(self, timeout: float, role: str) -> aio_pika.abc.AbstractConnection:
-        return await aio_pika.connect(self.url, timeout=timeout, client_properties={
-            "connection_name": f"{self.name}{role}"})
+        try:
+            return await aio_pika.connect(self.url, timeout=timeout, client_properties={
+                "connection_name": f"{self.name}{role}"})
+        except BaseException as error:
+            ours = connect_error(error, self.url, timeout)
+            if ours is None:
+                raise
+            raise ours from error
 
     async def check_alive(self, consumer: Consumer) -> None:
         """After a receive that found nothing: unless the broker was heard from lately, ask it

@@ -55,7 +55,6 @@ from reliable_sub.adapters._nats_headers import (
     ORDERING_KEY_HEADER,
     read_headers,
 )
-from reliable_sub.adapters._nats_replies import delivery_fields
 from reliable_sub.adapters._nats_urls import servers_of
 from reliable_sub.dead_letters import REPLAYED_FROM_ATTRIBUTE
 from reliable_sub.entries import read_each
@@ -94,6 +93,7 @@ try:
     from nats.js.kv import KeyValue
 
     from reliable_sub.adapters._nats_connection import Connection
+    from reliable_sub.adapters._nats_replies import delivery_fields
 except ImportError as error:  # pragma: no cover - exercised in a subprocess test
     raise MissingExtraError("NatsJetStreamAdapter", "nats", "nats-py") from error
 

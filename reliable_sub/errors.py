@@ -43,6 +43,11 @@ class AccessDeniedError(AdapterError, PermissionError):
     """The broker refused a call for lack of permission; the message names the resource."""
 
 
+class CredentialsRefusedError(AccessDeniedError):
+    """The broker or store refused the credentials given, or the virtual host or database they
+    name: a configuration to fix (the CLI exits with 2), not an outage."""
+
+
 class MissingExtraError(ReliableSubError, ImportError):
     """An optional dependency is not installed; the message names the ``pip install`` to run."""
 
@@ -138,6 +143,7 @@ __all__ = [
     "BodyValidationError",
     "ClaimLostError",
     "ConfigurationError",
+    "CredentialsRefusedError",
     "HandlerTimeoutError",
     "IdempotencyInProgressError",
     "IdempotencyKeyReuseError",

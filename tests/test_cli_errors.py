@@ -31,7 +31,7 @@ from reliable_sub.cli.brokers import Broker
 from reliable_sub.cli.connect import Connection
 from reliable_sub.middleware.dead_letter import dead_letter_attributes
 from reliable_sub.testing.harness import delete_nats_streams
-from reliable_sub.testing.services import emulator_host, postgres_url, redis_url
+from reliable_sub.testing.services import emulator_host, postgres_url, rabbitmq_url, redis_url
 from tests.nats_processes import NatsServer
 
 SCRIPT = Path(sys.executable).with_name("reliable-sub")
@@ -451,3 +451,45 @@ async def test_another_broker_is_one_entry(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(ValueError, match="--memory-url 'http://x'"):
         wrong.adapter()
 
+
+
+# -- the first hour's errors (#47): one line naming the fix, the documented exit code ----------
+
+def _amqp(netloc: str, path: str = "/") -> str:
+    amqp = urlsplit(rabbitmq_url())
+    return f"amqp://{netloc or amqp.netloc}{path}"
+
+
+def test_each_server_error_is_one_line_naming_the_fix_with_its_documented_code(
+        tmp_path: Path) -> None:
+    """Run as a process, so a client's own log lines would show on stderr: a wrong vhost gave
+    a 124-line traceback (rc 1), refused credentials "cannot reach ... ACCESS_REFUSED" (rc 3), a
+    refused AMQP port aiormq's "error when creating transport" line before ours, an AMQP URL
+    pointed at Redis "did not answer within 10 s" after 5.5 s, a Redis URL pointed at
+    PostgreSQL "Connection closed by server." (rc 3), a refused NATS port "TimeoutError()"."""
+    amqp = urlsplit(rabbitmq_url())
+    credentials = f"{amqp.username}:{amqp.password}"
+    redis_port = urlsplit(redis_url()).port
+    postgres_port = make_url(postgres_url()).port or 5432
+    closed = free_port()
+    cases = [
+        (["--amqp-url", _amqp("", "/no-such-vhost")], 2,
+         "refused virtual host 'no-such-vhost': it does not exist, or user "
+         f"'{amqp.username}' may not use it"),
+        (["--amqp-url", _amqp(f"{amqp.username}:wrong@{amqp.hostname}:{amqp.port}")], 2,
+         f"refused the credentials of user '{amqp.username}'"),
+        (["--amqp-url", _amqp(f"{credentials}@127.0.0.1:{closed}")], 3,
+         f"RabbitMQ at 127.0.0.1:{closed} refused the connection"),
+        (["--amqp-url", _amqp(f"{credentials}@127.0.0.1:{redis_port}")], 3,
+         f"RabbitMQ at 127.0.0.1:{redis_port} did not complete the AMQP handshake within 5s"),
+        (["--redis-url", f"redis://127.0.0.1:{postgres_port}/0"], 2,
+         "the server did not answer as Redis does"),
+        (["--nats-url", f"nats://127.0.0.1:{closed}"], 3, "Connect call failed"),
+    ]
+    for args, code, said in cases:
+        done = subprocess.run([sys.executable, "-m", "reliable_sub.cli", *args, "stats", "s"],
+                              capture_output=True, text=True, timeout=60, check=False,
+                              cwd=tmp_path, env={**clean_environment(), "COLUMNS": "80"})
+        lines = done.stderr.splitlines()
+        assert (done.returncode, len(lines)) == (code, 1), (args, done.stderr)
+        assert lines[0].startswith("error: ") and said in lines[0], (args, lines[0])

@@ -17,6 +17,7 @@ from ..dead_letters import UnknownDeadLetterError
 from ..errors import (
     AccessDeniedError,
     ConfigurationError,
+    CredentialsRefusedError,
     MissingExtraError,
     SnapshotExistsError,
     UnknownSnapshotError,
@@ -36,6 +37,10 @@ ABORTED = 5  # nothing done: the confirmation was declined (or there was no term
 # module level. Checked in this order (a Redis AuthenticationError is a Redis ConnectionError).
 REFUSED_CREDENTIALS = {"AuthenticationError", "AuthenticationWrongNumberOfArgsError"}
 NOT_REDIS = {"InvalidResponse"}  # a reply that is not RESP: another server on that port
+# ... or a server that closed the connection at the first command instead of answering (one
+# that is not Redis, say PostgreSQL: Redis itself answers an error first, even when it refuses)
+REDIS_CONNECTION = {"RedisError"}
+CLOSED_AT_ONCE = "Connection closed by server"
 REDIS_REFUSED = {"ResponseError"}
 NO_GOOGLE_CREDENTIALS = {"DefaultCredentialsError"}
 # the broker found the request invalid: Google's 400s (a name Pub/Sub does not take...), NATS's
@@ -93,6 +98,8 @@ def classify(error: BaseException) -> tuple[int, str] | None:
     if isinstance(error, (UnknownSubscriptionError, UnknownTopicError, UnknownSnapshotError,
                           UnknownDeadLetterError)):
         return UNKNOWN, str(error)
+    if isinstance(error, CredentialsRefusedError):
+        return USAGE, str(error)
     if isinstance(error, (SnapshotExistsError, AccessDeniedError)):
         return FAILED, str(error)
     if isinstance(error, (ConfigurationError, MissingExtraError)):
@@ -109,7 +116,7 @@ def _client_error(error: BaseException) -> tuple[int, str] | None:
     if REFUSED_CREDENTIALS & kinds:
         return USAGE, (f"Redis refused the credentials ({named}); check the user and password "
                        "in the URL")
-    if NOT_REDIS & kinds:
+    if NOT_REDIS & kinds or (REDIS_CONNECTION & kinds and CLOSED_AT_ONCE in str(error)):
         return USAGE, (f"the server did not answer as Redis does ({named}); check the URL's "
                        "host and port")
     if REDIS_REFUSED & kinds:
