@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
+from ._registry import adapter_names
 from ._text import safe_repr
 from .errors import ConfigurationError
 from .middleware import Middleware
@@ -79,9 +80,10 @@ def check_methods(
 def check_adapter(where: str, value: object) -> None:
     """Refuse anything but a broker adapter, naming the adapter a URL would need."""
     suggestion = _ADAPTER_FOR_SCHEME.get(_scheme(value))
+    names = ", ".join(adapter_names()) or "MemoryAdapter"
     fix = (f"pass {suggestion} rather than the URL" if suggestion else
-           "pass an adapter such as MemoryAdapter(), RedisStreamsAdapter(url), "
-           "PubSubAdapter(project) or NatsJetStreamAdapter(url)")
+           f"pass an adapter instance, such as MemoryAdapter() (reliable_sub.adapters.memory); "
+           f"the adapters installed: {names}")
     check_methods(where, value, ADAPTER_METHODS, "a broker adapter", fix)
 
 
@@ -246,6 +248,11 @@ def check_dedup_window(
 
 def check_route_names(subscription: object, namespace: object) -> None:
     """Refuse a handler's subscription or namespace that is not a non-empty str."""
+    if callable(subscription):  # @sub.handler without its parentheses
+        name = getattr(subscription, "__name__", "handler")
+        raise ConfigurationError(
+            f"@handler needs the subscription's name: write @sub.handler(\"<subscription>\") "
+            f"above {name}, not @sub.handler")
     if not isinstance(subscription, str) or not subscription:
         raise ConfigurationError(
             f"handler: subscription must be a non-empty str, got {subscription!r}")

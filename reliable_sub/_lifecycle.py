@@ -144,6 +144,16 @@ class Service:
         The first signal stops gracefully (see :meth:`stop`); a second one forces the stop.
         """
 
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass  # no loop running here: run() makes its own
+        else:
+            raise RuntimeError(
+                f"{type(self).__name__}.run() blocks and makes its own event loop, and this "
+                f"thread already runs one: inside async code, await {self._usual_name}.serve() "
+                "(or start it as a task)")
+
         async def main() -> None:
             loop = asyncio.get_running_loop()
             for sig in STOP_SIGNALS:

@@ -84,7 +84,7 @@ class SqlEngines:
             self._given = url_or_engine
             self.url: URL = url_or_engine.url
         elif isinstance(url_or_engine, str | URL):
-            given = make_url(url_or_engine)
+            given = _postgresql(make_url(url_or_engine))
             self.url = _database_url(given)
             # a throwaway database need not survive a crash: its commits skip the fsync
             self._throwaway = self.url is not given
@@ -310,6 +310,13 @@ def check_mysql_server(version: str) -> None:
         raise ConfigurationError(
             f"MariaDB {version} is too old for reliable-sub: it needs 10.6 or later "
             "(JSON_TABLE, SKIP LOCKED)")
+
+
+def _postgresql(url: URL) -> URL:
+    """``postgres://`` (Heroku's and many platforms' form) as SQLAlchemy's ``postgresql://``,
+    a driver kept (``postgres+asyncpg://``)."""
+    backend, plus, driver = url.drivername.partition("+")
+    return url.set(drivername=f"postgresql{plus}{driver}") if backend == "postgres" else url
 
 
 def _database_url(url: URL) -> URL:
