@@ -15,7 +15,7 @@ from benchmarks._common import rule, unknown_rule_names
 from benchmarks._harness import TEMPLATES
 
 
-@pytest.mark.parametrize("name", ["memory_pipeline", "redis_streams", "pubsub"])
+@pytest.mark.parametrize("name", ["memory_pipeline", "redis_streams", "pubsub", "sqs"])
 def test_every_stage_rule_names_a_function_its_file_defines(name: str) -> None:
     if name == "redis_streams":
         pytest.importorskip("faststream", reason='the Redis benchmark needs "reliable-sub[bench]"')
