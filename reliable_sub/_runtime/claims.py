@@ -16,6 +16,7 @@ and releases through it.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -25,6 +26,16 @@ from ..dedup import Claimed, ClaimResult, Completion, DedupKey, DedupStore
 from ..dedup._epochs import EpochCache
 from ..ports import DedupEpochs
 from .inflight import InFlight
+
+
+def _unreachable(error: BaseException) -> bool:
+    """A client's error for a store it could not reach (refused, reset, no route): an OSError,
+    Redis's ConnectionError, or a database driver's connection failure."""
+    kinds = {kind.__name__ for kind in type(error).__mro__}
+    if isinstance(error, OSError) or "ConnectionError" in kinds:
+        return True
+    return bool(kinds & {"OperationalError", "InterfaceError"}) and "connect" in str(error)
+
 
 # Without a store, failure counts are kept for this many recent messages per Subscriber.
 FAILURE_MEMORY = 100_000
@@ -51,6 +62,30 @@ class Claims:
         # without a store: the failures counted here, by (namespace, message id); read by the
         # other stages directly on the hot path (no call when it is empty)
         self.failure_counts: OrderedDict[tuple[str, str], int] = OrderedDict()
+
+    async def reach(self, namespaces: Sequence[str], timeout: float) -> None:
+        """Read the current epoch of each namespace (the first claims' read, done now) within
+        ``timeout`` seconds: a store that cannot be reached fails the start, as a broker does,
+        instead of failing every message later. A store without epochs is not asked."""
+        if self._epochs is None:
+            return
+        epochs = self._epochs
+        try:
+            await asyncio.wait_for(asyncio.gather(*(epochs.namespace(n) for n in namespaces)),
+                                   timeout)
+        except asyncio.TimeoutError:
+            raise ConnectionError(
+                f"the dedup store {self.store!r} did not answer within {timeout:g}s at start; "
+                "check its URL and that it runs (a Subscriber starts only when its broker and "
+                "its store answer; after the start, outages are retried and healthy() reports "
+                "them)") from None
+        except Exception as error:
+            if not _unreachable(error):
+                raise  # its own words say more (a table missing, credentials refused)
+            first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+            raise ConnectionError(
+                f"the dedup store {self.store!r} cannot be reached at start: {first}; check "
+                "its URL and that it runs") from error
 
     @staticmethod
     def key_of(namespace: str, item: InFlight[Any]) -> DedupKey:

@@ -69,6 +69,8 @@ from .workers import WorkerThreads
 __all__ = ["Config", "Route", "Runtime", "current_claim"]
 
 logger = logging.getLogger("reliable_sub.subscriber")
+# Seconds the start waits for the dedup store's first answer (Claims.reach).
+STORE_START_TIMEOUT = 10.0
 
 
 class Runtime:
@@ -179,6 +181,7 @@ class Runtime:
                     cancelled=decisions.cancelled, release=claims.release,
                     retried=telemetry.retried if telemetry is not None else None,
                 )
+        await claims.reach([lane.namespace for lane in self.lanes.values()], STORE_START_TIMEOUT)
         state.receiving = state.accepting = True
         self.supervisor.spawn("settler", self.settler.run)
         for lane in self.lanes.values():
