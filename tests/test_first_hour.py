@@ -8,6 +8,7 @@ import asyncio
 import uuid
 import warnings
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import sqlalchemy
@@ -90,3 +91,54 @@ async def test_postgres_urls_are_taken_as_postgresql() -> None:
             for table in (f"first_hour_outbox_{tag}", f"first_hour_processed_{tag}"):
                 connection.execute(sqlalchemy.text(f"DROP TABLE IF EXISTS {table}"))
         engine.dispose()
+
+
+def _one_handler(store: object) -> Subscriber:
+    adapter = MemoryAdapter()
+    adapter.ensure_subscription_sync("orders", "billing")
+    sub = Subscriber(adapter, dedup=store)  # type: ignore[arg-type]
+
+    @sub.handler("billing")
+    async def charge(message: Message) -> None:
+        pass
+
+    return sub
+
+
+async def test_a_dedup_store_that_cannot_be_reached_fails_the_start_as_a_broker_does() -> None:
+    """One rule for both: a Subscriber starts only when its broker and its dedup store answer
+    (it started silently with a store that refused, and failed every message after)."""
+    from reliable_sub.dedup import RedisDedupStore, SqlDedupStore
+    from reliable_sub.testing.services import free_port
+
+    port = free_port()
+    for store, named in ((RedisDedupStore(f"redis://127.0.0.1:{port}/0"), "RedisDedupStore("),
+                         (SqlDedupStore(f"postgresql://postgres@127.0.0.1:{port}/test"),
+                          "SqlDedupStore(postgresql")):
+        sub = _one_handler(store)
+        with pytest.raises(ConnectionError) as refused:
+            await sub.serve()
+        text = str(refused.value)
+        assert text.startswith(f"the dedup store {named}") and "cannot be reached at start" in text
+        assert text.endswith("; check its URL and that it runs") and str(port) in text
+        assert not sub.running and "\n" not in text
+        await store.close()
+
+
+async def test_a_dedup_store_that_hangs_fails_the_start_after_its_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from reliable_sub._runtime import pipeline
+    from reliable_sub.dedup import RedisDedupStore
+    from reliable_sub.testing.services import redis_url
+    from reliable_sub.testing.tcp_proxy import TcpProxy
+
+    monkeypatch.setattr(pipeline, "STORE_START_TIMEOUT", 0.5)
+    redis = urlsplit(redis_url())
+    with TcpProxy(redis.hostname or "127.0.0.1", redis.port or 6379) as proxy:
+        proxy.stall()
+        store = RedisDedupStore(f"redis://127.0.0.1:{proxy.port}/0")
+        with pytest.raises(ConnectionError, match=r"did not answer within 0\.5s at start; check "
+                                                  r"its URL and that it runs"):
+            await _one_handler(store).serve()
+        proxy.resume()
+        await store.close()
