@@ -98,7 +98,7 @@ class SubscriptionConsumer(Assignment):
             consumer = Consumer({**options.config, "on_commit": self._committed,
                                  "enable.partition.eof": True})  # primes partitions
             if self._transactions is not None:
-                self._start_transactions()
+                self._transactions.start_early()  # before any committed offsets are read
             consumer.subscribe([options.topic], on_assign=self._assigned,
                                on_revoke=self._revoked, on_lost=self._lost)
             while not self.stopping and not self._loop.is_closed():
@@ -135,15 +135,6 @@ class SubscriptionConsumer(Assignment):
                 self._generation.clear()
                 self._settled.notify_all()
                 self._wake()
-
-    def _start_transactions(self) -> None:
-        assert self._transactions is not None
-        try:
-            self._transactions.start()  # before any committed offsets are read
-        except KafkaException as error:
-            logger.warning("initialising the transactional producer %r failed (tried again "
-                           "at the first commit): %s", self._transactions.transactional_id,
-                           error.args[0].str())
 
     def _close(self, consumer: Consumer) -> None:
         try:

@@ -19,12 +19,14 @@ import concurrent.futures
 import logging
 import threading
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from reliable_sub.adapters._kafka_messages import Headers, message_id
+from reliable_sub.adapters._kafka_messages import Headers, message_id, outgoing
 from reliable_sub.errors import AccessDeniedError, InvalidMessageError, UnknownTopicError
+from reliable_sub.ports import Outgoing, checked_message
 
 logger = logging.getLogger("reliable_sub.adapters.kafka")
 
@@ -48,6 +50,34 @@ def producer_config_of(base: dict[str, Any], publish_timeout: float,
         "message.timeout.ms": int(publish_timeout * 1000),
         **overrides,
     }
+
+
+async def publish_each(link: ProducerLink, messages: Sequence[Outgoing],
+                       known: Callable[[str], Awaitable[None]]) -> list[str | Exception]:
+    """Send ``messages`` in order on ``link`` (so one key's keep theirs) and await their
+    delivery reports together: each one's message id, or its error (``known`` refuses a topic
+    that does not exist)."""
+    pending: list[concurrent.futures.Future[str] | Exception] = []
+    for message in messages:
+        try:
+            payload, checked = checked_message(message.data, message.attributes)
+            await known(message.topic)
+            key, headers = outgoing(checked, message.ordering_key)
+            pending.append(await link.queue(message.topic, payload, key, headers))
+        except Exception as error:
+            pending.append(error)
+    results: list[str | Exception] = []
+    for item in pending:
+        if isinstance(item, Exception):
+            results.append(item)
+            continue
+        try:
+            found: str = await asyncio.wrap_future(item)
+        except Exception as error:
+            results.append(error)
+        else:
+            results.append(found)
+    return results
 
 
 class ProducerLink:
@@ -157,4 +187,4 @@ class ProducerLink:
         return left
 
 
-__all__ = ["ProducerLink", "producer_config_of"]
+__all__ = ["ProducerLink", "producer_config_of", "publish_each"]

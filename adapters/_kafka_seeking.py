@@ -25,7 +25,7 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import TopicPartition
 
@@ -38,6 +38,10 @@ from reliable_sub.errors import (
     UnknownSnapshotError,
 )
 from reliable_sub.ports import Snapshot
+from reliable_sub.replay import check_target
+
+if TYPE_CHECKING:
+    from reliable_sub.adapters._kafka_receiving import Consumers
 
 # The snapshots topic: one partition, compacted (the last record of a name is what holds).
 SNAPSHOTS_CONFIG = {"cleanup.policy": "compact"}
@@ -179,10 +183,53 @@ class Seeking:
                 "the seek; they may not have moved: seek again")
 
 
+class SeekableKafka:
+    """The Seekable capability of :class:`~reliable_sub.adapters.kafka.KafkaAdapter` (its base
+    class): the adapter provides the attributes and the lookup named here."""
+
+    _seeking: Seeking
+    _consumers: Consumers
+
+    async def _subscription(self, name: str) -> Settings:
+        raise NotImplementedError  # the adapter's: its recorded settings
+
+    async def seek(self, subscription: str, *, to: datetime | None = None,
+                   snapshot: str | None = None) -> None:
+        """Seek ``subscription`` to a time or a snapshot (see
+        :class:`~reliable_sub.ports.Seekable`; deliveries out become stale). The partitions
+        this adapter's consumers own move on their poll threads; the others only while the
+        group has no member (Kafka lets only an owner move a live group's partition).
+
+        Raises:
+            SeekRefusedError: a partition is owned by a consumer outside this adapter.
+        """
+        check_target(to, snapshot)
+        settings = await self._subscription(subscription)
+        targets = await self._seeking.targets(subscription, settings, to, snapshot)
+        await self._seeking.move(subscription, settings, targets,
+                                 self._consumers.all_of(subscription))
+
+    async def create_snapshot(self, subscription: str, name: str) -> Snapshot:
+        """Take a snapshot of ``subscription`` named ``name``: per partition, the offset and
+        what is settled above it (this adapter's consumers' state where they own it, the
+        group's commit otherwise), a record of the topic ``{prefix}-snapshots``."""
+        settings = await self._subscription(subscription)
+        return await self._seeking.create(subscription, settings, name,
+                                          self._consumers.all_of(subscription))
+
+    async def delete_snapshot(self, name: str) -> None:
+        """Delete the snapshot ``name`` (a tombstone in ``{prefix}-snapshots``)."""
+        await self._seeking.delete(name)
+
+    async def list_snapshots(self, subscription: str | None = None) -> list[Snapshot]:
+        """The snapshots, all or those of ``subscription``, by name."""
+        return await self._seeking.list(subscription)
+
+
 def _snapshot_of(name: str, record: dict[str, Any]) -> Snapshot:
     created = record.get("created")
     return Snapshot(name, record.get("subscription"), str(record.get("topic", "")),
                     datetime.fromisoformat(created) if isinstance(created, str) else None)
 
 
-__all__ = ["SNAPSHOTS_CONFIG", "SeekRefusedError", "Seeking"]
+__all__ = ["SNAPSHOTS_CONFIG", "SeekRefusedError", "SeekableKafka", "Seeking"]

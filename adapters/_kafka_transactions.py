@@ -30,12 +30,17 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 
 from reliable_sub.adapters._kafka_messages import Headers
+from reliable_sub.message import Message
+
+if TYPE_CHECKING:
+    from reliable_sub.adapters._kafka_assignment import Assignment
 from reliable_sub.errors import AdapterError, InvalidMessageError
 
 logger = logging.getLogger("reliable_sub.adapters.kafka")
@@ -67,6 +72,22 @@ def output_of(topic: str, value: bytes, key: bytes | None, headers: Headers,
             f"a record of {size} bytes for {topic!r} is over the producer's message.max.bytes "
             f"({limit}); it would fail the whole transaction")
     return Output(topic, value, key, headers)
+
+
+def hold(consumers: Sequence[Assignment], message: Message, output: Output) -> None:
+    """Keep ``output`` with ``message``'s delivery at the consumer holding it.
+
+    Raises:
+        StaleDeliveryError: no consumer of this adapter holds the delivery now.
+    """
+    _, partition, offset = message.id.rsplit("/", 2)
+    for consumer in consumers:
+        if consumer.hold_output(int(partition), int(offset), message.delivery_attempt, output):
+            return
+    raise StaleDeliveryError(
+        f"message {message.id} (delivery {message.delivery_attempt}) is not held by this "
+        "adapter any more (its lease ended, or its partition went to another member): its "
+        "output is dropped and it runs again")
 
 
 class StaleDeliveryError(AdapterError):
@@ -143,6 +164,15 @@ class Transactions:
             self._producer = producer
         return self._producer
 
+    def start_early(self) -> None:
+        """:meth:`start`, at the consumer's start; a failure is logged, and the first commit
+        tries again."""
+        try:
+            self.start()
+        except KafkaException as failure:
+            logger.warning("initialising the transactional producer %r failed (tried again at "
+                           "the first commit): %s", self.transactional_id, failure.args[0].str())
+
     def _produce(self, producer: Producer, record: Output) -> None:
         give_up = time.monotonic() + TRANSACTION_TIMEOUT
         while True:
@@ -184,4 +214,4 @@ class Transactions:
 
 
 __all__ = ["Fenced", "Output", "StaleDeliveryError", "TransactionAborted", "Transactions",
-           "output_of", "transactional_config"]
+           "hold", "output_of", "transactional_config"]

@@ -19,7 +19,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractConnection
 
 from reliable_sub.adapters._rabbitmq_consumer import Consumer
-from reliable_sub.adapters._rabbitmq_errors import connect_error
+from reliable_sub.adapters._rabbitmq_errors import connect_error, quiet_aiormq
 
 # A receive that finds nothing checks the consumer's connection when the broker was not heard
 # from for this long (seconds): about one round trip a second while idle.
@@ -36,6 +36,9 @@ DELAY_FAILURE_REPORTED = 30.0
 BLOCKED = ("the broker blocked the publishing connection (connection.blocked: a memory or disk "
            "alarm); publishes, delayed nacks and dead letters wait until it lifts "
            "(rabbitmq-diagnostics alarms)")
+
+quiet_aiormq()  # aiormq's own connection-failure lines: ours report them (_rabbitmq_errors)
+
 
 @dataclass
 class Link:

@@ -32,10 +32,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from collections.abc import Coroutine, Sequence
-from datetime import datetime
 from typing import Any, TypeVar
 
 from reliable_sub._loops import PerLoop
@@ -51,11 +49,9 @@ from reliable_sub.ports import (
     Capabilities,
     Outgoing,
     Payload,
-    Snapshot,
     SubscriptionStats,
     checked_message,
 )
-from reliable_sub.replay import check_target
 from reliable_sub.telemetry.publishing import InstrumentedPublishing
 
 try:
@@ -64,12 +60,23 @@ try:
     from reliable_sub.adapters._kafka_admin import Admin, Settings
     from reliable_sub.adapters._kafka_figures import figures_of
     from reliable_sub.adapters._kafka_messages import outgoing
-    from reliable_sub.adapters._kafka_publishing import ProducerLink, producer_config_of
+    from reliable_sub.adapters._kafka_options import (
+        check_adapter_options,
+        check_name,
+        seconds,
+        subscription_options,
+    )
+    from reliable_sub.adapters._kafka_publishing import (
+        ProducerLink,
+        producer_config_of,
+        publish_each,
+    )
     from reliable_sub.adapters._kafka_receiving import JOIN_TIMEOUT, Consumers, consumer_config_of
-    from reliable_sub.adapters._kafka_records import KEY, NONE, ORDERINGS
-    from reliable_sub.adapters._kafka_seeking import Seeking, SeekRefusedError
+    from reliable_sub.adapters._kafka_records import KEY
+    from reliable_sub.adapters._kafka_seeking import SeekableKafka, Seeking, SeekRefusedError
     from reliable_sub.adapters._kafka_transactions import (
         StaleDeliveryError,
+        hold,
         output_of,
         transactional_config,
     )
@@ -88,10 +95,6 @@ DEFAULT_ACK_DEADLINE = 30.0
 # (c) of benchmarks/kafka.py drained 9,720 records/s; at 10,000, with librdkafka's prefetch as
 # deep, 45,055 (medians of three alternated runs).
 DEFAULT_BUFFER = 10_000
-# Kafka's legal topic names (and the names this adapter gives groups).
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-REBALANCES = ("cooperative", "eager")
-STARTS = ("latest", "earliest")
 
 CAPABILITIES = Capabilities(
     min_ack_deadline=0.0,
@@ -109,23 +112,9 @@ CAPABILITIES = Capabilities(
 )
 
 
-def check_name(kind: str, name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
-        raise ConfigurationError(
-            f"Kafka {kind} name {name!r} must be 1-249 letters, digits, '.', '_' or '-' (and "
-            "not '.' or '..')")
-    return name
-
-
-def _seconds(where: str, value: object, minimum: float = 0.0) -> float:
-    if (not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
-            or value <= minimum):
-        raise ConfigurationError(f"{where} must be seconds > {minimum:g}, got {value!r}")
-    return float(value)
-
-
-class KafkaAdapter(InstrumentedPublishing):
-    """Consume from and publish to Apache Kafka (see the module's docstring for the mapping).
+class KafkaAdapter(SeekableKafka, InstrumentedPublishing):
+    """Consume from and publish to Apache Kafka (see the module's docstring for the mapping;
+    seek and snapshots: :class:`~reliable_sub.adapters._kafka_seeking.SeekableKafka`).
 
     Args:
         bootstrap: ``host:port[,host:port...]``, the client's ``bootstrap.servers``.
@@ -163,35 +152,18 @@ class KafkaAdapter(InstrumentedPublishing):
                  consumer_config: dict[str, Any] | None = None,
                  producer_config: dict[str, Any] | None = None,
                  transactional_id: str | None = None) -> None:
-        if not isinstance(bootstrap, str) or not bootstrap.strip():
-            raise ConfigurationError(
-                f"KafkaAdapter needs bootstrap servers as 'host:port[,host:port]', got "
-                f"{bootstrap!r}")
-        if rebalance not in REBALANCES:
-            raise ConfigurationError(f"KafkaAdapter.rebalance must be one of {REBALANCES}, got "
-                                     f"{rebalance!r}")
-        for name, count in (("partitions", partitions),
-                            ("replication_factor", replication_factor)):
-            if count is not None and (not isinstance(count, int) or count < 1):
-                raise ConfigurationError(f"KafkaAdapter.{name} must be an int >= 1 or None, "
-                                         f"got {count!r}")
-        if not isinstance(buffer, int) or isinstance(buffer, bool) or buffer < 1:
-            raise ConfigurationError(f"KafkaAdapter.buffer must be an int >= 1, got {buffer!r}")
-        if transactional_id is not None and (not isinstance(transactional_id, str)
-                                             or not transactional_id.strip()):
-            raise ConfigurationError(
-                "KafkaAdapter.transactional_id must be a non-empty str (one per process, stable "
-                f"across its restarts) or None, got {transactional_id!r}")
+        check_adapter_options(bootstrap, rebalance, partitions, replication_factor, buffer,
+                              transactional_id)
         self._transactional_id = transactional_id
         self.bootstrap = bootstrap
         self._prefix = check_name("prefix", prefix)
         self._client_id = client_id
         self._partitions = partitions
         self._replication = replication_factor
-        self._revoke_timeout = _seconds("KafkaAdapter.revoke_timeout", revoke_timeout, -1e-9)
+        self._revoke_timeout = seconds("KafkaAdapter.revoke_timeout", revoke_timeout, -1e-9)
         self._buffer = buffer
-        self._commit_interval = _seconds("KafkaAdapter.commit_interval", commit_interval)
-        self._publish_timeout = _seconds("KafkaAdapter.publish_timeout", publish_timeout)
+        self._commit_interval = seconds("KafkaAdapter.commit_interval", commit_interval)
+        self._publish_timeout = seconds("KafkaAdapter.publish_timeout", publish_timeout)
         base = {"bootstrap.servers": bootstrap, "client.id": client_id,
                 "logger": CLIENT_LOGGER, **(config or {})}
         self._base = base
@@ -252,22 +224,8 @@ class KafkaAdapter(InstrumentedPublishing):
             **options: ``retain_acked_messages`` is accepted for portability (Kafka retains
                 everything for the topic's retention, acked or not).
         """
-        options.pop("retain_acked_messages", None)
-        if options:
-            raise ConfigurationError(
-                f"KafkaAdapter.ensure_subscription got unknown options {sorted(options)}; "
-                "allowed: ack_deadline, ordering, partitions, replication_factor, start, "
-                "topic_config, retain_acked_messages")
-        check_name("topic", topic)
-        check_name("subscription", subscription)
-        deadline = _seconds("ensure_subscription: ack_deadline", ack_deadline)
-        mode = KEY if ordering is True else NONE if ordering is False else ordering
-        if mode not in ORDERINGS:
-            raise ConfigurationError(f"ensure_subscription: ordering must be one of "
-                                     f"{ORDERINGS} or a bool, got {ordering!r}")
-        if start not in STARTS:
-            raise ConfigurationError(f"ensure_subscription: start must be one of {STARTS}, "
-                                     f"got {start!r}")
+        deadline, mode = subscription_options(topic, subscription, ack_deadline, ordering,
+                                              start, options)
         await self._ensure_topic(topic, partitions, replication_factor, topic_config)
         recorded = await self._admin.record_settings(
             subscription, Settings(topic, deadline, mode), self._publish_raw)
@@ -363,25 +321,7 @@ class KafkaAdapter(InstrumentedPublishing):
         """Publish ``messages`` in one go (sent in order, so one key's keep theirs), their
         delivery reports awaited together; returns each one's message id or its error."""
         began = time.perf_counter()
-        link = self._producers.get()
-        pending: list[Any] = []
-        for message in messages:
-            try:
-                payload, checked = checked_message(message.data, message.attributes)
-                await self._known(message.topic)
-                key, headers = outgoing(checked, message.ordering_key)
-                pending.append(await link.queue(message.topic, payload, key, headers))
-            except Exception as error:
-                pending.append(error)
-        results: list[str | Exception] = []
-        for item in pending:
-            if isinstance(item, Exception):
-                results.append(item)
-                continue
-            try:
-                results.append(await asyncio.wrap_future(item))
-            except Exception as error:
-                results.append(error)
+        results = await publish_each(self._producers.get(), messages, self._known)
         self._publishing.sent_many(messages, results, began)
         return results
 
@@ -407,16 +347,8 @@ class KafkaAdapter(InstrumentedPublishing):
         payload, checked = checked_message(data, attributes)
         await self._known(topic)
         key, headers = outgoing(checked, ordering_key)
-        output = output_of(topic, payload, key, headers, self._producer_config)
-        _, partition, offset = message.id.rsplit("/", 2)
-        for consumer in self._consumers.all_of(message.subscription or ""):
-            if consumer.hold_output(int(partition), int(offset), message.delivery_attempt,
-                                    output):
-                return
-        raise StaleDeliveryError(
-            f"message {message.id} (delivery {message.delivery_attempt}) is not held by this "
-            "adapter any more (its lease ended, or its partition went to another member): its "
-            "output is dropped and it runs again")
+        hold(self._consumers.all_of(message.subscription or ""), message,
+             output_of(topic, payload, key, headers, self._producer_config))
 
     def publish_in_transaction_sync(self, message: Message, topic: str, data: Payload,
                                     attributes: dict[str, str] | None = None,
@@ -429,38 +361,6 @@ class KafkaAdapter(InstrumentedPublishing):
                      ordering_key: str | None = None) -> str:
         """Blocking twin of :meth:`publish` (on this adapter's background loop and producer)."""
         return self._run_blocking(self.publish(topic, data, attributes, ordering_key))
-
-    # -- seek and snapshots (the Seekable capability) ---------------------------------------
-
-    async def seek(self, subscription: str, *, to: datetime | None = None,
-                   snapshot: str | None = None) -> None:
-        """Seek ``subscription`` to a time or a snapshot (see
-        :class:`~reliable_sub.ports.Seekable`; deliveries out become stale). The partitions
-        this adapter's consumers own move on their poll threads; the others only while the
-        group has no member (Kafka lets only an owner move a live group's partition).
-
-        Raises:
-            SeekRefusedError: a partition is owned by a consumer outside this adapter.
-        """
-        check_target(to, snapshot)
-        settings = await self._subscription(subscription)
-        targets = await self._seeking.targets(subscription, settings, to, snapshot)
-        await self._seeking.move(subscription, settings, targets,
-                                 self._consumers.all_of(subscription))
-
-    async def create_snapshot(self, subscription: str, name: str) -> Snapshot:
-        """Take a snapshot of ``subscription`` named ``name``: per partition, the offset and
-        what is settled above it (this adapter's consumers' state where they own it, the
-        group's commit otherwise), a record of the topic ``{prefix}-snapshots``."""
-        settings = await self._subscription(subscription)
-        return await self._seeking.create(subscription, settings, name,
-                                          self._consumers.all_of(subscription))
-
-    async def delete_snapshot(self, name: str) -> None:
-        await self._seeking.delete(name)
-
-    async def list_snapshots(self, subscription: str | None = None) -> list[Snapshot]:
-        return await self._seeking.list(subscription)
 
     # -- consuming ---------------------------------------------------------------------------
 

@@ -66,7 +66,6 @@ try:
 
     from reliable_sub.adapters._rabbitmq_consumer import Consumer, held_tags
     from reliable_sub.adapters._rabbitmq_delays import hold_back
-    from reliable_sub.adapters._rabbitmq_errors import quiet_aiormq
     from reliable_sub.adapters._rabbitmq_link import Link, problems_of
     from reliable_sub.adapters._rabbitmq_management import DEFAULT_TIMEOUT, ManagementAPI, Unlisted
     from reliable_sub.adapters._rabbitmq_messages import incoming, outgoing, unreadable
@@ -153,7 +152,6 @@ class RabbitMQAdapter(InstrumentedPublishing):
             management_url, url, self._prefix, management_timeout)
         self._name = name
         self._links: PerLoop[Link] = PerLoop(lambda: Link(url, name))
-        quiet_aiormq()  # its connection failures are ours to report (_rabbitmq_errors)
         self._default_prefetch = prefetch
         self._prefetch: dict[str, int] = {}
         self._background = BackgroundLoop()
