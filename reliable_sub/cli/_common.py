@@ -93,9 +93,31 @@ class Seconds(click.types.FloatParamType):
         return seconds
 
 
+# context meta key of the root: --json was given before the subcommand (reliable-sub --json ...)
+JSON_GIVEN = "reliable_sub.json_given"
+
+
+def _or_given_before(context: click.Context, _param: click.Parameter, value: bool) -> bool:
+    return value or bool(context.find_root().meta.get(JSON_GIVEN, False))
+
+
 def json_option(function: Callable[..., Any]) -> Callable[..., Any]:
-    return click.option("--json", "as_json", is_flag=True,
+    """A command's ``--json``; also on when it was given before the subcommand."""
+    return click.option("--json", "as_json", is_flag=True, callback=_or_given_before,
                         help="Print JSON (for scripts) instead of a table.")(function)
+
+
+def _remember_json(context: click.Context, _param: click.Parameter, value: bool) -> bool:
+    context.meta[JSON_GIVEN] = value
+    return value
+
+
+def group_json_option(function: Callable[..., Any]) -> Callable[..., Any]:
+    """The group's ``--json``: the same as the command's, given before it."""
+    return click.option("--json", is_flag=True, expose_value=False, callback=_remember_json,
+                        is_eager=True,
+                        help="Print JSON (for scripts) instead of a table; the same as after "
+                             "the command.")(function)
 
 
 def print_json(value: Any, *, one_line: bool = False) -> None:
@@ -116,5 +138,5 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
     Console().print(table_of(title, columns, rows))
 
 
-__all__ = ["FAILED", "USAGE", "Seconds", "confirm", "execute", "fail", "json_option",
-           "print_json", "print_table", "run_on_adapter", "table_of", "with_adapter"]
+__all__ = ["FAILED", "USAGE", "Seconds", "confirm", "execute", "fail", "group_json_option",
+           "json_option", "print_json", "print_table", "run_on_adapter", "table_of", "with_adapter"]

@@ -9,10 +9,12 @@ from typing import Any, NoReturn
 
 import click
 
+from ..errors import UnknownSubscriptionError
 from ._common import (
     Seconds,
     confirm,
     execute,
+    group_json_option,
     json_option,
     print_json,
     print_table,
@@ -69,6 +71,8 @@ class CommandGroup(click.Group):
         except (click.exceptions.Exit, click.Abort):
             raise  # --help, --version, ^C: click's to handle
         except Exception as error:
+            if isinstance(error, UnknownSubscriptionError) and isinstance(ctx.obj, Connection):
+                error = UnknownSubscriptionError(f"{error}{ctx.obj.prefix_hint()}")
             stop(error, ctx.meta.get(JSON, False))
 
 
@@ -123,6 +127,7 @@ def broker_options(function: Callable[..., Any]) -> Callable[..., Any]:
               default=DEFAULT_CONNECT_TIMEOUT, show_default=True, metavar="SECONDS",
               type=Seconds(positive=True),
               help="How long the broker, store or database has to answer first.")
+@group_json_option
 @click.version_option(package_name="reliable-sub")
 @click.pass_context
 def cli(context: click.Context, /, **options: Any) -> None:

@@ -81,6 +81,18 @@ class Connection:
                                   else check_url(option, self.settings[name], schemes))
         return _built(broker.option, value, lambda: broker.build(value, prefix, **settings))
 
+    def prefix_hint(self) -> str:
+        """For a name the broker does not know: the key prefix it was looked up under, when
+        the broker has one (the consumers' may differ)."""
+        named = [broker for broker in BROKERS if self.brokers.get(broker.param) is not None]
+        if len(named) != 1 or named[0].prefix is None:
+            return ""
+        broker = named[0]
+        prefix = self.prefixes.get(broker.prefix_param, broker.prefix)
+        variable = f"RELIABLE_SUB_{broker.prefix_param.upper()}"
+        return (f" (looked up under {broker.prefix_option} {prefix!r}: if the consumers use "
+                f"another prefix, give theirs, or set {variable})")
+
     async def reach_adapter(self, adapter: Adapter) -> None:
         """Wait for the broker's first answer (at most --connect-timeout seconds)."""
         broker, value = self.broker()

@@ -101,17 +101,20 @@ async def _show(adapter: Adapter, subscriptions: Sequence[str], dead_letters: st
             if console.is_terminal and not as_json else None)
     with live if live is not None else contextlib.nullcontext():
         readings = 0
-        while True:
-            rows = await read()
-            if live is not None:
-                live.update(table_of(title, *_shown(rows, dead_letters is not None)),
-                            refresh=True)
-            else:
-                show(title, rows, as_json, dead_letters is not None, one_line=True)
-            readings += 1
-            if iterations is not None and readings >= iterations:
-                return
-            await asyncio.sleep(watch)
+        try:
+            while True:
+                rows = await read()
+                if live is not None:
+                    live.update(table_of(title, *_shown(rows, dead_letters is not None)),
+                                refresh=True)
+                else:
+                    show(title, rows, as_json, dead_letters is not None, one_line=True)
+                readings += 1
+                if iterations is not None and readings >= iterations:
+                    return
+                await asyncio.sleep(watch)
+        except asyncio.CancelledError:
+            return  # ^C (asyncio.run cancels the command on SIGINT): the way a watch ends
 
 
 async def figures_of(adapter: Inspectable, subscription: str,
