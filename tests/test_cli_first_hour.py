@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
+from reliable_sub import Message
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
+from reliable_sub.middleware.dead_letter import dead_letter_attributes
 from reliable_sub.testing.services import redis_url
 from tests.redis_processes import Child
 from tests.test_cli_errors import invoke, one_error_line, one_json_error
@@ -24,7 +26,7 @@ def prefix() -> Iterator[str]:
     made = f"cli-fh-{uuid.uuid4().hex[:8]}"
     yield made
     client = Redis.from_url(redis_url())
-    keys = list(client.scan_iter(f"{made}*"))
+    keys = list(client.scan_iter(f"*{made}*"))
     if keys:
         client.delete(*keys)
     client.close()
@@ -49,7 +51,7 @@ def test_a_missing_subscription_names_the_prefix_it_was_looked_up_under(prefix: 
 
 def test_ctrl_c_ends_a_watch_with_exit_0(prefix: str, tmp_path: Path) -> None:
     adapter = RedisStreamsAdapter(redis_url(), key_prefix=prefix)
-    adapter.ensure_subscription_sync("orders", "billing")
+    adapter.ensure_subscription_sync(f"{prefix}-orders", "billing")
     adapter.close_sync()
     script = tmp_path / "cli.py"
     script.write_text("from reliable_sub.cli import main\nmain()\n")
@@ -64,3 +66,20 @@ def test_ctrl_c_ends_a_watch_with_exit_0(prefix: str, tmp_path: Path) -> None:
             assert "Aborted" not in child.output and "Traceback" not in child.output
         finally:
             child.kill()
+
+
+def test_dlq_list_shows_the_first_line_of_a_long_error(prefix: str) -> None:
+    """At 80 columns a chained, multi-line error wrapped into ~35 rows per letter."""
+    adapter = RedisStreamsAdapter(redis_url(), key_prefix=prefix)
+    adapter.ensure_subscription_sync(f"{prefix}-orders-dlq", "orders-dlq-sub")
+    original = Message.received("1-0", b"{}", {}, 3, None, None, "billing")
+    error = ValueError("no stock for sku-7\n" + "\n".join(f"  detail line {n}" for n in range(40)))
+    adapter.publish_sync(f"{prefix}-orders-dlq", b"{}",
+                         dead_letter_attributes(original, 3, error))
+    adapter.close_sync()
+    listed = invoke("--redis-url", redis_url(), "--redis-prefix", prefix, "dlq", "list",
+                    "orders-dlq-sub", env={"COLUMNS": "80"})
+    assert listed.exit_code == 0, listed.output
+    assert "no stock for" in listed.stdout and "(more:" in listed.stdout, listed.stdout
+    assert "detail line" not in listed.stdout
+    assert len(listed.stdout.splitlines()) <= 12, listed.stdout

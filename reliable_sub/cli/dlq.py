@@ -66,8 +66,15 @@ async def list_(adapter: Adapter, subscription: str, limit: int, wait: float,
     print_table(f"{len(letters)} dead letters in {subscription}",
                 ["id", "published", "from", "failures", "error"],
                 [(letter.id, letter.published, letter.original_subscription,
-                  letter.handler_failures, f"{letter.error_type}: {letter.error_message}")
+                  letter.handler_failures, _first_line(letter.error_type, letter.error_message))
                  for letter in letters])
+
+
+def _first_line(error_type: str | None, message: str | None) -> str:
+    """The error as one table cell: its first line (``dlq show`` has all of it)."""
+    lines = (message or "").strip().splitlines()
+    more = " (more: dlq show)" if len(lines) > 1 else ""
+    return f"{error_type}: {lines[0] if lines else ''}{more}"
 
 
 @dlq.command()
