@@ -150,6 +150,12 @@ class ManagementAPI:
                            "figures are unknown until it does", self.shown, why)
         self._failing = why
 
+    @property
+    def failing(self) -> str | None:
+        """Why the last reading failed (None: it answered)."""
+        return None if self._failing is None else (
+            f"the RabbitMQ management API at {self.shown} did not answer ({self._failing})")
+
     def warn_unlisted(self, queue: str) -> None:
         """The API answered without ``queue``, which AMQP finds: another broker's API?"""
         if queue in self._unlisted:

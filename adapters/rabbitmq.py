@@ -293,9 +293,9 @@ class RabbitMQAdapter(InstrumentedPublishing):
 
     async def subscription_stats(self, subscription: str) -> SubscriptionStats:
         """The ack deadline; the backlog and what is in flight from the management API
-        (``management_url``), else unknown: AMQP tells a queue's *ready* messages only, and a
-        consumer's prefetch makes most of a backlog unacked rather than ready. The oldest
-        message's age is unknown (the API does not tell it for quorum queues)."""
+        (``management_url``), else unknown (``unknown_because`` says why when the API failed):
+        AMQP tells a queue's *ready* messages only, and a consumer's prefetch makes most of a
+        backlog unacked rather than ready. The oldest age is unknown (quorum queues)."""
         deadline = (await self._subscription(subscription)).ack_deadline
         management, unlisted = self._management, False
         if management is not None:
@@ -309,7 +309,8 @@ class RabbitMQAdapter(InstrumentedPublishing):
         await self._topology.check_queue(subscription)  # its ready count alone: no backlog
         if management is not None and unlisted:
             management.warn_unlisted(subscription)
-        return SubscriptionStats(None, None, None, deadline)
+        why = None if management is None or unlisted else management.failing  # None: no API
+        return SubscriptionStats(None, None, None, deadline, unknown_because=why)
 
     # -- publishing ------------------------------------------------------------------------
 
@@ -328,8 +329,7 @@ class RabbitMQAdapter(InstrumentedPublishing):
             payload, checked = checked_message(data, attributes)
             return await self._publish(topic, outgoing(payload, checked, None), routed=True)
 
-    async def _publish(self, topic: str, message: aio_pika.Message,
-                       routed: bool = False) -> str:
+    async def _publish(self, topic: str, message: aio_pika.Message, routed: bool = False) -> str:
         check_name("topic", topic)
         link = self._links.get()
         if topic not in link.topics:  # checked on a channel of its own: a NOT_FOUND closes it

@@ -4,6 +4,7 @@ with Ctrl-C as the normal end of a watch: exit 0, no "Aborted!"."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import uuid
@@ -16,6 +17,7 @@ from redis import Redis
 from reliable_sub import Message
 from reliable_sub.adapters.redis_streams import RedisStreamsAdapter
 from reliable_sub.middleware.dead_letter import dead_letter_attributes
+from reliable_sub.testing.cleanup import delete_rabbitmq_names
 from reliable_sub.testing.services import redis_url
 from tests.redis_processes import Child
 from tests.test_cli_errors import invoke, one_error_line, one_json_error
@@ -83,3 +85,29 @@ def test_dlq_list_shows_the_first_line_of_a_long_error(prefix: str) -> None:
     assert "no stock for" in listed.stdout and "(more:" in listed.stdout, listed.stdout
     assert "detail line" not in listed.stdout
     assert len(listed.stdout.splitlines()) <= 12, listed.stdout
+
+
+def test_stats_with_a_management_api_that_does_not_answer_says_so_and_exits_1() -> None:
+    """It printed every column "unknown" and exited 0, the reason only in a log the command
+    keeps off stderr."""
+    from reliable_sub.adapters.rabbitmq import RabbitMQAdapter
+    from reliable_sub.testing.services import free_port, rabbitmq_url
+
+    prefix = f"cli-fh-{uuid.uuid4().hex[:8]}"
+    adapter = RabbitMQAdapter(rabbitmq_url(), prefix=prefix)
+    adapter.ensure_subscription_sync(f"{prefix}-orders", f"{prefix}-billing")
+    try:
+        port = free_port()
+        result = invoke("--amqp-url", rabbitmq_url(), "--amqp-prefix", prefix,
+                        "--amqp-management-url", f"http://guest:guest@127.0.0.1:{port}/",
+                        "stats", f"{prefix}-billing")
+        assert result.exit_code == 1, (result.stdout, result.stderr)
+        assert "unknown" in result.stdout
+        [line] = result.stderr.splitlines()
+        assert line == (f"error: figures unknown for '{prefix}-billing': the RabbitMQ "
+                        f"management API at http://127.0.0.1:{port}/ did not answer "
+                        "([Errno 111] Connection refused)")
+    finally:
+        adapter.close_sync()
+        asyncio.run(delete_rabbitmq_names(rabbitmq_url(), prefix,
+                                          [f"{prefix}-orders", f"{prefix}-billing"]))

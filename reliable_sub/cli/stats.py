@@ -14,6 +14,7 @@ from rich.live import Live
 
 from ..ports import Adapter, Inspectable
 from ._common import (
+    FAILED,
     USAGE,
     Seconds,
     fail,
@@ -94,7 +95,12 @@ async def _show(adapter: Adapter, subscriptions: Sequence[str], dead_letters: st
         return [await figures_of(adapter, s, waiting) for s in subscriptions]
 
     if watch is None:
-        show(title, await read(), as_json, dead_letters is not None)
+        rows = await read()
+        show(title, rows, as_json, dead_letters is not None)
+        failed = [f"{row['subscription']!r}: {row['unknown_because']}" for row in rows
+                  if "unknown_because" in row]
+        if failed:
+            fail(FAILED, f"figures unknown for {'; '.join(failed)}")
         return
     console = Console()
     live = (Live(console=console, auto_refresh=False)
@@ -129,6 +135,8 @@ async def figures_of(adapter: Inspectable, subscription: str,
     }
     if figures.approximate:  # only where the broker says so (SQS): others' rows are as ever
         row["approximate"] = True
+    if figures.unknown_because is not None:  # a source that failed: the command did only part
+        row["unknown_because"] = figures.unknown_because
     return row
 
 

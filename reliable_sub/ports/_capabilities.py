@@ -149,6 +149,9 @@ class SubscriptionStats:
         approximate: ``backlog`` and ``in_flight`` are the broker's estimates, not exact
             counts (SQS's ``ApproximateNumberOf...`` figures, which AWS computes from a sample
             of its servers and may trail what happened by a minute).
+        unknown_because: why figures the adapter would give are unknown this time (a source
+            that did not answer), None when nothing failed: a figure the broker never gives
+            is unknown without a reason.
     """
 
     backlog: int | None
@@ -156,6 +159,7 @@ class SubscriptionStats:
     oldest_unacked_age: float | None
     ack_deadline: float | None
     approximate: bool = False
+    unknown_because: str | None = None
 
 
 @runtime_checkable
