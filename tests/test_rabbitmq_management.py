@@ -260,9 +260,14 @@ async def test_a_management_api_that_is_down_leaves_the_figures_unknown_and_cons
                       what="five handled")
     for _ in range(3):
         began = time.monotonic()
-        assert await adapter.subscription_stats(queue) == SubscriptionStats(
-            None, None, None, 10.0)
+        figures = await adapter.subscription_stats(queue)
         assert time.monotonic() - began < TIMEOUT, "a refusal is known at once"
+        assert figures == SubscriptionStats(None, None, None, 10.0,
+                                            unknown_because=figures.unknown_because)
+        assert figures.unknown_because is not None, "the reason comes with the unknowns"
+        assert "did not answer" in figures.unknown_because
+        assert "Connection refused" in figures.unknown_because
+        assert "guest" not in figures.unknown_because, "no credentials in it"
     assert [gauge(recorded, name, queue) for name in (BACKLOG, UNACKED, OLDEST)] == [
         None, None, None]
     [warned] = warnings_of(caplog)
@@ -294,9 +299,11 @@ async def test_a_hung_management_api_costs_a_reading_its_timeout_then_it_recover
         await drive_until(SystemClock(), lambda: sub.stats[Outcome.ACKED] == 3, WITHIN,
                           what="three handled while the API hangs")
         began = time.monotonic()
-        assert await adapter.subscription_stats(queue) == SubscriptionStats(
-            None, None, None, 10.0)
+        figures = await adapter.subscription_stats(queue)
         took = time.monotonic() - began
+        assert (figures.backlog, figures.in_flight, figures.ack_deadline) == (None, None, 10.0)
+        assert figures.unknown_because is not None
+        assert "no answer within the management timeout" in figures.unknown_because
         assert TIMEOUT <= took < TIMEOUT + 1.0, took
         [warned] = warnings_of(caplog)
         assert "no answer within the management timeout" in warned
