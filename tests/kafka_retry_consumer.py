@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
-import time
 from typing import Any
 
 import redis.asyncio as aioredis
+from child_run import run_announcing_ready  # this script's folder: tests/
 
 from reliable_sub import DeadLetterPolicy, Message, RetryPolicy, Subscriber
 from reliable_sub.adapters.kafka import KafkaAdapter
@@ -47,16 +46,7 @@ def build() -> Subscriber:
 
 
 def main() -> None:
-    sub = build()
-
-    def announce() -> None:
-        give_up = time.monotonic() + 60
-        while not sub.running and time.monotonic() < give_up:
-            time.sleep(0.01)
-        print("READY" if sub.running else "NOT STARTED", flush=True)
-
-    threading.Thread(target=announce, daemon=True).start()
-    sub.run()
+    run_announcing_ready(build())
 
 
 if __name__ == "__main__":
